@@ -1,0 +1,479 @@
+"""The batched sampler: one token per logits row, with its logprob, rank and top alternatives.
+
+Owner: sampling. The engine hands the sampler the model's logits `[B, V]` and one
+`SamplingRow` per logits row; the sampler returns the chosen token ids and their logprobs.
+
+Pipeline, per row (each stage is one batched tensor op over the rows that need it):
+1. repetition penalty (prompt + output tokens), then frequency/presence penalties (output
+   tokens), then logit_bias, then min_tokens masking (EOS and stop_token_ids at -inf while
+   fewer than `min_tokens` tokens were generated) — for greedy rows too;
+2. greedy rows (temperature < 1e-5): argmax of the processed logits (ties: lowest id);
+3. other rows: divide by temperature, top-k, softmax, min-p, top-p, then an exponential-race
+   draw `argmax(probs / E)` with `E ~ Exponential(1)` per token, which picks token i with
+   probability `probs[i] / sum(probs)`.
+
+Invariants:
+- Logprobs, ranks and top alternatives describe the model's RAW distribution:
+  `log_softmax(logits.float())` before any penalty, bias, mask, temperature or filter
+  (vLLM's default "raw_logprobs"), so they compare directly with transformers' logits.
+  The rank is 1 + the number of tokens with a strictly larger raw logit.
+- A seeded row's draw depends only on (its seed, `len(output_token_ids)`, its own logits): its
+  noise comes from a generator re-seeded with `mix_seed(seed, step)` for that row alone, so a
+  seeded request repeats exactly across runs, batch sizes, batch positions and neighbours, and
+  continues reproducibly after preemption. (On a GPU, "exactly" holds up to the floating-point
+  reductions of softmax/cumsum, which do not depend on the batch in practice; noise streams of
+  CPU and CUDA generators differ, so a seed reproduces per device type.) Unseeded rows draw
+  from one generator per device owned by the `Sampler` (seeded from its constructor's seed).
+- A row with no samplable token (every processed logit -inf or NaN, e.g. a model that produced
+  NaN, or masks that remove every token) never fails the batch: its token falls back to the
+  argmax of its raw logits (NaN read as -inf; token 0 if none is finite) and its index is
+  reported in `SamplerOutput.unsamplable_rows`, for the engine to end that request with an
+  error. Other NaN / +inf logits are read as -inf / the largest float.
+- The caller's logits tensor is never written.
+- `sample()` issues no host<->device synchronisation: host data (parameters, token ids) goes
+  to the device through pinned memory, non-blocking; `SampledBatch.to_host()` is the single
+  synchronising copy (one packed tensor).
+- A `Sampler` is used by one thread (the engine loop); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from metrale.errors import MetraleError
+from metrale.sampling.logits_processors import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_min_p,
+    apply_repetition_penalty,
+    apply_top_k,
+    apply_top_p,
+    mask_tokens,
+    token_counts,
+)
+from metrale.sampling.params import SamplingParams, mix_seed
+
+__all__ = [
+    "SampledBatch",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingRow",
+    "gather_logprobs",
+    "row_noise_seed",
+]
+
+_NEG_INF = float("-inf")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about the sequence behind one logits row."""
+
+    params: SamplingParams
+    #: Tokens generated so far (frequency/presence penalties, min_tokens, the seeded step).
+    output_token_ids: Sequence[int] = ()
+    #: The prompt; the repetition penalty looks at prompt + output (as HF and vLLM do).
+    prompt_token_ids: Sequence[int] = ()
+    #: The effective seed of this row (the engine derives it per choice with
+    #: `derive_choice_seed`); None falls back to `params.seed`, None there too: unseeded.
+    seed: int | None = None
+    #: The model's EOS ids: masked, with `params.stop_token_ids`, until min_tokens is reached
+    #: (whatever `ignore_eos` says: that only decides whether EOS finishes the sequence).
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def effective_seed(self) -> int | None:
+        return self.seed if self.seed is not None else self.params.seed
+
+    @property
+    def step(self) -> int:
+        """Index of the token being sampled within the output (the seeded draw's counter)."""
+        return len(self.output_token_ids)
+
+
+@dataclass
+class SamplerOutput:
+    """Host-side result of one sampler call; lists are indexed like the logits rows."""
+
+    token_ids: list[int]
+    #: Raw logprob of the chosen token.
+    logprobs: list[float]
+    #: 1-based rank of the chosen token under the raw logits.
+    ranks: list[int]
+    #: Per row, best first, `params.logprobs` (token id, raw logprob) pairs; an empty list for
+    #: rows that asked for none. None when no row of the batch asked for alternatives.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    #: Rows that had no samplable token; their token is a fallback (see the module docstring).
+    unsamplable_rows: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SampledBatch:
+    """Device-side result of `Sampler.sample`; `to_host()` copies it back in one transfer."""
+
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] float32
+    ranks: Tensor  # [B] int64
+    samplable: Tensor  # [B] bool
+    top_token_ids: Tensor | None  # [B, K] int64, K = the batch's largest params.logprobs
+    top_logprobs: Tensor | None  # [B, K] float32
+    #: Per row, how many of the K alternatives it asked for.
+    top_counts: list[int]
+
+    def to_host(self) -> SamplerOutput:
+        columns = [
+            self.token_ids.unsqueeze(1),
+            self.logprobs.unsqueeze(1),
+            self.ranks.unsqueeze(1),
+            self.samplable.unsqueeze(1),
+        ]
+        if self.top_token_ids is not None and self.top_logprobs is not None:
+            columns += [self.top_token_ids, self.top_logprobs]
+        # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy, one sync.
+        packed = torch.cat([c.to(torch.float64) for c in columns], dim=1).cpu().tolist()
+        width = 0 if self.top_token_ids is None else self.top_token_ids.shape[1]
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        ranks: list[int] = []
+        unsamplable: list[int] = []
+        tops: list[list[tuple[int, float]]] = []
+        for i, values in enumerate(packed):
+            token_ids.append(int(values[0]))
+            logprobs.append(values[1])
+            ranks.append(int(values[2]))
+            if not values[3]:
+                unsamplable.append(i)
+            if width:
+                count = self.top_counts[i]
+                ids = values[4 : 4 + count]
+                lps = values[4 + width : 4 + width + count]
+                tops.append([(int(t), lp) for t, lp in zip(ids, lps)])
+        return SamplerOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            ranks=ranks,
+            top_logprobs=tops if width else None,
+            unsamplable_rows=unsamplable,
+        )
+
+
+def row_noise_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded row's draw number `step` (pure function of both)."""
+    return mix_seed(seed, step)
+
+
+def _sanitize(x: Tensor) -> Tensor:
+    """NaN -> -inf (not samplable), +inf -> the largest float (the most likely token)."""
+    return torch.nan_to_num(x, nan=_NEG_INF, posinf=_FLOAT32_MAX, neginf=_NEG_INF)
+
+
+def gather_logprobs(
+    logits: Tensor, token_ids: Tensor, num_top: int
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Raw logprobs of `token_ids` under `logits` `[N, V]`, their ranks, and the top alternatives.
+
+    Returns `(logprobs [N], ranks [N] (1-based), top_ids [N, num_top], top_logprobs [N,
+    num_top])` (the last two None when `num_top == 0`), all from `log_softmax(logits.float())`.
+    NaN logits count as -inf; a row without any finite logit gets -inf logprobs. Used for the
+    sampled tokens and, by the engine, for prompt logprobs.
+    """
+    return _gather_logprobs(_sanitize(logits.float()), token_ids, num_top)
+
+
+def _gather_logprobs(
+    raw: Tensor, token_ids: Tensor, num_top: int
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """`gather_logprobs` over logits already in float32 and sanitized."""
+    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    chosen = raw.gather(1, token_ids.to(torch.int64).unsqueeze(1))
+    logprobs = (chosen - lse).squeeze(1)
+    logprobs = torch.where(torch.isnan(logprobs), _NEG_INF, logprobs)
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    if num_top <= 0:
+        return logprobs, ranks, None, None
+    top_values, top_ids = raw.topk(min(num_top, raw.shape[-1]), dim=-1, sorted=True)
+    top_logprobs = top_values - lse
+    top_logprobs = torch.where(torch.isnan(top_logprobs), _NEG_INF, top_logprobs)
+    return logprobs, ranks, top_ids, top_logprobs
+
+
+class Sampler:
+    """Samples one token per logits row; see the module docstring for the pipeline."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        #: Seed of the shared generator of unseeded rows; None: seeded from OS entropy.
+        self._seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    # ---------------------------------------------------------------------------------------
+    # Generators
+    # ---------------------------------------------------------------------------------------
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._shared_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(mix_seed(self._seed))
+            self._shared_generators[device] = generator
+        return generator
+
+    def _row_generator(self, device: torch.device, seed: int, step: int) -> torch.Generator:
+        # One generator per device, re-seeded for every seeded row: a CUDA kernel reads the
+        # generator's seed and offset at launch, so re-seeding it afterwards is safe.
+        generator = self._row_generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            self._row_generators[device] = generator
+        generator.manual_seed(row_noise_seed(seed, step))
+        return generator
+
+    # ---------------------------------------------------------------------------------------
+    # Sampling
+    # ---------------------------------------------------------------------------------------
+
+    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SampledBatch:
+        """Sample every row without synchronising with the device."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise MetraleError(
+                f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
+            )
+        batch, vocab = logits.shape
+        device = logits.device
+        top_counts = [row.params.logprobs or 0 for row in rows]
+        max_top = min(max(top_counts, default=0), vocab)
+        if batch == 0:
+            empty_long = torch.empty(0, dtype=torch.int64, device=device)
+            return SampledBatch(
+                token_ids=empty_long,
+                logprobs=torch.empty(0, dtype=torch.float32, device=device),
+                ranks=empty_long,
+                samplable=torch.empty(0, dtype=torch.bool, device=device),
+                top_token_ids=None,
+                top_logprobs=None,
+                top_counts=[],
+            )
+
+        raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
+        x = self._process_logits(raw, rows)
+
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not sampled:
+            token_ids, samplable = _greedy(x)
+        elif not greedy:
+            token_ids, samplable = self._draw(x, rows)
+        else:
+            token_ids = torch.empty(batch, dtype=torch.int64, device=device)
+            samplable = torch.empty(batch, dtype=torch.bool, device=device)
+            greedy_index = _to_device(greedy, torch.int64, device)
+            sampled_index = _to_device(sampled, torch.int64, device)
+            greedy_ids, greedy_ok = _greedy(x.index_select(0, greedy_index))
+            drawn_ids, drawn_ok = self._draw(
+                x.index_select(0, sampled_index), [rows[i] for i in sampled]
+            )
+            token_ids.index_copy_(0, greedy_index, greedy_ids)
+            token_ids.index_copy_(0, sampled_index, drawn_ids)
+            samplable.index_copy_(0, greedy_index, greedy_ok)
+            samplable.index_copy_(0, sampled_index, drawn_ok)
+
+        raw = _sanitize(raw)
+        token_ids = torch.where(samplable, token_ids, raw.argmax(dim=-1))
+        logprobs, ranks, top_ids, top_logprobs = _gather_logprobs(raw, token_ids, max_top)
+        return SampledBatch(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            ranks=ranks,
+            samplable=samplable,
+            top_token_ids=top_ids,
+            top_logprobs=top_logprobs,
+            top_counts=[min(count, max_top) for count in top_counts],
+        )
+
+    def _process_logits(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """Penalties, logit bias and min_tokens masks (stage 1), for every row."""
+        vocab = x.shape[1]
+        device = x.device
+        penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+        if penalised:
+            x = _apply_to_rows(
+                x, penalised, lambda sub: _apply_penalties(sub, [rows[i] for i in penalised])
+            )
+
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, row in enumerate(rows):
+            params = row.params
+            if params.logit_bias:
+                for token, bias in params.logit_bias.items():
+                    if 0 <= token < vocab:
+                        bias_rows.append(i)
+                        bias_tokens.append(token)
+                        bias_values.append(bias)
+            if len(row.output_token_ids) < params.min_tokens:
+                banned = set(row.eos_token_ids)
+                banned.update(params.stop_token_ids)
+                for token in sorted(banned):
+                    if 0 <= token < vocab:
+                        mask_rows.append(i)
+                        mask_ids.append(token)
+        if bias_rows:
+            x = apply_logit_bias(
+                x,
+                _to_device(bias_rows, torch.int64, device),
+                _to_device(bias_tokens, torch.int64, device),
+                _to_device(bias_values, torch.float32, device),
+            )
+        if mask_rows:
+            x = mask_tokens(
+                x,
+                _to_device(mask_rows, torch.int64, device),
+                _to_device(mask_ids, torch.int64, device),
+            )
+        return x
+
+    def _draw(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
+        """Temperature, top-k, min-p, top-p and the random draw for non-greedy rows."""
+        vocab = x.shape[1]
+        device = x.device
+        temperatures = [row.params.temperature for row in rows]
+        if any(t != 1.0 for t in temperatures):
+            x = x / _to_device(temperatures, torch.float32, device).unsqueeze(1)
+        x = _sanitize(x)
+
+        top_k_rows = [j for j, row in enumerate(rows) if 0 < row.params.top_k < vocab]
+        max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
+        if top_k_rows:
+            ks = _to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
+            x = _apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
+
+        probs = torch.softmax(x, dim=-1)
+        # A row with no finite logit softmaxes to NaN everywhere; any finite logit gives none.
+        samplable = ~torch.isnan(probs[:, 0])
+
+        min_p_rows = [j for j, row in enumerate(rows) if row.params.min_p_enabled]
+        if min_p_rows:
+            min_ps = _to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
+            probs = _apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
+
+        top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
+        if top_p_rows:
+            top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
+            # Rows whose top-k already ran hold at most k candidates: sort only those.
+            candidates = None
+            if all(0 < rows[j].params.top_k < vocab for j in top_p_rows):
+                candidates = max(rows[j].params.top_k for j in top_p_rows)
+            probs = _apply_to_rows(
+                probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
+            )
+
+        noise = self._exponential_noise(probs, rows)
+        token_ids = (probs / noise).argmax(dim=-1)
+        return token_ids, samplable
+
+    def _exponential_noise(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+        """`Exponential(1)` noise shaped like `probs`; seeded rows get their own stream."""
+        count, vocab = probs.shape
+        device = probs.device
+        seeded_rows: list[tuple[int, int, int]] = []
+        for j, row in enumerate(rows):
+            seed = row.effective_seed
+            if seed is not None:
+                seeded_rows.append((j, seed, row.step))
+        noise = torch.empty_like(probs)
+        if len(seeded_rows) < count:
+            noise.exponential_(generator=self._shared_generator(device))
+        for j, seed, step in seeded_rows:
+            generator = self._row_generator(device, seed, step)
+            # A fresh [V] tensor, so the stream never depends on the row's place in the batch.
+            row_noise = torch.empty(vocab, dtype=probs.dtype, device=device)
+            noise[j].copy_(row_noise.exponential_(generator=generator))
+        # Exponential draws can be 0 in float32; 0 would turn a masked (0) prob into NaN.
+        return noise.clamp_(min=_FLOAT32_TINY)
+
+
+# -------------------------------------------------------------------------------------------
+# Helpers
+# -------------------------------------------------------------------------------------------
+
+
+def _greedy(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Argmax (ties: lowest id) and whether the row had a finite logit."""
+    values, token_ids = _sanitize(x).max(dim=-1)
+    return token_ids, values > _NEG_INF
+
+
+def _to_device(
+    values: Sequence[int] | Sequence[float] | Tensor, dtype: torch.dtype, device: torch.device
+) -> Tensor:
+    """Host values (a list or a CPU tensor) on `device` without a sync (pinned, non-blocking)."""
+    if isinstance(values, Tensor):
+        host = values.to(dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+    elif device.type == "cuda":
+        host = torch.tensor(values, dtype=dtype, pin_memory=True)
+    else:
+        return torch.tensor(values, dtype=dtype, device=device)
+    return host.to(device, non_blocking=True)
+
+
+def _apply_to_rows(x: Tensor, rows: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """`fn` applied to the rows `rows` (sorted, unique) of `x`; other rows unchanged."""
+    if len(rows) == x.shape[0]:
+        return fn(x)
+    index = _to_device(list(rows), torch.int64, x.device)
+    return x.index_copy(0, index, fn(x.index_select(0, index)))
+
+
+def _flatten_ids(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """`(row_ids, token_ids)`: every token of every sequence, flat, as device tensors."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    row_ids = torch.repeat_interleave(torch.arange(len(sequences), dtype=torch.int64), lengths)
+    token_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.int64)
+    return _to_device(row_ids, torch.int64, device), _to_device(token_ids, torch.int64, device)
+
+
+def _apply_penalties(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Repetition then frequency/presence penalties on `x` (one row per entry of `rows`)."""
+    count, vocab = x.shape
+    device = x.device
+    row_ids, token_ids = _flatten_ids([row.output_token_ids for row in rows], device)
+    output_counts = token_counts(row_ids, token_ids, count, vocab, x.dtype)
+
+    repetition = [row.params.repetition_penalty for row in rows]
+    if any(p != 1.0 for p in repetition):
+        prompts = [
+            row.prompt_token_ids if row.params.repetition_penalty != 1.0 else () for row in rows
+        ]
+        prompt_rows, prompt_tokens = _flatten_ids(prompts, device)
+        prompt_counts = token_counts(prompt_rows, prompt_tokens, count, vocab, x.dtype)
+        seen = (output_counts > 0) | (prompt_counts > 0)
+        x = apply_repetition_penalty(x, seen, _to_device(repetition, torch.float32, device))
+
+    frequency = [row.params.frequency_penalty for row in rows]
+    presence = [row.params.presence_penalty for row in rows]
+    if any(frequency) or any(presence):
+        x = apply_frequency_presence(
+            x,
+            output_counts,
+            _to_device(frequency, torch.float32, device),
+            _to_device(presence, torch.float32, device),
+        )
+    return x
