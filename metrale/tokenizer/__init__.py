@@ -10,6 +10,8 @@ Invariants:
 """
 
 from metrale.tokenizer.chat_template import ChatTemplateRenderer
+from metrale.tokenizer.detokenizer import IncrementalDetokenizer
+from metrale.tokenizer.stop import StopStringMatcher
 from metrale.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["ChatTemplateRenderer", "Tokenizer"]
+__all__ = ["ChatTemplateRenderer", "IncrementalDetokenizer", "StopStringMatcher", "Tokenizer"]
