@@ -1,0 +1,49 @@
+"""Hot ops chosen by device: the torch references on the CPU, Triton kernels on CUDA where a
+kernel exists and pays.
+
+Owner: kernels. Layers receive a `KernelOps` at construction and call through it; nothing
+here is global or mutable after selection.
+
+Invariants:
+- Every op in a `KernelOps` computes the same function as its entry in `reference`; each
+  Triton kernel has a test against that reference.
+- `kernels_for` logs which implementation each op got, so a slower path is never silent.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from metrale.kernels import reference
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    rms_norm: Callable = reference.rms_norm
+    add_rms_norm: Callable = reference.add_rms_norm
+    silu_and_mul: Callable = reference.silu_and_mul
+    write_kv: Callable = reference.write_kv
+    paged_attention: Callable = reference.paged_attention
+    #: op name -> "torch" | "triton", for logs, metrics and benchmark records.
+    implementations: dict[str, str] = field(default_factory=dict)
+
+
+def kernels_for(device: torch.device, use_triton: bool = True) -> KernelOps:
+    """The op set for a device. CUDA gets Triton kernels when they are importable."""
+    if device.type == "cuda" and use_triton:
+        try:
+            from metrale.kernels.triton_ops import triton_kernel_ops
+        except ImportError as exc:  # pragma: no cover - depends on the machine
+            logger.warning("Triton kernels unavailable (%s); using torch reference ops", exc)
+        else:
+            ops = triton_kernel_ops()
+            logger.info("kernels: %s", ops.implementations)
+            return ops
+    names = ("rms_norm", "add_rms_norm", "silu_and_mul", "write_kv", "paged_attention")
+    return KernelOps(implementations=dict.fromkeys(names, "torch"))

@@ -367,6 +367,21 @@ class ModelLifecycle(ABC):
     def num_total_blocks(self) -> int:
         return 0
 
+    def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
+        """Tokens of `tokens` a prefix-cache lookup would reuse, without taking refs.
+
+        A metrale extension of the seed's chunk-0 lookup, split in two so admission can count
+        blocks before committing. Never all of `tokens`: the last one is always recomputed.
+        """
+        return 0
+
+    def lookup_prefix(self, seq: SequenceState, tokens: Sequence[int]) -> int:
+        """The chunk-0 prefix lookup: take refs on the matched blocks, put them in
+        `seq.block_table`, advance `seq.seq_len` past the reused tokens and return how many
+        tokens were reused (`seq.reused_prefix_tokens`). Replayed, not repeated, when
+        `seq.prefix_lookup_applied` is set."""
+        return 0
+
     def reclaim_prefix_blocks(self, n: int) -> int:
         """Evict up to `n` prefix-cache blocks; returns how many were freed (0: none)."""
         return 0
@@ -392,7 +407,9 @@ class ModelForward(ModelStreams, ABC):
 
     def prefill(self, tokens: Sequence[int], seq: SequenceState, stream: Stream = None) -> Tensor:
         """Whole prompt in one pass; returns the last position's `[1, vocab]` logits."""
-        logits = self.prefill_chunk(tokens, seq, seq.seq_len, len(tokens) - seq.seq_len, True, stream)
+        logits = self.prefill_chunk(
+            tokens, seq, seq.seq_len, len(tokens) - seq.seq_len, True, stream
+        )
         assert logits is not None
         return logits
 
@@ -428,7 +445,9 @@ class ModelForward(ModelStreams, ABC):
         is_last: bool,
         stream: Stream = None,
     ) -> MixedForwardResult:
-        decode_logits = self.decode_batch(decode_tokens, decode_seqs, stream) if decode_seqs else None
+        decode_logits = (
+            self.decode_batch(decode_tokens, decode_seqs, stream) if decode_seqs else None
+        )
         prefill_logits = self.prefill_chunk(
             prefill_tokens, prefill_seq, chunk_start, chunk_len, is_last, stream
         )
@@ -456,7 +475,9 @@ class ModelForward(ModelStreams, ABC):
         prefill_streams: Sequence[PrefillSlice],
         stream: Stream = None,
     ) -> MixedBatchResult:
-        decode_logits = self.decode_batch(decode_tokens, decode_seqs, stream) if decode_seqs else None
+        decode_logits = (
+            self.decode_batch(decode_tokens, decode_seqs, stream) if decode_seqs else None
+        )
         self.synchronize(self.default_stream())
         prefill_logits = self.prefill_batch_chunk_rows(prefill_streams, stream, len(decode_seqs))
         return MixedBatchResult(decode_logits, list(prefill_logits))
@@ -720,13 +741,17 @@ class ModelDraft:
     def dflash_eagle_accept_append(self, seq: SequenceState) -> None:
         raise _unsupported("DFlash drafting")
 
-    def dflash_eagle_kgamma_append(self, seq: SequenceState, num_accepted: int, base_pos: int) -> None:
+    def dflash_eagle_kgamma_append(
+        self, seq: SequenceState, num_accepted: int, base_pos: int
+    ) -> None:
         raise _unsupported("DFlash drafting")
 
     def dflash_serial_ctx_append(self, seq: SequenceState) -> None:
         raise _unsupported("DFlash drafting")
 
-    def commit_ctx(self, seq: SequenceState, num_committed: int, base_pos: int, scratch_row: int) -> None:
+    def commit_ctx(
+        self, seq: SequenceState, num_committed: int, base_pos: int, scratch_row: int
+    ) -> None:
         raise _unsupported("DFlash drafting")
 
     def dflash_capture_band(self) -> int:
@@ -751,7 +776,9 @@ class ModelDraft:
     def read_deferred_draft_token(self) -> int | None:
         return None
 
-    def trim_proposer_state(self, seq: SequenceState, num_accepted: int, stream: Stream = None) -> None:
+    def trim_proposer_state(
+        self, seq: SequenceState, num_accepted: int, stream: Stream = None
+    ) -> None:
         return None
 
 

@@ -1,0 +1,65 @@
+"""Paged KV tensors: per attention layer one K and one V tensor of
+`[num_blocks, block_size, kv_heads, head_dim]`.
+
+Owner: cache. The model engine writes and reads them through the kernels; the block pool
+decides which blocks a sequence owns.
+
+Invariants:
+- Shapes and dtype are fixed at construction; nothing reallocates them while serving.
+- Block 0 (the null block) exists in every layer and may hold garbage: nothing reads it
+  except padded rows, whose outputs are discarded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (
+                torch.zeros(shape, dtype=dtype, device=device),
+                torch.zeros(shape, dtype=dtype, device=device),
+            )
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the given blocks of every layer, on the host (for swap-out)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
+        return [
+            (k.index_select(0, idx).cpu(), v.index_select(0, idx).cpu()) for k, v in self.layers
+        ]
+
+    def write_blocks(
+        self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Inverse of `read_blocks` (for swap-in)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
+        for (k, v), (hk, hv) in zip(self.layers, data, strict=True):
+            k.index_copy_(0, idx, hk.to(k.device))
+            v.index_copy_(0, idx, hv.to(v.device))

@@ -1,0 +1,114 @@
+"""`EngineConfig`: every engine setting in one dataclass, validated in one place. The CLI and
+the server derive their flags from its fields.
+
+Owner: engine (read by every layer below it).
+
+Invariants:
+- A value out of range raises `InvalidRequestError` naming the field at construction; no
+  component re-validates or silently clamps a setting.
+- `None` means "derive it": from the checkpoint (max_model_len), the device (dtype, token
+  budget) or free memory (KV pool size); `resolve_*` helpers do the deriving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from metrale.errors import InvalidRequestError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("recompute", "swap")
+LOAD_FORMATS = ("auto", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    #: Checkpoint directory; None serves the bundled `metrale-tiny-code`.
+    model: str | None = None
+    #: Tokenizer directory; None uses the checkpoint's.
+    tokenizer: str | None = None
+    device: str = "auto"
+    #: "auto": float32 on the CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    #: Longest prompt + output; None: the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    #: Tokens one forward may carry (decode rows + prefill chunks); None: 2048 CPU, 8192 CUDA.
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    #: Exact KV pool size in blocks (the null block included); None: sized from memory.
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    #: KV memory budget on the CPU, in GiB, when num_kv_blocks is not given.
+    cpu_kv_cache_gb: float = 1.0
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space_gb: float = 4.0
+    #: Seed of the engine's sampler for unseeded requests.
+    seed: int = 0
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    enforce_eager: bool = False
+    #: Per-request deadline in seconds (None or 0: none); a request may ask for its own.
+    request_timeout: float | None = None
+    #: Most requests waiting for admission; more are refused with QueueFullError.
+    max_queue: int = 4096
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field: str, why: str) -> InvalidRequestError:
+            return InvalidRequestError(f"invalid engine setting {field}: {why}", param=field)
+
+        if self.device not in DEVICES:
+            raise bad("device", f"'{self.device}' is not one of {', '.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"'{self.dtype}' is not one of {', '.join(DTYPES)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise bad("block_size", f"must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise bad(
+                "num_kv_blocks", f"must be >= 2 (one is the null block), got {self.num_kv_blocks}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise bad(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.cpu_kv_cache_gb <= 0:
+            raise bad("cpu_kv_cache_gb", f"must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise bad(
+                "preemption_mode", f"'{self.preemption_mode}' is not one of {PREEMPTION_MODES}"
+            )
+        if self.swap_space_gb < 0:
+            raise bad("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
+        if self.request_timeout is not None and self.request_timeout < 0:
+            raise bad("request_timeout", f"must be >= 0, got {self.request_timeout}")
+        if self.max_queue < 1:
+            raise bad("max_queue", f"must be >= 1, got {self.max_queue}")
+        if self.load_format not in LOAD_FORMATS:
+            raise bad("load_format", f"'{self.load_format}' is not one of {LOAD_FORMATS}")
+
+    def resolved_batched_tokens(self, device_type: str) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device_type == "cuda" else 2048
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return EngineConfig(**values)

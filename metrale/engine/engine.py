@@ -1,0 +1,300 @@
+"""`Engine`: one step at a time over the scheduler, the model and the sampler.
+
+Owner: engine. `add_request` validates and queues; `step` plans one forward, runs it, samples,
+commits the tokens and returns the outputs of every request that changed; `abort_request`
+ends a request wherever it is.
+
+Invariants:
+- Validation happens entirely before any state changes: a bad request raises a clear error
+  and leaves the engine exactly as it was, serving the others.
+- A request's choices are separate scheduler sequences (`<id>` for n=1, `<id>-<i>` else); the
+  request finishes when all its choices have.
+- An exception inside a forward ends the requests of that step with finish reason "error"
+  (their resources released); the engine keeps serving.
+- The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from metrale.config import EngineConfig
+from metrale.engine.output import ChoiceState, RequestState
+from metrale.engine.request import RequestOutput
+from metrale.errors import ContextLengthError, InvalidRequestError
+from metrale.model_engine.factory import LoadReport, load_model
+from metrale.model_engine.traits import Model, PrefillSlice
+from metrale.sampling.params import SamplingParams, derive_choice_seed
+from metrale.sampling.sampler import Sampler, SamplingRow
+from metrale.scheduler.core import Scheduler, SchedulerConfig
+from metrale.scheduler.plan import StepPlan
+from metrale.scheduler.sequence import SchedSequence
+from metrale.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-code"
+BUNDLED_MODEL_NAME = "metrale-tiny-code"
+
+
+def resolve_model_dir(model: str | None) -> str:
+    if model is not None:
+        return model
+    if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+        raise InvalidRequestError(
+            f"no model given and the bundled model is missing at {BUNDLED_MODEL_DIR}", param="model"
+        )
+    return str(BUNDLED_MODEL_DIR)
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: Model | None = None,
+        tokenizer: Tokenizer | None = None,
+        max_prefill_chunk: int | None = None,
+    ) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.load_report: LoadReport | None = None
+        if model is None:
+            model, self.load_report = load_model(config, self.model_dir)
+        self.model = model
+        self.tokenizer = tokenizer or Tokenizer.from_dir(
+            config.tokenizer or self.model_dir, chat_template=config.chat_template
+        )
+        self.max_model_len = int(getattr(model, "max_model_len", config.max_model_len or 0))
+        device_type = str(getattr(model, "device", "cpu")).split(":")[0]
+        batched = config.resolved_batched_tokens(device_type)
+        if batched < config.max_num_seqs:
+            batched = config.max_num_seqs
+            logger.info("max_num_batched_tokens raised to max_num_seqs (%d)", batched)
+        self.scheduler = Scheduler(
+            model,
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=self.max_model_len,
+                max_prefill_chunk=max_prefill_chunk,
+                preemption_mode=config.preemption_mode,
+                swap_space_bytes=int(config.swap_space_gb * 2**30),
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_queue=config.max_queue,
+            ),
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, RequestState] = {}
+        self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            getattr(getattr(model, "config", None), "eos_token_ids", ()) or ()
+        )
+        self.vocab_size = model.vocab_size()
+        self.num_steps = 0
+
+    @property
+    def served_model_name(self) -> str:
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if self.config.model is None:
+            return BUNDLED_MODEL_NAME
+        return Path(self.model_dir).name
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        adapter_id: int = 0,
+    ) -> None:
+        """Validate and queue a request; raises before changing anything if it is bad."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(
+                f"request id {request_id!r} is already in use", param="request_id"
+            )
+        text, ids = self._prompt_ids(prompt, prompt_token_ids)
+        max_tokens = self._resolve_max_tokens(len(ids), params)
+        timeout = timeout if timeout is not None else self.config.request_timeout
+        deadline = time.monotonic() + timeout if timeout else None
+        n = params.n
+        seqs = [
+            SchedSequence(
+                seq_id=request_id if n == 1 else f"{request_id}-{i}",
+                request_id=request_id,
+                prompt_token_ids=ids,
+                params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                seed=derive_choice_seed(params.seed, i),
+                adapter_id=adapter_id,
+                deadline=deadline,
+            )
+            for i in range(n)
+        ]
+        added: list[SchedSequence] = []
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+                added.append(seq)
+        except BaseException:
+            for seq in added:
+                self.scheduler.finish(seq, "abort")
+            raise
+        state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
+        self.requests[request_id] = state
+        for choice in state.choices:
+            self._choice_of[choice.seq.seq_id] = (state, choice)
+
+    def _prompt_ids(
+        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None
+    ) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is not None:
+            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", param="prompt")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif prompt is None:
+            raise InvalidRequestError("a prompt (text or token ids) is required", param="prompt")
+        else:
+            text, ids = None, list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})",
+                    param="prompt",
+                )
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(ids)} tokens, leaving no room for output",
+                param="prompt",
+            )
+        return text, ids
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if params.max_tokens is None:
+            return room
+        if params.max_tokens > room:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len} and max_tokens asks for {params.max_tokens} more",
+                param="max_tokens",
+            )
+        return params.max_tokens
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is (waiting, prefilling, decoding, swapped)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return None
+        for choice in state.choices:
+            self.scheduler.finish(choice.seq, "abort")
+            choice.close("abort", None)
+            self._choice_of.pop(choice.seq.seq_id, None)
+        return state.to_output()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for seq in plan.finished:
+            self._close_choice(seq, touched)
+        if not plan.is_empty():
+            self.num_steps += 1
+            try:
+                self._run(plan, touched)
+            except Exception as exc:  # one bad step must not take the engine down
+                logger.exception(
+                    "step failed; ending its %d sequences", len(plan.decode) + len(plan.prefill)
+                )
+                self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
+        outputs = []
+        for rid, state in touched.items():
+            outputs.append(state.to_output())
+            if state.finished:
+                self._retire(rid, state)
+        return outputs
+
+    def _run(self, plan: StepPlan, touched: dict[str, RequestState]) -> None:
+        logits = self._forward(plan)
+        sampled = plan.sampled
+        if not sampled:
+            return
+        assert logits is not None
+        rows = [
+            SamplingRow(
+                params=s.params,
+                output_token_ids=s.output_token_ids,
+                prompt_token_ids=s.prompt_token_ids,
+                seed=s.seed,
+                eos_token_ids=s.eos_token_ids,
+            )
+            for s in sampled
+        ]
+        out = self.sampler(logits, rows)
+        committed = self.scheduler.commit(plan, out.token_ids)
+        for i, c in enumerate(committed):
+            state, choice = self._choice_of[c.seq.seq_id]
+            touched[state.request_id] = state
+            top = out.top_logprobs[i] if out.top_logprobs is not None else None
+            if state.add_token(choice, c.token, out.logprobs[i], out.ranks[i], top):
+                assert choice.stops is not None
+                self.scheduler.finish(c.seq, "stop", choice.stops.stop_reason)
+                choice.close("stop", choice.stops.stop_reason)
+            elif c.finished:
+                choice.close(c.seq.finish_reason or "stop", c.seq.stop_reason)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
+        decode_tokens = [s.output_token_ids[-1] for s in plan.decode]
+        decode_states = [s.state for s in plan.decode]
+        slices = [
+            PrefillSlice(w.seq.all_tokens, w.seq.state, w.start, w.length, w.is_last)  # type: ignore[arg-type]
+            for w in plan.prefill
+        ]
+        result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
+        blocks = [] if result.decode_logits is None else [result.decode_logits]
+        blocks += [p for p in result.prefill_logits if p is not None]
+        return torch.cat(blocks) if blocks else None
+
+    def _fail_plan(self, plan: StepPlan, touched: dict[str, RequestState], message: str) -> None:
+        for seq in [*plan.decode, *(w.seq for w in plan.prefill)]:
+            self.scheduler.finish(seq, "error")
+            entry = self._choice_of.get(seq.seq_id)
+            if entry is not None:
+                state, choice = entry
+                state.error = message
+                choice.close("error", None)
+                touched[state.request_id] = state
+
+    def _close_choice(self, seq: SchedSequence, touched: dict[str, RequestState]) -> None:
+        entry = self._choice_of.get(seq.seq_id)
+        if entry is None:
+            return
+        state, choice = entry
+        choice.close(seq.finish_reason or "abort", seq.stop_reason)
+        touched[state.request_id] = state
+
+    def _retire(self, request_id: str, state: RequestState) -> None:
+        self.requests.pop(request_id, None)
+        for choice in state.choices:
+            self._choice_of.pop(choice.seq.seq_id, None)

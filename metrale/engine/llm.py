@@ -1,0 +1,132 @@
+"""`LLM`: the offline API users know from vLLM: `generate`, `chat`.
+
+Owner: engine.
+
+Invariants:
+- Every prompt of a call is validated before any is queued, so a bad one raises and queues
+  nothing; the engine stays usable for the next call.
+- Outputs come back in the order of the prompts given, whatever order they finished in.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from metrale.config import EngineConfig
+from metrale.engine.engine import Engine
+from metrale.engine.request import RequestOutput
+from metrale.errors import InvalidRequestError
+from metrale.sampling.params import SamplingParams
+from metrale.tokenizer.tokenizer import Tokenizer
+
+PromptInput = str | Sequence[int] | Mapping[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        max_prefill_chunk = kwargs.pop("max_prefill_chunk", None)
+        unknown = set(kwargs) - set(EngineConfig.field_names())
+        if unknown:
+            raise InvalidRequestError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        items = _as_prompt_list(prompts)
+        params = _params_list(sampling_params, len(items))
+        return self._run([(_split_prompt(p), sp) for p, sp in zip(items, params)])
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
+        params = _params_list(sampling_params, len(conversations))
+        tok = self.engine.tokenizer
+        prompts = []
+        for conv in conversations:
+            text = tok.apply_chat_template(
+                [dict(m) for m in conv],
+                add_generation_prompt=add_generation_prompt,
+                **template_kwargs,
+            )
+            prompts.append(((text, tok.encode(text, add_special_tokens=False)), None))
+        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)])
+
+    def _run(
+        self, work: list[tuple[tuple[str | None, list[int] | None], SamplingParams]]
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [f"llm-{next(self._ids)}" for _ in work]
+        # Validate all first: prompt ids and token budgets, without queueing anything.
+        for (text, token_ids), sp in work:
+            _, checked = engine._prompt_ids(text if token_ids is None else None, token_ids)
+            engine._resolve_max_tokens(len(checked), sp)
+        added: list[str] = []
+        try:
+            for rid, ((text, token_ids), sp) in zip(ids, work):
+                engine.add_request(rid, text, sp, prompt_token_ids=token_ids)
+                added.append(rid)
+            finals: dict[str, RequestOutput] = {}
+            while len(finals) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            for rid in added:
+                engine.abort_request(rid)
+            raise
+        return [finals[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # one prompt of token ids
+    return items
+
+
+def _split_prompt(prompt: PromptInput) -> tuple[str | None, list[int] | None]:
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return str(prompt["prompt"]), None
+        raise InvalidRequestError(
+            "a prompt dict needs 'prompt' or 'prompt_token_ids'", param="prompt"
+        )
+    return None, list(prompt)
+
+
+def _params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(
+            f"{len(params)} sampling params given for {n} prompts", param="sampling_params"
+        )
+    return params

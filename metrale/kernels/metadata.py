@@ -1,0 +1,45 @@
+"""Attention metadata of one forward: which query rows belong to which sequence, where their
+K/V go, and which paged blocks each sequence reads.
+
+Owner: kernels (built by `metrale.model_engine.batch`, read by every attention kernel and its
+reference).
+
+Invariants:
+- Rows are flattened sequence-major: sequence `b` owns rows
+  `query_start_loc[b] : query_start_loc[b + 1]`, the first `num_decode` sequences own one row
+  each (decode rows), the rest are prefill chunks.
+- Sequence `b` attends to its first `seq_lens[b]` cached positions (the chunk's own tokens
+  included, already written by `write_kv`), read through `block_tables[b]`; its query rows sit
+  at positions `seq_lens[b] - query_len .. seq_lens[b] - 1`.
+- `slot_mapping[t]` is the flat cache slot (`block * block_size + offset`) of row t's new K/V;
+  padded rows point at the null block 0.
+- Host lists mirror the tensors so CPU references and the scheduler never read the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    num_decode: int
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])

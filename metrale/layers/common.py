@@ -1,0 +1,99 @@
+"""Building blocks shared by the decoder families: RMSNorm, the gated MLP, and the paged
+self-attention block (fused QKV projection, optional q/k norm, rotary, KV write, attention).
+
+Owner: layers. Each block calls hot ops only through the `KernelOps` it was built with.
+
+Invariants:
+- Parameter names under each block follow transformers' names (`q_norm`, `o_proj`,
+  `down_proj`, ...) except the fused `qkv_proj` and `gate_up_proj`, which the loader fills
+  from the separate checkpoint tensors.
+- Attention reads and writes K/V only through the metadata's slots and block tables.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metrale.kernels import KernelOps
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.rotary import RotaryEmbedding
+from metrale.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, ops: KernelOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))` with gate and up fused into one projection."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool, act: str, ops: KernelOps
+    ) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation '{act}' (supported: silu)")
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class PagedSelfAttention(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
+    ) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
+        self.qk_norm = cfg.qk_norm
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        self.rotary = rotary
+        self.ops = ops
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, self.q_size))

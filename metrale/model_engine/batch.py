@@ -1,0 +1,99 @@
+"""Turning the rows of one forward (decode rows, prefill chunks) into input tensors and
+`AttentionMetadata`.
+
+Owner: model-engine. Built on the host with numpy, uploaded once per forward.
+
+Invariants:
+- Decode rows come first, then prefill chunks, in the order given; logits row `i` of the
+  result belongs to the i-th row that asked for logits, in that order.
+- Every row's blocks are already in its `block_table` (allocation happens before building).
+- A row's positions are `start .. start + len - 1`, and `start == seq.seq_len`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.model_engine.traits import SequenceState
+
+
+@dataclass
+class ForwardRow:
+    """One sequence's tokens in a forward."""
+
+    seq: SequenceState
+    tokens: list[int]
+    #: Whether the last token's logits are wanted (decode rows, final prefill chunks).
+    want_logits: bool
+    #: Whether every token's logits are wanted (prompt logprobs).
+    all_logits: bool = False
+
+    @property
+    def start(self) -> int:
+        return self.seq.seq_len
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor
+    meta: AttentionMetadata
+    #: Hidden rows whose logits are computed, in output order.
+    logits_indices: torch.Tensor
+    #: For each ForwardRow: (first logits row, number of logits rows) in the logits output.
+    logits_spans: list[tuple[int, int]]
+
+
+def build_forward_batch(
+    rows: list[ForwardRow], num_decode: int, block_size: int, device: torch.device
+) -> ForwardBatch:
+    query_lens = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=len(rows))
+    starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
+    seq_lens = starts + query_lens
+    qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=qsl[1:])
+    total = int(qsl[-1])
+    input_ids = np.empty(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    max_blocks = max(len(r.seq.block_table) for r in rows)
+    tables = np.zeros((len(rows), max_blocks), dtype=np.int64)
+    logits_idx: list[int] = []
+    spans: list[tuple[int, int]] = []
+    for i, r in enumerate(rows):
+        a, b = qsl[i], qsl[i + 1]
+        input_ids[a:b] = r.tokens
+        positions[a:b] = np.arange(starts[i], seq_lens[i])
+        tables[i, : len(r.seq.block_table)] = r.seq.block_table
+        first = len(logits_idx)
+        if r.all_logits:
+            logits_idx.extend(range(a, b))
+        elif r.want_logits:
+            logits_idx.append(b - 1)
+        spans.append((first, len(logits_idx) - first))
+    row_of_token = np.repeat(np.arange(len(rows)), query_lens)
+    slots = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+
+    def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+
+    meta = AttentionMetadata(
+        positions=up(positions, torch.int64),
+        slot_mapping=up(slots, torch.int64),
+        query_start_loc=up(qsl, torch.int32),
+        seq_lens=up(seq_lens, torch.int32),
+        block_tables=up(tables, torch.int32),
+        num_decode=num_decode,
+        query_lens_host=query_lens.tolist(),
+        seq_lens_host=seq_lens.tolist(),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+    return ForwardBatch(
+        input_ids=up(input_ids, torch.int64),
+        meta=meta,
+        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        logits_spans=spans,
+    )

@@ -1,0 +1,166 @@
+"""Building a `TransformerModel` from a checkpoint directory and an `EngineConfig`: device and
+dtype resolution, module construction, weights, KV pool sizing.
+
+Owner: model-engine.
+
+Invariants:
+- The KV pool has exactly `num_kv_blocks` blocks when the config sets it, on any device.
+- Otherwise it is sized from a memory budget, and it always holds at least one sequence of
+  `max_model_len` tokens, or loading fails with a message saying which setting to change.
+- `max_model_len` never exceeds the checkpoint's `max_position_embeddings`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from metrale.cache.kv_cache import PagedKVCache
+from metrale.config import EngineConfig
+from metrale.errors import CheckpointError, InvalidRequestError
+from metrale.kernels import kernels_for
+from metrale.model_engine.transformer_model import TransformerModel
+from metrale.models.config import ModelConfig, parse_model_config, read_config_json
+from metrale.models.loader import load_weights
+from metrale.models.registry import resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError(
+            "device 'cuda' was asked for but no CUDA device is available", param="device"
+        )
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Construct parameters directly in `dtype` (restores the previous default after)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class LoadReport:
+    """What loading took, for the startup summary and benchmark records."""
+
+    weights_bytes: int
+    kv_bytes: int
+    num_kv_blocks: int
+    load_seconds: float
+
+
+def _dummy_init(module: torch.nn.Module) -> None:
+    """Small random weights that keep activations finite in any dtype (`--load-format dummy`)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
+                p.copy_(cpu.to(p.dtype))
+
+
+def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, LoadReport]:
+    start = time.perf_counter()
+    raw = read_config_json(model_dir)
+    source = str(Path(model_dir) / "config.json")
+    arch_name, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
+    mcfg = parse_model_config(raw, source)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = config.max_model_len or mcfg.max_position_embeddings
+    if max_model_len > mcfg.max_position_embeddings:
+        raise InvalidRequestError(
+            f"max_model_len {max_model_len} exceeds the checkpoint's max_position_embeddings "
+            f"{mcfg.max_position_embeddings}",
+            param="max_model_len",
+        )
+    ops = kernels_for(device, use_triton=not config.enforce_eager or device.type == "cuda")
+    with torch.device(device), _default_dtype(dtype):
+        module = cls(mcfg, ops, max_model_len)
+    module.eval()
+    if config.load_format == "dummy":
+        _dummy_init(module)
+    else:
+        load_weights(module, model_dir, module.weight_mapping())
+    weights_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
+    num_blocks = _kv_blocks(config, mcfg, module.kv_layer_count, dtype, device, max_model_len)
+    kv = PagedKVCache(
+        module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
+        mcfg.head_dim, dtype, device,
+    )  # fmt: skip
+    model = TransformerModel(module, mcfg, kv, device, dtype, max_model_len)
+    kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
+        module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+    )
+    report = LoadReport(weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start)
+    logger.info(
+        "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d blocks (%.1f MiB) in %.2fs",
+        model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
+        num_blocks, kv_bytes / 2**20, report.load_seconds,
+    )  # fmt: skip
+    return model, report
+
+
+def _kv_blocks(
+    config: EngineConfig,
+    mcfg: ModelConfig,
+    kv_layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = PagedKVCache.bytes_per_block(
+        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+    )
+    blocks_per_seq = -(-max_model_len // config.block_size)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        budget = (
+            int(total * config.gpu_memory_utilization) - used - _activation_reserve(config, mcfg)
+        )
+    else:
+        budget = int(config.cpu_kv_cache_gb * 2**30)
+    wanted = config.max_num_seqs * blocks_per_seq + 1
+    blocks = min(max(budget // per_block, 0), wanted)
+    if blocks < blocks_per_seq + 1:
+        raise CheckpointError(
+            f"the KV budget holds {blocks} blocks of {config.block_size} tokens, fewer than one "
+            f"sequence of max_model_len {max_model_len} needs ({blocks_per_seq + 1}); lower "
+            "max_model_len or raise the KV memory budget"
+        )
+    return blocks
+
+
+def _activation_reserve(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """Bytes kept free for one forward's activations and logits at the token budget."""
+    tokens = config.resolved_batched_tokens("cuda")
+    width = max(mcfg.hidden_size * 4, mcfg.intermediate_size * 3, mcfg.vocab_size)
+    return tokens * width * 4 + (1 << 30)

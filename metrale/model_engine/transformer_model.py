@@ -1,0 +1,259 @@
+"""`TransformerModel`: the `Model` implementation that binds an architecture module to the paged
+KV cache, the block pool, batch metadata and the logits of each forward.
+
+Owner: model-engine. The scheduler drives it only through the `Model` interface.
+
+Invariants:
+- Every forward (decode rows, prefill chunks or both) is one call of the architecture module.
+  Blocks for all rows are allocated before it runs, all or nothing: on `KVCacheExhausted` no
+  sequence has changed.
+- After a forward each row's sequence has `tokens` extended by the row's tokens, `seq_len`
+  advanced by the same count and `kv_valid_tokens == seq_len`.
+- `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
+  refs, its slots) and leaves it empty, so a second call releases nothing.
+- Logits rows are float32 `[rows, vocab_size]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Sequence
+from typing import Any, BinaryIO
+
+import torch
+
+from metrale.cache.block_pool import BlockPool
+from metrale.cache.kv_cache import PagedKVCache
+from metrale.errors import InvalidRequestError, KVCacheExhausted
+from metrale.model_engine.batch import ForwardRow, build_forward_batch
+from metrale.model_engine.traits import (
+    MixedBatchResult,
+    Model,
+    PrefillSlice,
+    PromptTokenLogprob,
+    SequenceState,
+    Stream,
+)
+from metrale.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def blocks_needed(seq: SequenceState, new_tokens: int, block_size: int) -> int:
+    """How many blocks `seq` must add to hold `new_tokens` more tokens."""
+    total = -(-(seq.seq_len + new_tokens) // block_size)
+    return max(0, total - len(seq.block_table))
+
+
+class TransformerModel(Model):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: ModelConfig,
+        kv_cache: PagedKVCache,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.kv_cache = kv_cache
+        self.block_pool = BlockPool(kv_cache.num_blocks)
+        self.block_size = kv_cache.block_size
+        self.device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self._next_slot = 0
+        self._last_hidden: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def alloc_sequence(self) -> SequenceState:
+        seq = SequenceState(slot_idx=self._next_slot)
+        self._next_slot += 1
+        seq.disk_last_offloaded_per_layer = [0] * self.module.kv_layer_count
+        return seq
+
+    def cache_sequence(self, seq: SequenceState) -> None:
+        """Without a prefix cache there is nothing to keep."""
+        return None
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        if seq.block_table:
+            self.block_pool.decref(seq.block_table)
+        seq.block_table = []
+        seq.seq_len = 0
+        seq.tokens = []
+        seq.kv_valid_tokens = 0
+        if seq.ssm_slot is not None:
+            seq.ssm_slot.release()
+            seq.ssm_slot = None
+        if seq.acquired_adapter_slot >= 0:
+            self.release_adapter_slot(seq.acquired_adapter_slot)
+            seq.acquired_adapter_slot = -1
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free
+
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_usable
+
+    def kv_block_size(self) -> int:
+        return self.block_size
+
+    def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
+        """Serialise the sequence's written KV blocks (host copies) for swap-out."""
+        data = self.kv_cache.read_blocks(seq.block_table) if seq.block_table else []
+        pickle.dump({"num_blocks": len(seq.block_table), "kv": data}, writer)
+
+    def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
+        """Allocate `num_blocks` blocks and fill them from `save_sequence_state` output."""
+        payload: dict[str, Any] = pickle.load(reader)
+        if payload["num_blocks"] != num_blocks:
+            raise ValueError(
+                f"swap record holds {payload['num_blocks']} blocks, expected {num_blocks}"
+            )
+        blocks = self.block_pool.allocate(num_blocks)
+        if num_blocks:
+            self.kv_cache.write_blocks(blocks, payload["kv"])
+        seq.block_table = blocks
+
+    # ------------------------------------------------------------------ forward
+
+    def prefill_chunk(
+        self,
+        tokens: Sequence[int],
+        seq: SequenceState,
+        chunk_start: int,
+        chunk_len: int,
+        is_last_chunk: bool,
+        stream: Stream = None,
+    ) -> torch.Tensor | None:
+        result = self.mixed_forward_batch(
+            [], [], [PrefillSlice(tokens, seq, chunk_start, chunk_len, is_last_chunk)], stream
+        )
+        return result.prefill_logits[0]
+
+    def decode_batch(
+        self, tokens: Sequence[int], seqs: Sequence[SequenceState], stream: Stream = None
+    ) -> torch.Tensor:
+        result = self.mixed_forward_batch(tokens, seqs, [], stream)
+        assert result.decode_logits is not None
+        return result.decode_logits
+
+    def prefill_batch_chunk(
+        self, slices: Sequence[PrefillSlice], stream: Stream = None
+    ) -> list[torch.Tensor | None]:
+        return self.mixed_forward_batch([], [], slices, stream).prefill_logits
+
+    def prefill_batch_chunk_rows(
+        self, slices: Sequence[PrefillSlice], stream: Stream = None, row_base: int = 0
+    ) -> list[torch.Tensor | None]:
+        return self.prefill_batch_chunk(slices, stream)
+
+    def mixed_forward_batch(
+        self,
+        decode_tokens: Sequence[int],
+        decode_seqs: Sequence[SequenceState],
+        prefill_streams: Sequence[PrefillSlice],
+        stream: Stream = None,
+    ) -> MixedBatchResult:
+        """M decode rows and N prefill chunks in one forward of the architecture module."""
+        if len(decode_tokens) != len(decode_seqs):
+            raise ValueError("decode_tokens and decode_seqs differ in length")
+        rows = [ForwardRow(s, [int(t)], True) for t, s in zip(decode_tokens, decode_seqs)]
+        for sl in prefill_streams:
+            if sl.chunk_start != sl.seq.seq_len:
+                raise ValueError(
+                    f"prefill chunk starts at {sl.chunk_start} but the sequence holds {sl.seq.seq_len} tokens"
+                )
+            if sl.chunk_len < 1 or sl.chunk_start + sl.chunk_len > len(sl.prompt_tokens):
+                raise ValueError(
+                    f"prefill chunk [{sl.chunk_start}, +{sl.chunk_len}) is outside the prompt"
+                )
+            chunk = list(sl.prompt_tokens[sl.chunk_start : sl.chunk_start + sl.chunk_len])
+            rows.append(
+                ForwardRow(
+                    sl.seq, chunk, sl.is_last_chunk, sl.seq.collect_prompt_logprobs is not None
+                )
+            )
+        if not rows:
+            return MixedBatchResult(None, [])
+        self._allocate_blocks(rows)
+        logits, spans = self._forward(rows, len(decode_seqs))
+        decode_logits = logits[: len(decode_seqs)] if decode_seqs else None
+        prefill_logits: list[torch.Tensor | None] = []
+        for i, sl in enumerate(prefill_streams):
+            first, count = spans[len(decode_seqs) + i]
+            if sl.seq.collect_prompt_logprobs is not None:
+                self._score_prompt(sl, logits[first : first + count])
+            prefill_logits.append(
+                logits[first + count - 1 : first + count] if sl.is_last_chunk else None
+            )
+        for row in rows:
+            row.seq.tokens.extend(row.tokens)
+            row.seq.seq_len += len(row.tokens)
+            row.seq.kv_valid_tokens = row.seq.seq_len
+        return MixedBatchResult(decode_logits, prefill_logits)
+
+    def _allocate_blocks(self, rows: list[ForwardRow]) -> None:
+        needs = [blocks_needed(r.seq, len(r.tokens), self.block_size) for r in rows]
+        for r in rows:
+            if r.seq.seq_len + len(r.tokens) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"sequence would reach {r.seq.seq_len + len(r.tokens)} tokens, over "
+                    f"max_model_len {self.max_model_len}"
+                )
+        total = sum(needs)
+        if total > self.block_pool.num_free:
+            raise KVCacheExhausted(
+                f"KV cache exhausted: this forward needs {total} blocks, {self.block_pool.num_free} free"
+            )
+        for r, n in zip(rows, needs):
+            if n:
+                r.seq.block_table.extend(self.block_pool.allocate(n))
+
+    @torch.inference_mode()
+    def _forward(
+        self, rows: list[ForwardRow], num_decode: int
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
+        hidden = self.module(
+            batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers
+        )
+        selected = hidden.index_select(0, batch.logits_indices)
+        self._last_hidden = selected
+        return self.module.compute_logits(selected).float(), batch.logits_spans
+
+    def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
+        """Append one PromptTokenLogprob per chunk position that has a next prompt token."""
+        k = sl.seq.collect_prompt_logprobs or 0
+        targets = list(sl.prompt_tokens[sl.chunk_start + 1 : sl.chunk_start + sl.chunk_len + 1])
+        if not targets:
+            return
+        n = len(targets)
+        logprobs = torch.log_softmax(logits[:n].float(), dim=-1)
+        target_ids = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
+        chosen = logprobs.gather(1, target_ids).squeeze(1)
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+        top_v = top_vals.tolist() if top_vals is not None else None
+        top_i = top_ids.tolist() if top_ids is not None else None
+        for j in range(n):
+            top = list(zip(top_i[j], top_v[j])) if top_i is not None and top_v is not None else []
+            sl.seq.prompt_logprobs.append(
+                PromptTokenLogprob(targets[j], chosen_l[j], ranks_l[j], top)
+            )
+
+    # ------------------------------------------------------------------- logits
+
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def hidden_after_norm(self) -> torch.Tensor | None:
+        return self._last_hidden
+
+    def logits_buffer_ptr(self) -> torch.Tensor | None:
+        return None

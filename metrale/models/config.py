@@ -1,0 +1,227 @@
+"""Reading a Hugging Face `config.json` into one normalised `ModelConfig`.
+
+Owner: models. Every architecture reads its shape from a `ModelConfig`, never from the raw
+dict, so the two layouts found in the wild are handled in one place:
+- the classic layout of published checkpoints (top-level `rope_theta`, `rope_scaling`,
+  `torch_dtype`), and
+- the transformers 5 layout (`rope_parameters`, `dtype`).
+
+Invariants:
+- `head_dim * num_attention_heads` need not equal `hidden_size` (explicit `head_dim` wins).
+- A config metrale cannot serve faithfully (unknown rope type, dynamic rope) is refused here
+  with a `CheckpointError` that names the field; nothing is silently approximated.
+- `raw` keeps the whole dict for family-specific fields (experts, SSM layout).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metrale.errors import CheckpointError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from either config layout."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    #: Fraction of `head_dim` that rotates (1.0: all of it).
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape and hyper-parameters of a decoder checkpoint."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    #: Bias on o_proj too (Llama's `attention_bias` covers it; Qwen2 biases only q/k/v).
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    #: Per layer: the attention window in tokens (including the current one), or None.
+    sliding_windows: tuple[int | None, ...] = ()
+    dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; a checkpoint directory needs a config.json")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _require(raw: dict[str, Any], key: str, source: str) -> Any:
+    if key not in raw or raw[key] is None:
+        raise CheckpointError(f"{source}: config.json lacks '{key}'")
+    return raw[key]
+
+
+def parse_rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    """Rope parameters from `rope_parameters` (transformers 5) or top-level `rope_theta` and
+    `rope_scaling` (classic)."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    merged: dict[str, Any] = {}
+    if isinstance(params, dict):
+        if any(isinstance(v, dict) for v in params.values()):
+            raise CheckpointError(f"{source}: per-layer-type rope_parameters are not supported")
+        merged.update(params)
+    if isinstance(scaling, dict):
+        for key, value in scaling.items():
+            merged.setdefault(key, value)
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type == "dynamic":
+        raise CheckpointError(
+            f"{source}: rope type 'dynamic' changes frequencies with the batch's length, which "
+            "breaks paged KV reuse; it is not supported"
+        )
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise CheckpointError(
+            f"{source}: rope type '{rope_type}' is not supported (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) or 1.0
+    original = raw.get("original_max_position_embeddings") or merged.get(
+        "original_max_position_embeddings"
+    )
+    if rope_type in ("llama3", "yarn") and original is None:
+        original = raw.get("max_position_embeddings")
+    factor = merged.get("factor")
+    if rope_type in ("linear", "llama3") and factor is None:
+        raise CheckpointError(f"{source}: rope type '{rope_type}' needs a 'factor'")
+    if rope_type == "yarn" and factor is None:
+        factor = float(raw["max_position_embeddings"]) / float(original)
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(factor) if factor is not None else 1.0,
+        partial_rotary_factor=float(partial),
+        original_max_position_embeddings=int(original) if original is not None else None,
+        low_freq_factor=merged.get("low_freq_factor"),
+        high_freq_factor=merged.get("high_freq_factor"),
+        beta_fast=merged.get("beta_fast"),
+        beta_slow=merged.get("beta_slow"),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        attention_factor=merged.get("attention_factor"),
+        truncate=bool(merged.get("truncate", True)),
+    )
+
+
+def _sliding_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer attention windows, as transformers decides them for these families."""
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == num_layers:
+        return tuple(
+            int(window) if t == "sliding_attention" and window else None for t in layer_types
+        )
+    if not window:
+        return (None,) * num_layers
+    model_type = raw.get("model_type", "")
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen2/3 window only layers at or above max_window_layers, and only when enabled.
+        if not raw.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first = int(raw.get("max_window_layers", num_layers))
+        return tuple(int(window) if i >= first else None for i in range(num_layers))
+    return (int(window),) * num_layers
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, list):
+        return tuple(int(e) for e in eos)
+    return (int(eos),)
+
+
+def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+    """Normalise a decoder config dict; raises `CheckpointError` naming what is missing."""
+    archs = raw.get("architectures") or []
+    model_type = str(_require(raw, "model_type", source))
+    hidden = int(_require(raw, "hidden_size", source))
+    heads = int(_require(raw, "num_attention_heads", source))
+    kv_heads = int(raw.get("num_key_value_heads") or heads)
+    if heads % kv_heads != 0:
+        raise CheckpointError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    head_dim = int(raw.get("head_dim") or hidden // heads)
+    num_layers = int(_require(raw, "num_hidden_layers", source))
+    attention_bias = bool(raw.get("attention_bias", False))
+    o_proj_bias = attention_bias
+    if model_type == "qwen2":
+        attention_bias, o_proj_bias = True, False
+    act = raw.get("hidden_act") or raw.get("hidden_activation") or "silu"
+    return ModelConfig(
+        architecture=str(archs[0]) if archs else model_type,
+        model_type=model_type,
+        vocab_size=int(_require(raw, "vocab_size", source)),
+        hidden_size=hidden,
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope=parse_rope(raw, source),
+        hidden_act=str(act),
+        attention_bias=attention_bias,
+        o_proj_bias=o_proj_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
+        sliding_windows=_sliding_windows(raw, num_layers),
+        dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_eos_ids(raw),
+        raw=raw,
+    )

@@ -1,0 +1,133 @@
+"""The dense decoder family: Llama, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Owner: models. One module covers the four architectures; their differences are config flags
+(`attention_bias`, `qk_norm`, sliding windows) read by `ModelConfig`.
+
+Invariants:
+- Parameter names equal transformers' (`model.layers.N.self_attn.o_proj.weight`, ...) except
+  the fused `qkv_proj` / `gate_up_proj`, described by `weight_mapping()`.
+- With tied embeddings there is no `lm_head` parameter: logits use the embedding matrix.
+- `forward` returns the hidden state after the final norm for every input row; the caller
+  chooses which rows become logits.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from metrale.kernels import KernelOps
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm
+from metrale.layers.rotary import RotaryEmbedding
+from metrale.models.config import ModelConfig
+from metrale.models.loader import StackedShard, WeightMapping
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = PagedSelfAttention(cfg, layer_idx, rotary, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = self.build_mlp(cfg, layer_idx, ops)
+
+    def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: KernelOps) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta, kv)
+        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class DecoderStack(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.layers = nn.ModuleList(
+            [self.layer_class(cfg, i, self.rotary, ops) for i in range(cfg.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, meta, kv)
+        assert residual is not None
+        hidden, _ = self.norm.forward_add(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+
+    stack_class: type[DecoderStack] = DecoderStack
+
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = self.stack_class(cfg, ops, max_positions)
+        self.tied = cfg.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def kv_layer_count(self) -> int:
+        """How many layers hold paged KV (one `(k, v)` pair each, in layer order)."""
+        return self.config.num_hidden_layers
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, kv_caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def weight_mapping(self) -> WeightMapping:
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        inter = c.intermediate_size
+        return WeightMapping(
+            stacked=[
+                StackedShard("qkv_proj", "q_proj", 0, q),
+                StackedShard("qkv_proj", "k_proj", q, kv),
+                StackedShard("qkv_proj", "v_proj", q + kv, kv),
+                StackedShard("gate_up_proj", "gate_proj", 0, inter),
+                StackedShard("gate_up_proj", "up_proj", inter, inter),
+            ],
+            ignored_suffixes={
+                "rotary_emb.inv_freq": "recomputed from the config",
+                **({"lm_head.weight": "tied to the embeddings"} if self.tied else {}),
+            },
+        )

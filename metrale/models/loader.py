@@ -1,0 +1,183 @@
+"""Reading safetensors checkpoints (single file or sharded with an index) into a model's
+parameters, with every failure named.
+
+Owner: models. An architecture declares how Hugging Face tensor names map onto its own
+parameters (`WeightMapping`); this module does the reading, the shape checks and the
+bookkeeping of what was loaded.
+
+Invariants:
+- A missing or truncated file, a tensor absent from every file, and a tensor whose shape does
+  not match the config each raise `CheckpointError` naming the file and tensor.
+- Every parameter of the model is written exactly once (a stacked parameter once per shard);
+  anything left unwritten at the end is an error, never left at its initial value.
+- Tensors the architecture does not use are counted and logged, not silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from metrale.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the index's shards, or every `*.safetensors`."""
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index ({exc})") from exc
+        files = sorted({root / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{f}: listed in {INDEX_FILE} but missing")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no *.safetensors weight files found")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Yield `(name, tensor, file)` for every tensor, reading one at a time."""
+    for path in files:
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"{path}: unreadable safetensors file ({exc})") from exc
+        with handle as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as exc:
+                    raise CheckpointError(
+                        f"{path}: tensor '{name}' cannot be read; the file is truncated or "
+                        f"corrupt ({exc})"
+                    ) from exc
+                yield name, tensor, path
+
+
+@dataclass
+class StackedShard:
+    """Checkpoint tensor suffix `source` fills rows `[offset, offset + rows)` of `target`."""
+
+    target: str
+    source: str
+    offset: int
+    rows: int
+
+
+@dataclass
+class WeightMapping:
+    """How checkpoint names become parameter names."""
+
+    #: Fused parameters, e.g. q/k/v into qkv_proj.
+    stacked: list[StackedShard] = field(default_factory=list)
+    #: Checkpoint names (suffix match) that are skipped on purpose, with the reason.
+    ignored_suffixes: dict[str, str] = field(default_factory=dict)
+    #: Optional renaming applied before anything else.
+    rename: Callable[[str], str] | None = None
+
+
+def load_weights(
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    mapping: WeightMapping,
+    *,
+    skip_params: set[str] | None = None,
+) -> None:
+    """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes."""
+    files = checkpoint_files(model_dir)
+    params = dict(model.named_parameters())
+    skip_params = skip_params or set()
+    pending: dict[str, set[tuple[int, int]] | None] = {
+        name: None for name in params if name not in skip_params
+    }
+    unused: list[str] = []
+    for hf_name, tensor, path in iter_tensors(files):
+        name = mapping.rename(hf_name) if mapping.rename else hf_name
+        if any(name.endswith(s) for s in mapping.ignored_suffixes):
+            continue
+        shard = next((s for s in mapping.stacked if _has_part(name, s.source)), None)
+        if shard is not None:
+            target = _replace_part(name, shard.source, shard.target)
+            if target not in params:
+                unused.append(hf_name)
+                continue
+            param = params[target]
+            expected = (shard.rows, *param.shape[1:])
+            _check_shape(tensor, expected, hf_name, path)
+            with torch.no_grad():
+                param.data[shard.offset : shard.offset + shard.rows].copy_(tensor)
+            done = pending.get(target) or set()
+            done.add((shard.offset, shard.rows))
+            pending[target] = done
+            continue
+        if name not in params or name in skip_params:
+            unused.append(hf_name)
+            continue
+        param = params[name]
+        _check_shape(tensor, tuple(param.shape), hf_name, path)
+        with torch.no_grad():
+            param.data.copy_(tensor)
+        pending.pop(name, None)
+    _check_complete(pending, params, mapping, files)
+    if unused:
+        logger.info(
+            "ignored %d checkpoint tensors this architecture does not use (e.g. %s)",
+            len(unused),
+            ", ".join(sorted(unused)[:4]),
+        )
+
+
+def _has_part(name: str, part: str) -> bool:
+    return f".{part}." in f".{name}"
+
+
+def _replace_part(name: str, part: str, new: str) -> str:
+    return f".{name}".replace(f".{part}.", f".{new}.", 1)[1:]
+
+
+def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...], name: str, path: Path) -> None:
+    if tuple(tensor.shape) != tuple(expected):
+        raise CheckpointError(
+            f"{path}: tensor '{name}' has shape {list(tensor.shape)} but the config implies "
+            f"{list(expected)}"
+        )
+
+
+def _check_complete(
+    pending: dict[str, set[tuple[int, int]] | None],
+    params: dict[str, torch.nn.Parameter],
+    mapping: WeightMapping,
+    files: list[Path],
+) -> None:
+    missing: list[str] = []
+    for name, shards in pending.items():
+        if shards is None:
+            missing.append(name)
+            continue
+        covered = sum(rows for _, rows in shards)
+        if covered != params[name].shape[0]:
+            parts = [s.source for s in mapping.stacked if s.target == name.split(".")[-2]]
+            missing.append(f"{name} (parts of {'/'.join(parts) or 'a fused weight'})")
+    if missing:
+        where = ", ".join(str(f.name) for f in files)
+        raise CheckpointError(
+            f"missing weights in {where}: {', '.join(sorted(missing)[:6])}"
+            + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        )

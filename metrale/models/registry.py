@@ -1,0 +1,42 @@
+"""Architecture registry: the `architectures` name in config.json -> the module class.
+
+Owner: models. The only place that knows which classes exist.
+
+Invariants:
+- An unknown architecture is a `CheckpointError` naming it and listing what is supported.
+"""
+
+from __future__ import annotations
+
+from metrale.errors import CheckpointError
+from metrale.models.llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+#: model_type -> architecture, for configs without an `architectures` list.
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def resolve_architecture(
+    architectures: list[str] | None, model_type: str | None
+) -> tuple[str, type]:
+    names = list(architectures or [])
+    if not names and model_type in MODEL_TYPES:
+        names = [MODEL_TYPES[model_type]]
+    for name in names:
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    shown = ", ".join(names) if names else f"model_type '{model_type}'"
+    raise CheckpointError(
+        f"unsupported architecture {shown}; supported: {', '.join(sorted(ARCHITECTURES))}"
+    )

@@ -1,0 +1,439 @@
+"""The scheduling core: queues, admission, chunk planning, mixed batches and preemption.
+
+Owner: scheduler. Pure Python: it reaches the model only through the `Model` interface
+(block counts, sequence allocation and release, prefix lookups, swap) and never imports
+torch. Each `schedule()` returns a `StepPlan`; `commit()` applies the sampled tokens.
+
+One rule plans every step: a running sequence's computed tokens catch up with its known tokens
+(prompt + output). A sequence one generated token behind is a decode row; anything further
+behind (a new prompt, a resumed preempted sequence) gets a prefill chunk. When a chunk
+completes the known tokens, its last row samples the next token, so a resumed sequence never
+samples a token twice and never loses one.
+
+Invariants:
+- Order of service: decode rows first (every decoding sequence every step), then running
+  prefills in admission order, then admission from the swapped queue and the waiting queue,
+  both FIFO. Admission stops at the first sequence that does not fit (no head-of-line
+  bypass); a sequence that could never fit the pool is refused at `add`, so nothing waits
+  forever.
+- A running sequence's remaining prompt blocks are reserved from admission on, so an admitted
+  prefill always finishes without preempting anyone.
+- When decode rows need more blocks than are free, prefix-cache blocks are reclaimed first,
+  then victims are preempted: fewest generated tokens, latest arrival on ties; sequences
+  resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are immune unless all are.
+- Every exit path (finish, abort, timeout, error, preemption) releases the sequence's device
+  state exactly once, after offering its written KV to the prefix cache.
+- A non-final prefill chunk ends on a KV block boundary whenever the budget reaches one; a
+  budget smaller than the distance to the next boundary still makes progress.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from metrale.errors import CapacityError, KVCacheExhausted, QueueFullError
+from metrale.model_engine.traits import Model
+from metrale.scheduler.plan import PrefillWork, StepPlan
+from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
+
+logger = logging.getLogger(__name__)
+
+PREEMPT_IMMUNITY_TOKENS = 64
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    #: Largest prefill chunk one sequence gets per step (None: the token budget).
+    max_prefill_chunk: int | None = None
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 0
+    enable_prefix_caching: bool = True
+    max_queue: int = 4096
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the server exports; they only ever grow."""
+
+    preemptions_recompute: int = 0
+    preemptions_swap: int = 0
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    swap_fallbacks: int = 0
+    timeouts: int = 0
+    aborts: int = 0
+    prefix_queries: int = 0
+    prefix_hit_requests: int = 0
+    prefix_hit_tokens: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Committed:
+    """One sampled token applied to a sequence."""
+
+    seq: SchedSequence
+    token: int
+    finished: bool
+
+
+class Scheduler:
+    def __init__(
+        self, model: Model, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.clock = clock
+        block_size = model.kv_block_size()
+        if block_size is None:
+            raise ValueError("the scheduler needs a model with a paged KV cache (kv_block_size)")
+        self.block_size: int = block_size
+        self.waiting: deque[SchedSequence] = deque()
+        self.swapped: deque[SchedSequence] = deque()
+        self.running: list[SchedSequence] = []
+        self.by_id: dict[str, SchedSequence] = {}
+        self.stats = SchedulerStats()
+        self._arrivals = 0
+        self._swap_bytes = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def add(self, seq: SchedSequence) -> None:
+        """Queue a sequence; refuses one that could never fit, or a full queue."""
+        if seq.seq_id in self.by_id:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already scheduled")
+        if len(self.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
+        peak = min(seq.prompt_len + seq.max_tokens, self.config.max_model_len)
+        if self.blocks_for(peak) > self.model.num_total_blocks():
+            raise CapacityError(
+                f"request needs {self.blocks_for(peak)} KV blocks for {peak} tokens but the pool "
+                f"has {self.model.num_total_blocks()}; it can never be served (lower max_tokens "
+                "or the prompt, or enlarge the KV pool)",
+                param="max_tokens",
+            )
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.by_id[seq.seq_id] = seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.swapped or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.swapped) + len(self.running)
+
+    # ------------------------------------------------------------------ exits
+
+    def finish(self, seq: SchedSequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence wherever it is, releasing everything it holds, exactly once."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release(seq, offer_to_cache=True)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is Status.SWAPPED:
+            self.swapped.remove(seq)
+            self._drop_swap(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.by_id.pop(seq.seq_id, None)
+        if reason == "abort":
+            self.stats.aborts += 1
+        elif reason == "timeout":
+            self.stats.timeouts += 1
+
+    def abort(self, seq_id: str) -> SchedSequence | None:
+        seq = self.by_id.get(seq_id)
+        if seq is not None:
+            self.finish(seq, "abort")
+        return seq
+
+    def _release(self, seq: SchedSequence, offer_to_cache: bool) -> None:
+        state = seq.state
+        if state is None:
+            return
+        seq.state = None
+        try:
+            if offer_to_cache and self.config.enable_prefix_caching:
+                self.model.cache_sequence(state)
+        finally:
+            self.model.free_sequence(state)
+
+    def _drop_swap(self, seq: SchedSequence) -> None:
+        if seq.swap is not None:
+            self._swap_bytes -= seq.swap.nbytes
+            seq.swap = None
+
+    # ---------------------------------------------------------------- planning
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        self._expire(plan)
+        budget = self.config.max_num_batched_tokens
+        self._make_room_for_decode()
+        for seq in self.running:
+            if seq.is_decoding() and budget > 0:
+                plan.decode.append(seq)
+                budget -= 1
+        available = self._available_blocks() - self._decode_need()
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.is_decoding() or seq in plan.decode:
+                continue
+            work = self._chunk(seq, budget)
+            plan.prefill.append(work)
+            budget -= work.length
+        budget = self._admit(plan, budget, available)
+        return plan
+
+    def _expire(self, plan: StepPlan) -> None:
+        now = self.clock()
+        for seq in [*self.running, *self.swapped, *self.waiting]:
+            if seq.deadline is not None and now >= seq.deadline:
+                self.finish(seq, "timeout")
+                plan.finished.append(seq)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running prefills will still allocate to finish their known tokens."""
+        total = 0
+        for seq in self.running:
+            state = seq.state
+            assert state is not None
+            remaining = seq.num_known - state.seq_len
+            if remaining > 1 or not seq.output_token_ids:
+                total += max(0, self.blocks_for(seq.num_known + 1) - len(state.block_table))
+        return total
+
+    def _available_blocks(self) -> int:
+        return self.model.num_free_blocks() - self._reserved_blocks()
+
+    def _decode_need(self) -> int:
+        need = 0
+        for seq in self.running:
+            if seq.is_decoding():
+                state = seq.state
+                assert state is not None
+                need += max(0, self.blocks_for(state.seq_len + 1) - len(state.block_table))
+        return need
+
+    def _make_room_for_decode(self) -> None:
+        need = self._decode_need()
+        if need <= self._available_blocks():
+            return
+        self.model.reclaim_prefix_blocks(need - self._available_blocks())
+        while self._decode_need() > self._available_blocks():
+            if len(self.running) <= 1:
+                # A lone sequence always fits (`add` checks its peak); a shortfall here means
+                # blocks leaked. End it with an error rather than stall the engine.
+                for seq in list(self.running):
+                    logger.error("KV pool cannot hold the only running sequence %s", seq.seq_id)
+                    self.finish(seq, "error")
+                return
+            self._preempt(self._choose_victim())
+
+    def _choose_victim(self) -> SchedSequence:
+        def immune(s: SchedSequence) -> bool:
+            return (
+                s.resumed_at is not None
+                and len(s.output_token_ids) - s.resumed_at < PREEMPT_IMMUNITY_TOKENS
+            )
+
+        candidates = [s for s in self.running if not immune(s)] or list(self.running)
+        return min(candidates, key=lambda s: (len(s.output_token_ids), -s.arrival))
+
+    def _preempt(self, seq: SchedSequence) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        state = seq.state
+        assert state is not None
+        if self.config.preemption_mode == "swap" and self._try_swap_out(seq):
+            return
+        if seq.wants_prompt_logprobs:
+            state.prompt_logprobs.clear()
+        self._release(seq, offer_to_cache=True)
+        seq.status = Status.WAITING
+        seq.resumed_at = len(seq.output_token_ids)
+        self._requeue_front(self.waiting, seq)
+        self.stats.preemptions_recompute += 1
+        logger.debug("preempted %s for recompute at %d tokens", seq.seq_id, seq.num_known)
+
+    def _try_swap_out(self, seq: SchedSequence) -> bool:
+        state = seq.state
+        assert state is not None
+        if seq.wants_prompt_logprobs:
+            return False
+        buffer = io.BytesIO()
+        self.model.save_sequence_state(state, buffer)
+        nbytes = buffer.tell()
+        if self._swap_bytes + nbytes > self.config.swap_space_bytes:
+            self.stats.swap_fallbacks += 1
+            logger.warning(
+                "swap space full (%d of %d bytes); preempting %s for recompute instead",
+                self._swap_bytes, self.config.swap_space_bytes, seq.seq_id,
+            )  # fmt: skip
+            return False
+        buffer.seek(0)
+        seq.swap = SwapRecord(buffer, len(state.block_table), state.seq_len, nbytes)
+        self._swap_bytes += nbytes
+        self.stats.swapped_out_blocks += len(state.block_table)
+        self.stats.preemptions_swap += 1
+        self._release(seq, offer_to_cache=False)
+        seq.status = Status.SWAPPED
+        seq.resumed_at = len(seq.output_token_ids)
+        self._requeue_front(self.swapped, seq)
+        return True
+
+    @staticmethod
+    def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None:
+        """Insert keeping arrival order, so older preempted sequences resume first."""
+        for i, other in enumerate(queue):
+            if other.arrival > seq.arrival:
+                queue.insert(i, seq)
+                return
+        queue.append(seq)
+
+    def _chunk(self, seq: SchedSequence, budget: int) -> PrefillWork:
+        start = seq.num_computed
+        remaining = seq.num_known - start
+        length = min(remaining, budget)
+        if self.config.max_prefill_chunk is not None:
+            length = min(length, self.config.max_prefill_chunk)
+        if length < remaining:
+            aligned_end = (start + length) // self.block_size * self.block_size
+            if aligned_end > start:
+                length = aligned_end - start
+        return PrefillWork(seq, start, length)
+
+    def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
+        """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""
+        if seq.swap is not None:
+            return self.blocks_for(seq.num_known + 1), 0
+        matched = 0
+        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            matched = self.model.prefix_match_len(seq.all_tokens, seq.adapter_id)
+        return self.blocks_for(seq.num_known + 1) - matched // self.block_size, matched
+
+    def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
+        while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
+            from_swap = bool(self.swapped)
+            queue = self.swapped if from_swap else self.waiting
+            seq = queue[0]
+            need, _ = self._admission_need(seq)
+            if need > available:
+                tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
+                self.model.reclaim_prefix_blocks_for(
+                    tokens, seq.adapter_id, need + self._reserved_blocks()
+                )
+                available = self._available_blocks() - self._decode_need()
+                need, _ = self._admission_need(seq)
+                if need > available:
+                    break
+            if not from_swap and budget <= 0:
+                break
+            queue.popleft()
+            try:
+                self._start(seq)
+            except KVCacheExhausted:
+                # The pool changed under us (should not happen single-threaded): retry later.
+                self._requeue_front(queue, seq)
+                break
+            self.running.append(seq)
+            available = self._available_blocks() - self._decode_need()
+            if seq.is_decoding():
+                if budget > 0:
+                    plan.decode.append(seq)
+                    budget -= 1
+            elif budget > 0:
+                work = self._chunk(seq, budget)
+                plan.prefill.append(work)
+                budget -= work.length
+        return budget
+
+    def _start(self, seq: SchedSequence) -> None:
+        """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
+        state = self.model.alloc_sequence_for(seq.prompt_len + seq.max_tokens)
+        state.adapter_id = seq.adapter_id
+        state.prompt_len = seq.prompt_len
+        seq.state = state
+        seq.status = Status.RUNNING
+        try:
+            if seq.swap is not None:
+                record = seq.swap
+                record.data.seek(0)
+                self.model.restore_sequence_state(state, record.num_blocks, record.data)
+                state.tokens = seq.all_tokens[: record.seq_len]
+                state.seq_len = record.seq_len
+                state.kv_valid_tokens = record.seq_len
+                self.stats.swapped_in_blocks += record.num_blocks
+                self._drop_swap(seq)
+                return
+            if seq.wants_prompt_logprobs:
+                state.collect_prompt_logprobs = seq.params.prompt_logprobs
+                return
+            if self.config.enable_prefix_caching:
+                self.stats.prefix_queries += 1
+                reused = self.model.lookup_prefix(state, seq.all_tokens)
+                if reused:
+                    self.stats.prefix_hit_requests += 1
+                    self.stats.prefix_hit_tokens += reused
+                if seq.resumed_at is None:
+                    seq.num_cached_tokens = reused
+        except BaseException:
+            seq.state = None
+            seq.status = Status.WAITING
+            self.model.free_sequence(state)
+            raise
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, plan: StepPlan, tokens: Iterable[int]) -> list[Committed]:
+        """Apply the tokens sampled for `plan.sampled` (same order); ends finished sequences."""
+        out: list[Committed] = []
+        for work in plan.prefill:
+            state = work.seq.state
+            if (
+                work.is_last
+                and state is not None
+                and state.collect_prompt_logprobs is not None
+                and work.seq.prompt_logprobs is None
+            ):
+                work.seq.prompt_logprobs = list(state.prompt_logprobs)
+                state.collect_prompt_logprobs = None
+        for seq, token in zip(plan.sampled, tokens, strict=True):
+            if seq.is_finished:
+                continue
+            seq.output_token_ids.append(int(token))
+            reason, stop_reason = self._stop_condition(seq, int(token))
+            if reason is not None:
+                self.finish(seq, reason, stop_reason)
+            out.append(Committed(seq, int(token), reason is not None))
+        return out
+
+    def _stop_condition(self, seq: SchedSequence, token: int) -> tuple[str | None, int | None]:
+        params = seq.params
+        n_out = len(seq.output_token_ids)
+        if n_out >= params.min_tokens:
+            if token in params.stop_token_ids:
+                return "stop", token
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                return "stop", None
+        if n_out >= seq.max_tokens or seq.num_known >= self.config.max_model_len:
+            return "length", None
+        return None, None

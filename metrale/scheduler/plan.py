@@ -1,0 +1,47 @@
+"""`StepPlan`: what one engine step runs, as the scheduler decided it.
+
+Owner: scheduler (produced by `Scheduler.schedule`, consumed by the driver and by
+`Scheduler.commit`).
+
+Invariants:
+- A sequence appears at most once in a plan (as a decode row or as one prefill chunk).
+- Decode rows carry one token each; prefill chunks never exceed the sequence's known tokens.
+- `sampled` lists, in row order, the sequences whose row produces a new token this step:
+  every decode row, then every prefill chunk that completes its sequence's known tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from metrale.scheduler.sequence import SchedSequence
+
+
+@dataclass
+class PrefillWork:
+    seq: SchedSequence
+    start: int
+    length: int
+
+    @property
+    def is_last(self) -> bool:
+        return self.start + self.length == self.seq.num_known
+
+
+@dataclass
+class StepPlan:
+    decode: list[SchedSequence] = field(default_factory=list)
+    prefill: list[PrefillWork] = field(default_factory=list)
+    #: Sequences that ended before running (timeouts) or were refused this step.
+    finished: list[SchedSequence] = field(default_factory=list)
+
+    @property
+    def sampled(self) -> list[SchedSequence]:
+        return self.decode + [w.seq for w in self.prefill if w.is_last]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decode) + sum(w.length for w in self.prefill)
+
+    def is_empty(self) -> bool:
+        return not self.decode and not self.prefill

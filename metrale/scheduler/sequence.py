@@ -1,0 +1,96 @@
+"""The scheduler's view of one generation stream (one choice of a request).
+
+Owner: scheduler. The engine creates `SchedSequence`s; the scheduler moves them between its
+queues and owns their model-engine `SequenceState` while they hold device resources.
+
+Invariants:
+- `all_tokens` (prompt + output) are the tokens known; `num_computed` of them have KV written
+  (`state.seq_len`, 0 without a state). Every forward makes `num_computed` catch up with the
+  known tokens; when it catches up fully, the last row's logits sample a new token.
+- `state` is not None exactly while the sequence holds device resources (RUNNING).
+- A FINISHED sequence never holds a state, a swap record or a queue position.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+from dataclasses import dataclass, field
+
+from metrale.model_engine.traits import PromptTokenLogprob, SequenceState
+from metrale.sampling.params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+@dataclass
+class SwapRecord:
+    """A swapped-out sequence's device state, kept in host memory."""
+
+    data: io.BytesIO
+    num_blocks: int
+    seq_len: int
+    nbytes: int
+
+
+@dataclass(eq=False)
+class SchedSequence:
+    seq_id: str
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    #: Resolved token budget for this stream's output.
+    max_tokens: int
+    eos_token_ids: frozenset[int]
+    #: Effective sampling seed of this choice (None: the engine's generator).
+    seed: int | None = None
+    adapter_id: int = 0
+    #: Absolute monotonic deadline, or None.
+    deadline: float | None = None
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    state: SequenceState | None = None
+    swap: SwapRecord | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    #: Output length when the sequence last resumed from a preemption (immunity window).
+    resumed_at: int | None = None
+    num_preemptions: int = 0
+    #: Prompt tokens served from the prefix cache on the first admission.
+    num_cached_tokens: int = 0
+    #: Prompt logprobs, kept here once complete (they survive preemption).
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_known(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_computed(self) -> int:
+        return self.state.seq_len if self.state is not None else 0
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def is_decoding(self) -> bool:
+        """One known token left to compute and it is a generated one: a decode row."""
+        return bool(self.output_token_ids) and self.num_known - self.num_computed == 1
