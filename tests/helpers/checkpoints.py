@@ -1,0 +1,137 @@
+"""Tiny random checkpoints of every supported architecture, written by transformers.
+
+Owner: tests. Each `Variant` names an architecture and the config switches it exercises
+(tied embeddings, GQA ratio, q/k norm, biases, rope scaling, config layout); `build()` writes a
+real Hugging Face checkpoint (config.json + model.safetensors + tokenizer files) so the loader
+under test reads exactly what users' checkpoints hold.
+
+Invariants:
+- Deterministic: the same variant always gets the same weights (seeded init).
+- Built once per process per variant, into a temporary directory removed at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.helpers.tiny_tokenizer import copy_tokenizer_into
+
+COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    name: str
+    arch: str  # llama | mistral | qwen2 | qwen3 | ...
+    overrides: tuple[tuple[str, Any], ...] = ()
+    #: Rewrite config.json into the classic layout (top-level rope_theta / rope_scaling /
+    #: torch_dtype) that published checkpoints use.
+    classic_layout: bool = False
+    seed: int = 0
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Variant) and other.name == self.name
+
+    def config_kwargs(self) -> dict[str, Any]:
+        return {**COMMON, **dict(self.overrides)}
+
+
+def _rope(kind: str, **params: Any) -> tuple[str, Any]:
+    return ("rope_parameters", {"rope_type": kind, "rope_theta": 10000.0, **params})
+
+
+DENSE_VARIANTS: list[Variant] = [
+    Variant("llama-gqa2", "llama"),
+    Variant("llama-tied-mha-linear", "llama", (("tie_word_embeddings", True), ("num_key_value_heads", 4), _rope("linear", factor=2.0))),
+    Variant("llama-gqa4-llama3", "llama", (("num_key_value_heads", 1), _rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64))),
+    Variant("llama-headdim-yarn-bias", "llama", (("head_dim", 32), ("attention_bias", True), _rope("yarn", factor=4.0, original_max_position_embeddings=128))),
+    Variant("llama-classic-llama3", "llama", (_rope("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),), classic_layout=True),
+    Variant("mistral-window", "mistral", (("sliding_window", 48),)),
+    Variant("qwen2-bias-tied", "qwen2", (("tie_word_embeddings", True),)),
+    Variant("qwen3-qknorm", "qwen3", (("head_dim", 16),)),
+    Variant("qwen3-classic-yarn-gqa4", "qwen3", (("head_dim", 16), ("num_key_value_heads", 1), _rope("yarn", factor=2.0, original_max_position_embeddings=256)), classic_layout=True),
+]  # fmt: skip
+
+
+def _classes(arch: str) -> tuple[type, type]:
+    import transformers as tf
+
+    return {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+    }[arch]
+
+
+def to_classic_layout(config_path: Path) -> None:
+    """Rewrite a transformers-5 config.json into the layout published checkpoints use."""
+    cfg = json.loads(config_path.read_text())
+    rope = dict(cfg.pop("rope_parameters", None) or {})
+    cfg["rope_theta"] = rope.pop("rope_theta", 10000.0)
+    if rope.get("rope_type", "default") != "default":
+        cfg["rope_scaling"] = rope
+    else:
+        cfg["rope_scaling"] = None
+    if "dtype" in cfg:
+        cfg["torch_dtype"] = cfg.pop("dtype")
+    config_path.write_text(json.dumps(cfg, indent=2))
+
+
+def write_checkpoint(variant: Variant, out: Path, *, max_shard_size: str | None = None) -> Path:
+    import torch
+
+    config_cls, model_cls = _classes(variant.arch)
+    torch.manual_seed(variant.seed)
+    config = config_cls(**variant.config_kwargs())
+    model = model_cls(config).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    if variant.classic_layout:
+        to_classic_layout(out / "config.json")
+    copy_tokenizer_into(out)
+    return out
+
+
+@functools.cache
+def build(variant: Variant) -> Path:
+    """The checkpoint directory of `variant`, built once per process; do not modify it."""
+    out = Path(tempfile.mkdtemp(prefix=f"metrale-{variant.name}-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    return write_checkpoint(variant, out)
+
+
+def copy_checkpoint(variant: Variant, dst: Path) -> Path:
+    """A private, modifiable copy of a variant's checkpoint (for corruption tests)."""
+    shutil.copytree(build(variant), dst, dirs_exist_ok=True)
+    return dst
+
+
+def load_hf(path: Path, dtype: str = "float32") -> Any:
+    import torch
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
