@@ -1,0 +1,155 @@
+"""The `metrale` command: `generate`, `serve`, `bench`.
+
+Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place
+(`add_engine_arguments` / `engine_config_from_args`), so every subcommand spells them alike
+(`--max-model-len`, `--num-kv-blocks`, `--enable-prefix-caching/--no-enable-prefix-caching`).
+
+Invariants:
+- A bad flag value exits with status 2 and a one-line message naming the flag; no traceback.
+- Subcommands import their heavy modules lazily, so `metrale --help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from metrale.config import EngineConfig
+from metrale.errors import MetraleError
+
+FLAG_HELP = {
+    "model": "checkpoint directory (default: the bundled metrale-tiny-code)",
+    "device": "auto | cpu | cuda",
+    "dtype": "auto | float32 | bfloat16 | float16",
+    "max_model_len": "longest prompt + output in tokens (default: the checkpoint's)",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "most tokens in one forward",
+    "num_kv_blocks": "exact KV pool size in blocks (overrides memory sizing)",
+    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "preemption_mode": "recompute | swap",
+    "request_timeout": "per-request deadline in seconds (0: none)",
+    "load_format": "auto | dummy (random weights of the config's shapes)",
+}
+
+
+def _base_type(annotation: Any) -> type:
+    hints = typing.get_args(annotation)
+    if isinstance(annotation, types.UnionType) or hints:
+        return next(t for t in hints if t is not type(None))
+    return annotation
+
+
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, positional_model: bool = False
+) -> None:
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model" and positional_model:
+            parser.add_argument("model", nargs="?", default=None, help=FLAG_HELP["model"])
+            parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(hints[f.name])
+        help_text = FLAG_HELP.get(f.name, f.name.replace("_", " "))
+        if typ is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    if getattr(args, "model_flag", None):
+        values["model"] = args.model_flag
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from metrale.engine.llm import LLM
+    from metrale.sampling.params import SamplingParams
+
+    config = engine_config_from_args(args)
+    llm = LLM(**dataclasses.asdict(config))
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed_request,
+        stop=args.stop or [],
+    )
+    if args.chat:
+        outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        outputs = llm.generate([args.prompt], params)
+    out = outputs[0].outputs[0]
+    sys.stdout.write(out.text)
+    sys.stdout.write("\n")
+    logging.getLogger("metrale").info(
+        "%d tokens, finish_reason=%s", len(out.token_ids), out.finish_reason
+    )
+    return 0
+
+
+def add_log_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metrale", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    add_log_level(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed-request", type=int, default=None, help="sampling seed of the request")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_engine_arguments(gen)
+    gen.set_defaults(handler=_generate)
+
+    try:
+        from metrale.server.launch import add_serve_parser
+    except ImportError:  # the server extras are not installed
+        pass
+    else:
+        add_serve_parser(sub)
+    try:
+        from metrale.bench.cli import add_bench_parser
+    except ImportError:
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except MetraleError as exc:
+        parser.exit(2, f"metrale: error: {exc.message}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
