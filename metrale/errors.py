@@ -57,7 +57,7 @@ class NotFoundError(MetraleError):
     error_type = "not_found_error"
 
 
-class Unsupported(MetraleError, NotImplementedError):  # noqa: N818 - the seed's name
+class Unsupported(MetraleError, NotImplementedError):
     """A capability this model or build does not have (the seed's default refusal)."""
 
     status_code = 400

@@ -29,7 +29,7 @@ def solo_tokens() -> tuple[tuple[int, ...], ...]:
 
 def assert_all_blocks_free(engine: Engine) -> None:
     assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
-    getattr(engine.model, "block_pool").check()
+    engine.model.block_pool.check()
 
 
 def test_batch_of_eight_equals_each_alone() -> None:

@@ -89,7 +89,7 @@ def test_truncated_file_is_named(tmp_path: Path) -> None:
     weights = path / "model.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load(path)
 
 
@@ -122,5 +122,5 @@ def test_dynamic_rope_is_refused(tmp_path: Path) -> None:
 def test_missing_config_is_reported(tmp_path: Path) -> None:
     path = copy_checkpoint(VARIANT, tmp_path)
     (path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load(path)
