@@ -48,6 +48,12 @@ class PagedKVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V in every layer (copy-on-write of a shared block)."""
+        for k, v in self.layers:
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
     def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the given blocks of every layer, on the host (for swap-out)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)

@@ -125,6 +125,7 @@ class Engine:
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids = self._prompt_ids(prompt, prompt_token_ids)
+        params.validate_for_vocab(self.vocab_size)
         max_tokens = self._resolve_max_tokens(len(ids), params)
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
@@ -253,9 +254,16 @@ class Engine:
         ]
         out = self.sampler(logits, rows)
         committed = self.scheduler.commit(plan, out.token_ids)
+        unsamplable = {sampled[i].seq_id for i in out.unsamplable_rows}
         for i, c in enumerate(committed):
             state, choice = self._choice_of[c.seq.seq_id]
             touched[state.request_id] = state
+            if c.seq.seq_id in unsamplable:
+                # Every token was masked or non-finite: end this choice, not the batch.
+                self.scheduler.finish(c.seq, "error")
+                state.error = "no token could be sampled (all logits masked or not finite)"
+                choice.close("error", None)
+                continue
             top = out.top_logprobs[i] if out.top_logprobs is not None else None
             if state.add_token(choice, c.token, out.logprobs[i], out.ranks[i], top):
                 assert choice.stops is not None

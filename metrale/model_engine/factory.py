@@ -113,7 +113,9 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
         module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
     )  # fmt: skip
-    model = TransformerModel(module, mcfg, kv, device, dtype, max_model_len)
+    model = TransformerModel(
+        module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching
+    )
     kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
         module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )

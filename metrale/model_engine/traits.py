@@ -382,6 +382,10 @@ class ModelLifecycle(ABC):
         `seq.prefix_lookup_applied` is set."""
         return 0
 
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters for metrics (a metrale extension); empty without a cache."""
+        return {}
+
     def reclaim_prefix_blocks(self, n: int) -> int:
         """Evict up to `n` prefix-cache blocks; returns how many were freed (0: none)."""
         return 0

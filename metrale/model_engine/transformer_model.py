@@ -25,12 +25,14 @@ import torch
 
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.cache.radix import RadixPrefixCache
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.traits import (
     MixedBatchResult,
     Model,
     PrefillSlice,
+    PrefixReclaim,
     PromptTokenLogprob,
     SequenceState,
     Stream,
@@ -55,6 +57,7 @@ class TransformerModel(Model):
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.module = module
         self.config = config
@@ -66,6 +69,17 @@ class TransformerModel(Model):
         self.max_model_len = max_model_len
         self._next_slot = 0
         self._last_hidden: torch.Tensor | None = None
+        self.prefix_cache: RadixPrefixCache | None = None
+        #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
+        self.prefix_cache_bypasses = 0
+        self._prefix_bypassed = enable_prefix_caching and self.has_ssm_layers()
+        if self._prefix_bypassed:
+            logger.warning(
+                "prefix caching is bypassed: this model keeps recurrent (SSM) state that a KV "
+                "prefix hit cannot restore; every prompt is computed in full"
+            )
+        elif enable_prefix_caching:
+            self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -76,8 +90,74 @@ class TransformerModel(Model):
         return seq
 
     def cache_sequence(self, seq: SequenceState) -> None:
-        """Without a prefix cache there is nothing to keep."""
-        return None
+        """Index the sequence's fully written blocks in the prefix cache (if there is one)."""
+        if self.prefix_cache is None or not seq.block_table:
+            return
+        valid = min(seq.kv_valid_tokens, seq.seq_len, len(seq.tokens))
+        self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
+
+    def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.match(tokens, adapter_id).reused
+
+    def lookup_prefix(self, seq: SequenceState, tokens: Sequence[int]) -> int:
+        if seq.prefix_lookup_applied:
+            return seq.reused_prefix_tokens
+        if seq.seq_len or seq.block_table:
+            raise ValueError("the prefix lookup must run before the sequence's first chunk")
+        seq.prefix_lookup_applied = True
+        if self.prefix_cache is None:
+            self.prefix_cache_bypasses += self._prefix_bypassed
+            return 0
+        match = self.prefix_cache.match(tokens, seq.adapter_id)
+        if not match.nodes:
+            return 0
+        blocks = [node.block for node in match.nodes]
+        if match.copy_last:
+            private = self.block_pool.allocate(1)[0]
+            self.kv_cache.copy_block(blocks[-1], private)
+            self.block_pool.incref(blocks[:-1])
+            seq.block_table = [*blocks[:-1], private]
+        else:
+            self.block_pool.incref(blocks)
+            seq.block_table = blocks
+        self.prefix_cache.touch(match.nodes)
+        matched = len(blocks) * self.block_size
+        seq.tokens = list(tokens[: match.reused])
+        seq.seq_len = seq.kv_valid_tokens = match.reused
+        seq.cached_prefix_tokens = matched
+        seq.cached_prefix_blocks = len(blocks)
+        seq.prefix_ref_tokens = list(tokens[:matched])
+        seq.reused_prefix_tokens = match.reused
+        seq.prefix_lookup_skip = True
+        return match.reused
+
+    def reclaim_prefix_blocks(self, n: int) -> int:
+        return self.prefix_cache.evict(n) if self.prefix_cache is not None else 0
+
+    def reclaim_prefix_blocks_for(
+        self, prompt: Sequence[int], adapter_slot: int, blocks_needed: int
+    ) -> PrefixReclaim:
+        """Evict until `blocks_needed` are free, never the prefix `prompt` will reuse.
+        (`adapter_slot` is the prefix-cache namespace, i.e. the adapter id.)"""
+        cache = self.prefix_cache
+        short = blocks_needed - self.block_pool.num_free
+        if cache is not None and short > 0:
+            protected = cache.protected_blocks(prompt, adapter_slot) if prompt else set()
+            cache.evict(short, protected)
+        return PrefixReclaim(target=blocks_needed, free=self.block_pool.num_free)
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        stats = {"bypassed_lookups": self.prefix_cache_bypasses}
+        if self.prefix_cache is not None:
+            c = self.prefix_cache.stats
+            stats.update(
+                evicted_blocks=c.evicted_blocks,
+                inserted_blocks=c.inserted_blocks,
+                cached_blocks=c.cached_blocks,
+            )
+        return stats
 
     def free_sequence(self, seq: SequenceState) -> None:
         if seq.block_table:

@@ -338,9 +338,8 @@ class Scheduler:
             need, _ = self._admission_need(seq)
             if need > available:
                 tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
-                self.model.reclaim_prefix_blocks_for(
-                    tokens, seq.adapter_id, need + self._reserved_blocks()
-                )
+                target = need + self._reserved_blocks() + self._decode_need()
+                self.model.reclaim_prefix_blocks_for(tokens, seq.adapter_id, target)
                 available = self._available_blocks() - self._decode_need()
                 need, _ = self._admission_need(seq)
                 if need > available:

@@ -8,6 +8,7 @@ import pytest
 from metrale import Engine, EngineConfig, SamplingParams
 from metrale.errors import ContextLengthError, InvalidRequestError
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import mixed_prompts
 
 VARIANT = next(v for v in DENSE_VARIANTS if v.name == "llama-gqa2")
@@ -68,7 +69,7 @@ def test_bad_requests_leave_others_untouched() -> None:
     with pytest.raises(InvalidRequestError, match="already in use"):
         engine.add_request("r0", [7, 8], GREEDY)
     assert run_all(engine) == reference
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+    assert_no_leaks(engine)
 
 
 def _with(engine: Engine, prompts: list[list[int]]) -> Engine:
@@ -93,8 +94,7 @@ def test_abort_anywhere_frees_blocks_and_spares_the_rest() -> None:
     finals = run_all(engine)
     assert set(finals) == {"r0", "r2", "r3", "r4", "r5"}
     assert all(finals[k] == reference[k] for k in finals)
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
-    engine.model.block_pool.check()
+    assert_no_leaks(engine)
 
 
 def test_timeout_ends_a_request_with_finish_reason_timeout() -> None:
@@ -105,4 +105,4 @@ def test_timeout_ends_a_request_with_finish_reason_timeout() -> None:
     outs = [o for _ in range(3) for o in engine.step()]
     assert outs and outs[-1].finished
     assert outs[-1].outputs[0].finish_reason == "timeout"
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
+    assert_no_leaks(engine)

@@ -10,6 +10,7 @@ import pytest
 
 from metrale import LLM, Engine, EngineConfig, SamplingParams
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import mixed_prompts
 
 VARIANT = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
@@ -27,16 +28,13 @@ def solo_tokens() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(llm.generate([p], GREEDY)[0].outputs[0].token_ids) for p in mixed_prompts(8))
 
 
-def assert_all_blocks_free(engine: Engine) -> None:
-    assert engine.model.num_free_blocks() == engine.model.num_total_blocks()
-    engine.model.block_pool.check()
 
 
 def test_batch_of_eight_equals_each_alone() -> None:
     llm = make_llm()
     outs = llm.generate(mixed_prompts(8), GREEDY)
     assert tuple(tuple(o.outputs[0].token_ids) for o in outs) == solo_tokens()
-    assert_all_blocks_free(llm.engine)
+    assert_no_leaks(llm.engine)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
@@ -44,7 +42,7 @@ def test_prefill_chunk_budget_does_not_change_tokens(chunk: int) -> None:
     llm = make_llm(max_prefill_chunk=chunk)
     outs = llm.generate(mixed_prompts(8), GREEDY)
     assert tuple(tuple(o.outputs[0].token_ids) for o in outs) == solo_tokens()
-    assert_all_blocks_free(llm.engine)
+    assert_no_leaks(llm.engine)
 
 
 def test_token_budget_smaller_than_a_block_still_progresses() -> None:
@@ -81,7 +79,7 @@ def test_arrivals_while_others_decode_share_forwards() -> None:
         )
     assert mixed_steps > 0, "no step mixed decode rows with prefill chunks"
     assert tuple(tuple(finals[f"r{i}"]) for i in range(8)) == solo_tokens()
-    assert_all_blocks_free(engine)
+    assert_no_leaks(engine)
 
 
 def test_seeded_sampling_repeats_across_batch_placements() -> None:
@@ -96,7 +94,7 @@ def test_seeded_sampling_repeats_across_batch_placements() -> None:
     assert last[-1].outputs[0].token_ids == alone
     unseeded = [o.outputs[0].token_ids for o in llm.generate([prompts[3]] * 4, other)]
     assert len({tuple(t) for t in unseeded}) > 1, "unseeded samples should differ"
-    assert_all_blocks_free(llm.engine)
+    assert_no_leaks(llm.engine)
 
 
 def test_n_choices_share_a_prompt_and_differ() -> None:

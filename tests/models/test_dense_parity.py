@@ -9,6 +9,7 @@ import pytest
 
 from metrale import LLM, SamplingParams
 from tests.helpers.checkpoints import DENSE_VARIANTS, Variant, build, load_hf
+from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import assert_matches, hf_greedy, mixed_prompts
 
 NEW_TOKENS = 32
@@ -25,7 +26,7 @@ def test_greedy_matches_transformers(variant: Variant) -> None:
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_token_ids == prompt
         assert_matches(out, hf_greedy(hf, prompt, NEW_TOKENS))
-    assert llm.engine.model.num_free_blocks() == llm.engine.model.num_total_blocks()
+    assert_no_leaks(llm.engine)
 
 
 def test_sliding_window_variant_really_windows() -> None:

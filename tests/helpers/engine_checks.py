@@ -1,0 +1,25 @@
+"""Checks shared by engine tests.
+
+Owner: tests.
+"""
+
+from __future__ import annotations
+
+from metrale import Engine
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    """Nothing is held by a sequence: every usable block is free or held only by the prefix
+    cache, and once the cache is emptied every block is free (all but the null block)."""
+    model = engine.model
+    assert not engine.has_unfinished()
+    pool = model.block_pool
+    pool.check()
+    cache = model.prefix_cache
+    cache_only = cache.cache_only_blocks() if cache is not None else 0
+    cached = len(cache.cached_block_ids()) if cache is not None else 0
+    assert cache_only == cached, "a finished sequence still references a cached block"
+    assert model.num_free_blocks() + cache_only == model.num_total_blocks()
+    model.reclaim_prefix_blocks(model.num_total_blocks())
+    assert model.num_free_blocks() == model.num_total_blocks()
+    pool.check()
