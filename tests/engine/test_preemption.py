@@ -1,0 +1,75 @@
+"""Preemption: with a KV pool so small that sequences are preempted every few steps, 32
+concurrent requests (greedy and seeded sampling) produce exactly the tokens of an ample pool,
+under swap and under recompute, and every block comes back. A request that can never fit is
+refused at once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.errors import CapacityError
+from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.engine_checks import assert_no_leaks
+
+VARIANT = next(v for v in DENSE_VARIANTS if v.name == "llama-gqa2")
+
+
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    g = torch.Generator().manual_seed(11)
+    prompts = [
+        torch.randint(6, 512, (int(n),), generator=g).tolist()
+        for n in torch.randint(4, 30, (32,), generator=g)
+    ]
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=64)
+        if i % 2 == 0
+        else SamplingParams(temperature=0.8, top_k=50, max_tokens=64, min_tokens=64, seed=100 + i)
+        for i in range(32)
+    ]
+    return prompts, params
+
+
+def run(**kwargs: object) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(build(VARIANT)), device="cpu", max_num_seqs=32, **kwargs)
+    prompts, params = workload()
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_tiny_pool_preempts_and_still_matches_ample_pool(mode: str, prefix_caching: bool) -> None:
+    ample, _ = run(num_kv_blocks=400, enable_prefix_caching=prefix_caching)
+    tight, llm = run(num_kv_blocks=20, preemption_mode=mode, enable_prefix_caching=prefix_caching)
+    assert tight == ample
+    stats = llm.engine.scheduler.stats
+    preemptions = stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute
+    steps = llm.engine.num_steps
+    assert preemptions * 12 >= steps, (
+        f"{preemptions} preemptions in {steps} steps: the pool is not tight"
+    )
+    if mode == "swap":
+        assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
+        assert stats.preemptions_recompute == 0
+    assert_no_leaks(llm.engine)
+
+
+def test_swap_space_exhaustion_falls_back_to_recompute_and_says_so() -> None:
+    tight, llm = run(num_kv_blocks=20, preemption_mode="swap", swap_space_gb=1e-5)
+    ample, _ = run(num_kv_blocks=400)
+    assert tight == ample
+    stats = llm.engine.scheduler.stats
+    assert stats.swap_fallbacks > 0 and stats.preemptions_recompute > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_request_that_can_never_fit_is_refused() -> None:
+    llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=8)
+    with pytest.raises(CapacityError, match="can never be served"):
+        llm.generate([list(range(6, 60))], SamplingParams(max_tokens=200))
+    ok = llm.generate(
+        [list(range(6, 30))], SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    )
+    assert len(ok[0].outputs[0].token_ids) == 8
+    assert_no_leaks(llm.engine)
