@@ -1,0 +1,104 @@
+"""`metrale bench ttft`: time to first token for a long prompt, cold versus with most of it in
+the prefix cache.
+
+Owner: bench.
+
+Method: a warm-up request first (one-time costs), then for each repeat, a fresh random prompt of `--prompt-len` tokens. Cold: the prompt alone
+on an engine whose cache holds nothing of it. Warm: a request with the first `--cached-len`
+tokens runs to completion first (its KV enters the cache), then the full prompt is timed. TTFT
+is wall time from `add_request` to the step that returns the first token. Figures are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from metrale.bench.record import write_record
+from metrale.bench.synthetic import prepare_model_dir
+from metrale.config import EngineConfig
+from metrale.engine.engine import Engine
+from metrale.sampling.params import SamplingParams
+
+
+def time_to_first_token(engine: Engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=1))
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id and out.outputs[0].token_ids:
+                elapsed = time.perf_counter() - start
+                while engine.has_unfinished():
+                    engine.step()
+                return elapsed, out.num_cached_tokens
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_dir = prepare_model_dir(args.config_dir)
+    config = EngineConfig(
+        model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
+        max_num_batched_tokens=args.prompt_len, max_model_len=args.prompt_len + 16,
+    )  # fmt: skip
+    engine = Engine(config)
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.vocab_size
+    cold, warm, cached = [], [], []
+    time_to_first_token(engine, "warmup", torch.randint(8, vocab, (64,), generator=gen).tolist())
+    for i in range(args.repeats):
+        prompt = torch.randint(8, vocab, (args.prompt_len,), generator=gen).tolist()
+        t, _ = time_to_first_token(engine, f"cold-{i}", prompt)
+        cold.append(t)
+        other = torch.randint(8, vocab, (args.prompt_len,), generator=gen).tolist()
+        time_to_first_token(engine, f"prime-{i}", other[: args.cached_len])
+        t, hit = time_to_first_token(engine, f"warm-{i}", other)
+        warm.append(t)
+        cached.append(hit)
+    figures = {
+        "cold_ttft_ms": 1000 * statistics.median(cold),
+        "warm_ttft_ms": 1000 * statistics.median(warm),
+        "warm_over_cold": statistics.median(warm) / statistics.median(cold),
+        # Each warm run follows its cold run: the ratio within a pair cancels slow drifts of a
+        # shared machine.
+        "warm_over_cold_paired_median": statistics.median(w / c for w, c in zip(warm, cold)),
+        "cached_tokens": statistics.median(cached),
+        "cold_samples_ms": [1000 * t for t in cold],
+        "warm_samples_ms": [1000 * t for t in warm],
+    }
+    path = write_record(
+        "ttft",
+        model_shape=args.shape or Path(args.config_dir).name,
+        config={
+            "prompt_len": args.prompt_len,
+            "cached_len": args.cached_len,
+            "repeats": args.repeats,
+            "device": str(engine.model.device),
+            "dtype": str(engine.model.dtype),
+            "config_dir": str(args.config_dir),
+            "threads": torch.get_num_threads(),
+        },
+        figures=figures,
+        device=args.device,
+        out_dir=args.out_dir,
+        notes="peer: the same engine with the prefix cache cold (no cache hit)",
+    )
+    print(
+        f"cold TTFT {figures['cold_ttft_ms']:.1f} ms, warm TTFT {figures['warm_ttft_ms']:.1f} ms "
+        f"({figures['cached_tokens']:.0f} cached tokens): warm/cold = {figures['warm_over_cold']:.3f}"
+    )
+    print(f"record: {path}")
+    return figures
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-dir", default="bench/configs/tiny-2k")
+    parser.add_argument("--shape", default=None, help="model shape name for the record")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-len", type=int, default=2000)
+    parser.add_argument("--cached-len", type=int, default=1900)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out-dir", default="bench/records")
