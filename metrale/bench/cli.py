@@ -10,7 +10,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import ttft
+    from metrale.bench import offline, serve, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -18,6 +18,15 @@ def add_bench_parser(sub: Any) -> None:
     ttft.add_arguments(p)
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(handler=lambda args: _run(ttft.run, args))
+    p = inner.add_parser("latency", help="batch-1 decode tok/s vs the HBM roofline and HF")
+    offline.add_latency(p)
+    p.set_defaults(handler=lambda args: _run(offline.run_latency, args))
+    p = inner.add_parser("throughput", help="offline throughput, the nano-vllm recipe")
+    offline.add_throughput(p)
+    p.set_defaults(handler=lambda args: _run(offline.run_throughput, args))
+    p = inner.add_parser("serve", help="concurrency ladder against an OpenAI-compatible URL")
+    serve.add_arguments(p)
+    p.set_defaults(handler=lambda args: _run(serve.run, args))
 
 
 def _run(fn: Any, args: argparse.Namespace) -> int:

@@ -1,0 +1,238 @@
+"""`metrale bench latency` and `metrale bench throughput`: offline instruments on the Engine.
+
+Owner: bench.
+
+latency: batch-1 decode after a `--prompt-len` prompt. tok/s = (generated - 1) / time from the
+first to the last token (decode only). The roofline measured in the same run is
+`copy bandwidth / bytes read per step`, where bytes per step = every weight matrix the step
+reads (the embedding table contributes one row unless tied to the LM head) + the KV of the
+mean context.
+
+throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform in
+[100, 1024], random token ids, ignore_eos; output tokens / wall time, after a warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.bench.record import write_record
+from metrale.bench.synthetic import prepare_model_dir
+from metrale.config import EngineConfig
+from metrale.engine.engine import Engine
+from metrale.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
+    model_dir = prepare_model_dir(args.config_dir)
+    values = dict(
+        model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
+        max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+    )  # fmt: skip
+    values.update(overrides)
+    return Engine(EngineConfig(**values))
+
+
+def _bytes_per_step(engine: Engine, context: int) -> int:
+    model = engine.model
+    module = model.module
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    embed = module.model.embed_tokens.weight
+    if not getattr(module, "tied", False):
+        total -= embed.numel() * embed.element_size()  # only one row is gathered
+    cfg = model.config
+    kv_per_token = 2 * module.kv_layer_count * cfg.num_key_value_heads * cfg.head_dim
+    return total + context * kv_per_token * embed.element_size()
+
+
+def _sync(engine: Engine) -> None:
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize(engine.model.device)
+
+
+def decode_latency(engine: Engine, prompt_len: int, tokens: int, seed: int = 0) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(10, engine.vocab_size - 10, (prompt_len,), generator=gen).tolist()
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    engine.add_request(f"lat-{seed}", prompt, params)
+    stamps: list[float] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                stamps.append(time.perf_counter())
+    steps = [b - a for a, b in itertools.pairwise(stamps)]
+    return {
+        "tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+        "step_ms_median": 1000 * statistics.median(steps),
+        "step_ms_p90": 1000 * sorted(steps)[int(0.9 * (len(steps) - 1))],
+        "generated": len(stamps),
+    }
+
+
+def run_latency(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    decode_latency(engine, args.prompt_len, 16, seed=99)  # warm-up
+    figures: dict[str, Any] = decode_latency(engine, args.prompt_len, args.tokens)
+    if engine.model.device.type == "cuda":
+        from metrale.bench.hardware import copy_bandwidth
+
+        bandwidth = copy_bandwidth(engine.model.device)
+        per_step = _bytes_per_step(engine, args.prompt_len + args.tokens // 2)
+        figures["copy_bandwidth_gb_s"] = bandwidth / 1e9
+        figures["bytes_per_step"] = per_step
+        figures["roofline_tok_s"] = bandwidth / per_step
+        figures["roofline_ratio"] = figures["tok_s"] / figures["roofline_tok_s"]
+    peer = None
+    shape = args.shape or Path(args.config_dir).name
+    engine_info = _engine_info(engine)
+    del engine
+    if args.peer:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        from metrale.bench.hf_peer import hf_generate_tok_s
+
+        peer = hf_generate_tok_s(
+            args.config_dir, 1, args.prompt_len, args.peer_tokens, device=args.device,
+            dtype=getattr(torch, _dtype_name(args)), try_compile=args.peer_compile,
+        )  # fmt: skip
+        figures["vs_peer"] = figures["tok_s"] / peer["tok_s"]
+    path = write_record(
+        "latency", model_shape=shape, figures=figures, peer_figures=peer, device=args.device,
+        config={**vars_of(args), **engine_info}, out_dir=args.out_dir,
+    )  # fmt: skip
+    _print_table("latency", shape, figures, peer, path)
+    return figures
+
+
+def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    engine = _engine(args, max_num_seqs=args.max_num_seqs)
+    rng = random.Random(0)
+    n = args.num_requests
+    lo, hi = args.min_len, args.max_len
+    top = min(10000, engine.vocab_size) - 1  # the recipe draws ids in [0, 10000)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    outs = [rng.randint(lo, hi) for _ in range(n)]
+    decode_latency(engine, 64, 8, seed=98)  # warm-up
+    _sync(engine)
+    start = time.perf_counter()
+    for i, (p, m) in enumerate(zip(prompts, outs)):
+        engine.add_request(
+            f"tp-{i}", p, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True)
+        )
+    produced = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    _sync(engine)
+    elapsed = time.perf_counter() - start
+    figures: dict[str, Any] = {
+        "output_tok_s": produced / elapsed,
+        "total_tok_s": (produced + sum(map(len, prompts))) / elapsed,
+        "seconds": elapsed,
+        "output_tokens": produced,
+        "requests": n,
+        "steps": engine.num_steps,
+        "preemptions": engine.scheduler.stats.preemptions_recompute
+        + engine.scheduler.stats.preemptions_swap,
+    }
+    shape = args.shape or Path(args.config_dir).name
+    engine_info = _engine_info(engine)
+    del engine
+    peer = None
+    if args.peer:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        from metrale.bench.hf_peer import hf_generate_tok_s
+
+        peer = hf_generate_tok_s(
+            args.config_dir, args.peer_batch, (lo + hi) // 2, args.peer_tokens, device=args.device,
+            dtype=getattr(torch, _dtype_name(args)), try_compile=False,
+        )  # fmt: skip
+        figures["vs_peer"] = figures["output_tok_s"] / peer["tok_s"]
+    path = write_record(
+        "throughput", model_shape=shape, figures=figures, peer_figures=peer, device=args.device,
+        config={**vars_of(args), **engine_info}, out_dir=args.out_dir,
+    )  # fmt: skip
+    _print_table("throughput", shape, figures, peer, path)
+    return figures
+
+
+def _dtype_name(args: argparse.Namespace) -> str:
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if args.device != "cpu" and torch.cuda.is_available() else "float32"
+
+
+def _engine_info(engine: Engine) -> dict[str, Any]:
+    model = engine.model
+    info = {
+        "kv_blocks": model.num_total_blocks(),
+        "kernels": dict(getattr(getattr(model.module, "ops", None), "implementations", {}) or {}),
+        "cuda_graphs": getattr(model, "graph_runner", None) is not None,
+    }
+    breakdown = getattr(engine, "startup_breakdown", None) or getattr(
+        engine.load_report, "breakdown", None
+    )
+    if breakdown is not None:
+        info["startup"] = breakdown.summary()
+    return info
+
+
+def vars_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "handler" and not callable(v)}
+
+
+def _print_table(name: str, shape: str, figures: dict[str, Any], peer: Any, path: Path) -> None:
+    print(f"{name} {shape}")
+    for key, value in figures.items():
+        print(f"  {key:24s} {value:.4g}" if isinstance(value, float) else f"  {key:24s} {value}")
+    if peer:
+        print(f"  peer (transformers)       {peer['tok_s']:.4g} tok/s  {peer}")
+    print(f"record: {path}")
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config-dir", required=True, help="committed config dir, e.g. bench/configs/qwen3-8b"
+    )
+    parser.add_argument("--shape", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out-dir", default="bench/records")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def add_latency(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--peer-tokens", type=int, default=32)
+    parser.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=False)
+
+
+def add_throughput(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--min-len", type=int, default=100)
+    parser.add_argument("--max-len", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--peer-batch", type=int, default=16)
+    parser.add_argument("--peer-tokens", type=int, default=32)

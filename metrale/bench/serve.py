@@ -1,0 +1,164 @@
+"""`metrale bench serve`: a client for any OpenAI-compatible URL that runs a concurrency ladder
+(Metrale's instrument): at each rung C every request of the rung is sent at once, ISL tokens of
+random ids, OSL tokens out at temperature 0 with ignore_eos, streamed.
+
+Owner: bench.
+
+Figures per rung: aggregate output tok/s (usage-reported completion tokens / wall time of the
+rung), TTFT and TPOT percentiles (p50/p90/p99; TPOT = (end - first token) / (tokens - 1) per
+request) and the number of failed requests. A failed request is counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from metrale.bench.record import write_record
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {
+        "p50": pick(0.5),
+        "p90": pick(0.9),
+        "p99": pick(0.99),
+        "mean": statistics.fmean(ordered),
+    }
+
+
+async def one_request(
+    client: Any, url: str, model: str, prompt: list[int], osl: int, api_key: str | None
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": osl,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    start = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    chunks = 0
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=headers
+        ) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode(errors="replace")[:300]
+                return {"ok": False, "error": f"HTTP {resp.status_code}: {detail}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    return {"ok": False, "error": str(event["error"])[:300]}
+                if event.get("choices") and event["choices"][0].get("text"):
+                    chunks += 1
+                    if first is None:
+                        first = time.perf_counter()
+                usage = event.get("usage")
+                if usage:
+                    tokens = int(usage["completion_tokens"])
+    except Exception as exc:  # a failed request is a figure, not a crash
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    end = time.perf_counter()
+    if first is None or tokens < osl:
+        return {"ok": False, "error": f"short response: {tokens} of {osl} tokens"}
+    return {
+        "ok": True,
+        "ttft": first - start,
+        "tpot": (end - first) / max(1, tokens - 1),
+        "tokens": tokens,
+        "chunks": chunks,
+    }
+
+
+async def run_rung(
+    url: str, model: str, concurrency: int, isl: int, osl: int, vocab: int, seed: int,
+    api_key: str | None, timeout: float,
+) -> dict[str, Any]:  # fmt: skip
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [[rng.randint(10, vocab - 10) for _ in range(isl)] for _ in range(concurrency)]
+    limits = httpx.Limits(
+        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+    )
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(one_request(client, url, model, p, osl, api_key) for p in prompts)
+        )
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    errors = [r["error"] for r in results if not r["ok"]]
+    return {
+        "concurrency": concurrency,
+        "aggregate_tok_s": sum(r["tokens"] for r in ok) / wall,
+        "ttft_ms": {k: 1000 * v for k, v in percentiles([r["ttft"] for r in ok]).items()},
+        "tpot_ms": {k: 1000 * v for k, v in percentiles([r["tpot"] for r in ok]).items()},
+        "errors": len(errors),
+        "error_samples": errors[:3],
+        "wall_s": wall,
+        "completed": len(ok),
+    }
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ladder = [int(c) for c in str(args.concurrency).split(",")]
+    rungs = []
+    for i, c in enumerate(ladder):
+        rung = asyncio.run(
+            run_rung(args.url.rstrip("/"), args.model, c, args.isl, args.osl, args.vocab,
+                     args.seed + i, args.api_key, args.timeout)
+        )  # fmt: skip
+        rungs.append(rung)
+        print(
+            f"C={c:4d}  {rung['aggregate_tok_s']:9.1f} tok/s  TTFT p50 {rung['ttft_ms']['p50']:8.1f} ms"
+            f"  TPOT p50 {rung['tpot_ms']['p50']:7.2f} ms  errors {rung['errors']}",
+            flush=True,
+        )
+    peer = json.loads(Path(args.peer_json).read_text()) if args.peer_json else None
+    path = write_record(
+        "serve", model_shape=args.shape, figures=rungs, peer_figures=peer, device=args.device,
+        config={"url": args.url, "model": args.model, "isl": args.isl, "osl": args.osl,
+                "concurrency": ladder, "server": args.server_info},
+        out_dir=args.out_dir,
+    )  # fmt: skip
+    print(f"record: {path}")
+    return rungs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8888")
+    parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument("--shape", required=True, help="model shape for the record, e.g. qwen3-8b")
+    parser.add_argument("--vocab", type=int, required=True, help="vocabulary size for random ids")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--isl", type=int, default=128)
+    parser.add_argument("--osl", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--device", default="auto", help="device the server runs on (record)")
+    parser.add_argument("--server-info", default="", help="free text: how the server was started")
+    parser.add_argument("--peer-json", default=None, help="peer figures measured in the same run")
+    parser.add_argument("--out-dir", default="bench/records")
+    parser.add_argument("--log-level", default="WARNING")
