@@ -1,0 +1,242 @@
+"""`metrale serve`: load the model, bind the port, run uvicorn, drain on SIGTERM / Ctrl-C.
+
+Owner: server. `add_serve_parser` adds the subcommand (engine flags derive from
+`EngineConfig` through `metrale.cli.add_engine_arguments`); `serve` runs it.
+
+Invariants:
+- Loopback (127.0.0.1) unless `--host` says otherwise; binding 0.0.0.0 logs a warning, all
+  the more without an API key.
+- The port is bound before the "listening" summary is logged, so the summary never lies; a
+  port in use is a one-line error, not a traceback.
+- SIGTERM or Ctrl-C: stop accepting connections and new requests, let in-flight requests
+  finish for `--shutdown-grace` seconds, then end the rest with an error frame / 503, stop
+  the engine thread and exit 0. A second Ctrl-C exits at once.
+- Importing this module is cheap (no FastAPI/uvicorn/torch until the command runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import time
+from types import FrameType
+from typing import Any
+
+from metrale.errors import InvalidRequestError, MetraleError
+
+logger = logging.getLogger("metrale.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8888
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+API_KEY_ENV = "METRALE_API_KEY"
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    from metrale.cli import add_engine_arguments, add_log_level
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over OpenAI- and Anthropic-compatible HTTP APIs",
+        description="Serve MODEL (a checkpoint directory; default: the bundled model) over "
+        "/v1/completions, /v1/chat/completions, /v1/messages, /v1/models, /health, /metrics.",
+    )
+    add_log_level(parser)
+    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help="port (default 8888; 0: any free port, see the summary line)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require this key (Bearer or x-api-key) on /v1/* (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="seconds in-flight requests may finish after SIGTERM (default 5)",
+    )
+    add_engine_arguments(parser, positional_model=True)
+    parser.set_defaults(handler=serve_from_args)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise InvalidRequestError(f"cannot resolve --host {host!r}: {exc}", param="host") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise InvalidRequestError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}", param="port"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise MetraleError("metrale serve needs the server extras: pip install 'metrale[server]'")
+    from metrale.cli import engine_config_from_args
+
+    config = engine_config_from_args(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not 0 <= args.port < 65536:
+        raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}", param="port")
+    if args.shutdown_grace < 0:
+        raise InvalidRequestError("--shutdown-grace must be >= 0", param="shutdown_grace")
+    return serve(
+        config,
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        shutdown_grace=args.shutdown_grace,
+        log_level=str(args.log_level).upper(),
+    )
+
+
+def serve(
+    config: Any,
+    *,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
+    log_level: str = "INFO",
+) -> int:
+    import uvicorn
+
+    from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.engine import resolve_model_dir
+    from metrale.server.app import create_app
+
+    model_dir = resolve_model_dir(config.model)
+    logger.info(
+        "loading model %s (device %s, dtype %s) ...", model_dir, config.device, config.dtype
+    )
+    start = time.perf_counter()
+    engine = AsyncEngine.from_config(config)
+    core = engine.engine
+    logger.info("model loaded in %.1f s", time.perf_counter() - start)
+
+    sock = _bind(host, port)
+    app = create_app(engine, api_key=api_key)
+    drainer = _Drainer(engine, shutdown_grace)
+    server = _make_server_class()(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            log_level=log_level.lower() if log_level == "DEBUG" else "warning",
+            access_log=log_level == "DEBUG",
+            timeout_graceful_shutdown=max(1, int(shutdown_grace + 2)),
+            timeout_keep_alive=5,
+            lifespan="on",
+        ),
+        drainer,
+    )
+    if log_level != "DEBUG":
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    model = core.model
+    if host in ("0.0.0.0", "::"):
+        logger.warning(
+            "listening on all interfaces (%s)%s", host, "" if api_key else " WITHOUT an API key"
+        )
+    logger.info(
+        "serving %s on %s %s | KV %d blocks x %d tokens | max_model_len %d | max_num_seqs %d | "
+        "prefix caching %s | %s%s",
+        core.served_model_name,
+        getattr(model, "device", config.device),
+        str(getattr(model, "dtype", config.dtype)).removeprefix("torch."),
+        model.num_total_blocks(),
+        model.kv_block_size() or 0,
+        core.max_model_len,
+        config.max_num_seqs,
+        "on" if config.enable_prefix_caching else "off",
+        _url(sock),
+        " (API key required)" if api_key else "",
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.shutdown()
+        sock.close()
+    logger.info("server stopped")
+    return 0
+
+
+class _Drainer:
+    """The graceful-shutdown sequence, started by the first SIGTERM / SIGINT."""
+
+    def __init__(self, engine: Any, grace: float) -> None:
+        self.engine = engine
+        self.grace = grace
+        self.started = False
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        self.engine.begin_drain()
+        open_requests = self.engine.num_open_requests()
+        logger.info(
+            "shutting down: %d request(s) in flight, %.0f s to finish", open_requests, self.grace
+        )
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon_threadsafe(loop.call_later, self.grace, self._expire)
+
+    def _expire(self) -> None:
+        if self.engine.num_open_requests():
+            logger.warning(
+                "ending %d request(s) still running after the %.0f s grace period",
+                self.engine.num_open_requests(),
+                self.grace,
+            )
+            self.engine.abort_all("the server shut down before the request finished")
+
+
+def _make_server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a handled SIGTERM / SIGINT drains and exits 0."""
+
+        def __init__(self, config: uvicorn.Config, drainer: _Drainer) -> None:
+            super().__init__(config)
+            self.drainer = drainer
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after shutting down (exit status 128+n); the
+            # drain is the graceful answer to them, so the process exits 0 instead.
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+            if sig in (signal.SIGINT, signal.SIGTERM):
+                self.drainer.start()
+
+    return Server

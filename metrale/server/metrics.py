@@ -1,0 +1,213 @@
+"""Prometheus metrics of one server: HTTP traffic, tokens, latencies, engine gauges.
+
+Owner: server. `ServerMetrics` owns a private `CollectorRegistry` (never the global default
+one), so several apps in one process do not collide. HTTP counters are updated by the
+middleware, token counts and latencies by `RequestTracker`s, and engine gauges/counters are
+read from `AsyncEngine.snapshot()` at scrape time.
+
+Invariants:
+- Every series is named `metrale_*`; counters end in `_total` when exposed.
+- Label values are bounded: `endpoint` is one of the known routes or "other", `status` an
+  HTTP status code, `reason` a finish reason.
+- A request is counted once in `metrale_requests_total`, with the status it answered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from metrale.engine.async_engine import AsyncEngine
+
+KNOWN_ENDPOINTS = frozenset(
+    {
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/messages",
+    }
+)
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
+
+
+def endpoint_label(path: str) -> str:
+    return path if path in KNOWN_ENDPOINTS else "other"
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.engine.snapshot()
+        stats = snap.stats
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, value=value)
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, value=value)
+
+        yield gauge("metrale_engine_alive", "1 while the engine loop runs", float(snap.alive))
+        yield gauge(
+            "metrale_num_requests_waiting", "sequences waiting for admission", snap.num_waiting
+        )
+        yield gauge(
+            "metrale_num_requests_running", "sequences running (holding KV)", snap.num_running
+        )
+        yield gauge(
+            "metrale_num_requests_swapped", "sequences swapped out to host memory", snap.num_swapped
+        )
+        yield gauge("metrale_kv_blocks_free", "free KV cache blocks", snap.num_free_blocks)
+        yield gauge(
+            "metrale_kv_blocks_cached",
+            "KV blocks held only by the prefix cache (reclaimable)",
+            snap.num_cache_only_blocks,
+        )
+        yield gauge("metrale_kv_blocks_total", "usable KV cache blocks", snap.num_total_blocks)
+        used = 1.0 - snap.num_free_blocks / snap.num_total_blocks if snap.num_total_blocks else 0.0
+        yield gauge("metrale_kv_cache_usage_ratio", "fraction of KV blocks in use", used)
+        prompt, cached = self.metrics.prompt_token_counts()
+        yield gauge(
+            "metrale_prefix_cache_hit_rate",
+            "prompt tokens served from the prefix cache / prompt tokens, since start",
+            cached / prompt if prompt else 0.0,
+        )
+        yield counter("metrale_engine_steps", "engine steps run", snap.num_steps)
+        preempt = CounterMetricFamily(
+            "metrale_preemptions", "sequences preempted, by mode", labels=["mode"]
+        )
+        preempt.add_metric(["recompute"], stats.preemptions_recompute)
+        preempt.add_metric(["swap"], stats.preemptions_swap)
+        yield preempt
+        yield counter("metrale_prefix_cache_queries", "prefix cache lookups", stats.prefix_queries)
+        yield counter(
+            "metrale_prefix_cache_hits",
+            "prefix cache lookups that reused blocks",
+            stats.prefix_hit_requests,
+        )
+        yield counter(
+            "metrale_prefix_cache_hit_tokens",
+            "prompt tokens reused from the prefix cache",
+            stats.prefix_hit_tokens,
+        )
+        yield counter(
+            "metrale_request_timeouts", "sequences ended by their deadline", stats.timeouts
+        )
+        yield counter("metrale_request_aborts", "sequences aborted (client gone, shutdown)", stats.aborts)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        r = self.registry
+        self.requests = Counter(
+            "metrale_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+            registry=r,
+        )  # fmt: skip
+        self.requests_active = Gauge(
+            "metrale_requests_active", "HTTP requests in flight", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "metrale_prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "metrale_prompt_tokens_cached",
+            "prompt tokens of finished requests served from the prefix cache",
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "metrale_generation_tokens", "generated tokens of finished requests", registry=r
+        )
+        self.finished = Counter(
+            "metrale_request_finished", "finished choices by finish reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "metrale_time_to_first_token_seconds", "time from request arrival to its first token",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "metrale_inter_token_latency_seconds", "time between consecutive output tokens",
+            buckets=_ITL_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "metrale_request_latency_seconds", "time from request arrival to its last token",
+            buckets=_E2E_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._lock = threading.Lock()
+        self._prompt_total = 0
+        self._cached_total = 0
+        r.register(_EngineCollector(engine, self))
+
+    def prompt_token_counts(self) -> tuple[int, int]:
+        with self._lock:
+            return self._prompt_total, self._cached_total
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def record_finished(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reasons: list[str]
+    ) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.cached_prompt_tokens.inc(cached_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        for reason in reasons:
+            self.finished.labels(reason).inc()
+        with self._lock:
+            self._prompt_total += prompt_tokens
+            self._cached_total += cached_tokens
+
+
+class RequestTracker:
+    """Latencies of one HTTP request: TTFT, inter-token gaps, end to end."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self._last_time = self.arrival
+        self._tokens = 0
+        self._done = False
+
+    def on_tokens(self, total_tokens: int) -> None:
+        """Called with the running total of generated tokens (all choices) after an output."""
+        new = total_tokens - self._tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+            new -= 1
+        if new > 0:
+            gap = (now - self._last_time) / new
+            for _ in range(new):
+                self.metrics.itl.observe(gap)
+        self._last_time = now
+        self._tokens = total_tokens
+
+    def finish(
+        self, prompt_tokens: int, cached_tokens: int, completion_tokens: int, reasons: list[str]
+    ) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.on_tokens(completion_tokens)
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.record_finished(prompt_tokens, cached_tokens, completion_tokens, reasons)

@@ -1,0 +1,158 @@
+"""Anthropic Messages request bodies (`/v1/messages`) and their mapping onto the engine.
+
+Owner: server.
+
+Invariants:
+- `max_tokens` is required (as in Anthropic's API); `temperature` is in [0, 1].
+- Only text content is accepted; image, document, tool_use, tool_result and thinking blocks,
+  `tools`, `tool_choice`, enabled `thinking` and `output_config.format` are refused with a
+  400 naming the field. `output_config.effort` is accepted and has no effect (no reasoning).
+- A conversation must end with a user turn (assistant prefill is not implemented: refused).
+- `stop_reason`: "end_turn" (EOS), "stop_sequence" (with `stop_sequence` set), "max_tokens",
+  and "timeout" for a request past its deadline.
+- `usage.input_tokens` counts the prompt tokens that were not read from the prefix cache;
+  `cache_read_input_tokens` the ones that were (Anthropic's convention: their sum is the
+  prompt length); `cache_creation_input_tokens` is 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from metrale.engine.request import CompletionOutput
+from metrale.errors import InvalidRequestError
+from metrale.sampling.params import SamplingParams
+from metrale.server.protocol.common import RequestModel, unsupported
+
+
+class MessagesRequest(RequestModel):
+    #: Routing, accounting and cache hints with no effect on the tokens (caching is automatic).
+    IGNORED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "metadata",
+            "service_tier",
+            "container",
+            "cache_control",
+            "diagnostics",
+            "inference_geo",
+            "speed",
+            "user_profile_id",
+            "workspace_id",
+        }
+    )
+
+    model: str | None = None
+    max_tokens: int
+    messages: list[Any]
+    system: str | list[Any] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stream: bool | None = False
+    tools: Any = None
+    tool_choice: Any = None
+    thinking: Any = None
+    mcp_servers: Any = None
+    output_config: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        for name in ("tools", "tool_choice", "mcp_servers"):
+            value = getattr(self, name)
+            if value is not None and value != []:
+                raise unsupported(name, "tool use is not implemented")
+        if self.thinking is not None and not (
+            isinstance(self.thinking, dict) and self.thinking.get("type") == "disabled"
+        ):
+            raise unsupported("thinking", "extended thinking is not implemented")
+        if self.output_config and self.output_config.get("format") is not None:
+            raise unsupported("output_config.format", "structured outputs are not implemented")
+        if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
+            raise InvalidRequestError(
+                f"temperature must be in [0, 1], got {self.temperature}", param="temperature"
+            )
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            max_tokens=self.max_tokens,
+            stop=self.stop_sequences or [],
+        )
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(
+            f"{where} must be a string or a list of content blocks", param=where
+        )
+    texts = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind in ("image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking", "search_result", "server_tool_use"):  # fmt: skip
+            raise unsupported(at, f"'{kind}' content blocks are not implemented")
+        else:
+            raise InvalidRequestError(
+                f"{at} must be a text block {{'type': 'text', 'text': ...}}", param=at
+            )
+    return "".join(texts)
+
+
+def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
+    """The request's system prompt and turns as `{role, content: str}` dicts."""
+    result: list[dict[str, Any]] = []
+    if req.system is not None:
+        system = _text_blocks(req.system, "system")
+        if system:
+            result.append({"role": "system", "content": system})
+    if not req.messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where} must be an object", param=where)
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise InvalidRequestError(
+                f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role"
+            )
+        if "content" not in message:
+            raise InvalidRequestError(f"{where}.content is required", param=f"{where}.content")
+        result.append(
+            {"role": role, "content": _text_blocks(message["content"], f"{where}.content")}
+        )
+    if result[-1]["role"] != "user":
+        raise unsupported(
+            f"messages[{len(req.messages) - 1}]",
+            "a final assistant turn (prefill) is not implemented; end with a user message",
+        )
+    return result
+
+
+def stop_reason(choice: CompletionOutput) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) of a finished choice."""
+    reason = choice.finish_reason
+    if reason is None:
+        return None, None
+    if reason == "stop" and isinstance(choice.stop_reason, str):
+        return "stop_sequence", choice.stop_reason
+    if reason == "length":
+        return "max_tokens", None
+    if reason == "timeout":
+        return "timeout", None
+    return "end_turn", None
+
+
+def usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }

@@ -1,0 +1,423 @@
+"""OpenAI request bodies (`/v1/completions`, `/v1/chat/completions`) and the pieces of their
+responses: sampling-parameter mapping, logprobs blocks, usage, finish reasons.
+
+Owner: server. Pydantic v2 models validate the bodies; `sampling_params()` maps them onto
+`SamplingParams` (which validates ranges and names the offending field).
+
+Invariants:
+- Defaults are OpenAI's: `temperature` 1, `top_p` 1, `n` 1; completions `max_tokens` 16,
+  chat `max_tokens` unset (up to the context).
+- Fields that would change the result but are not supported (tools, tool_choice,
+  response_format other than text, functions, audio, image / audio / file content parts,
+  `suffix`, `best_of` != n) are refused with a 400 naming the field.
+- `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
+- Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
+  reported as "length"); "abort" only if the engine ended a request on its own.
+- Logprob values are finite in JSON (-inf becomes -9999.0, as vLLM reports it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from metrale.engine.request import Logprob, PositionLogprobs
+from metrale.errors import InvalidRequestError
+from metrale.sampling.params import SamplingParams
+from metrale.server.protocol.common import RequestModel, unsupported
+from metrale.tokenizer.tokenizer import Tokenizer
+
+#: How a -inf logprob is written (JSON has no infinity).
+MIN_LOGPROB = -9999.0
+#: Most choices one request may ask for.
+MAX_N = 128
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(RequestModel):
+    """Fields chat and completions share, OpenAI's plus vLLM's extra sampling fields."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions (vLLM's names), sent through the SDKs' `extra_body`.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        if self.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}", param="n")
+
+        return SamplingParams(
+            n=self.n,
+            temperature=given(self.temperature, 1.0),
+            top_p=given(self.top_p, 1.0),
+            top_k=given(self.top_k, 0),
+            min_p=given(self.min_p, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            presence_penalty=given(self.presence_penalty, 0.0),
+            frequency_penalty=given(self.frequency_penalty, 0.0),
+            logit_bias=self.logit_bias,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=given(self.min_tokens, 0),
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=given(self.ignore_eos, False),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=given(self.skip_special_tokens, True),
+            include_stop_str_in_output=given(self.include_stop_str_in_output, False),
+        )
+
+
+class CompletionRequest(SamplingFields):
+    IGNORED: ClassVar[frozenset[str]] = frozenset({"user", "metadata", "service_tier"})
+
+    prompt: Any = Field(default=None)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        if self.suffix:
+            raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", f"best_of must equal n ({self.n}) when given")
+        if self.prompt is None:
+            raise InvalidRequestError("'prompt' is a required field", param="prompt")
+
+
+_REFUSED_CHAT_FIELDS = {
+    "tools": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "audio": "audio output",
+    "prediction": "predicted outputs",
+    "web_search_options": "web search",
+    "reasoning_effort": "reasoning controls",
+}
+
+
+class ChatCompletionRequest(SamplingFields):
+    IGNORED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "user",
+            "metadata",
+            "store",
+            "service_tier",
+            "parallel_tool_calls",
+            "prompt_cache_key",
+            "safety_identifier",
+        }
+    )
+
+    messages: list[Any]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        for name, what in _REFUSED_CHAT_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None and value != []:
+                raise unsupported(name, f"{what} is not implemented")
+        if self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "tool calling is not implemented")
+        if self.response_format is not None and not (
+            isinstance(self.response_format, dict) and self.response_format.get("type") == "text"
+        ):
+            raise unsupported("response_format", "only {'type': 'text'} is implemented")
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise unsupported("modalities", "only text output is implemented")
+        reserved = {"messages", "add_generation_prompt", "tools", "chat_template"}
+        for key in (self.chat_template_kwargs or {}).keys() & reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set '{key}'", param="chat_template_kwargs"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequestError(
+                "top_logprobs needs logprobs set to true", param="top_logprobs"
+            )
+
+    @property
+    def resolved_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    @property
+    def logprob_count(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+    """`prompt` (a string, strings, token ids, or lists of token ids) as (text, ids) pairs."""
+
+    def bad(why: str) -> InvalidRequestError:
+        return InvalidRequestError(f"prompt {why}", param="prompt")
+
+    def is_token(t: Any) -> bool:
+        return isinstance(t, int) and not isinstance(t, bool)
+
+    if isinstance(prompt, str):
+        return [(prompt, tokenizer.encode(prompt))]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("must be a string, a list of strings, token ids or lists of token ids")
+    if all(is_token(t) for t in prompt):
+        return [(None, list(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, tokenizer.encode(p)) for p in prompt]
+    if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in prompt):
+        return [(None, list(p)) for p in prompt]
+    raise bad("must be a string, a list of strings, token ids or non-empty lists of token ids")
+
+
+_UNSUPPORTED_PARTS = {
+    "image_url": "image input",
+    "image": "image input",
+    "input_image": "image input",
+    "input_audio": "audio input",
+    "file": "file input",
+    "video_url": "video input",
+}
+
+
+def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """OpenAI chat messages as the plain `{role, content: str}` dicts chat templates read."""
+    if not messages:
+        raise InvalidRequestError("messages must not be empty", param="messages")
+    result: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"{where} must be an object", param=where)
+        role = message.get("role")
+        if role == "developer":
+            role = "system"
+        if role in ("tool", "function"):
+            raise unsupported(f"{where}.role", f"'{role}' messages need tool calling")
+        if role not in ("system", "user", "assistant"):
+            raise InvalidRequestError(
+                f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
+                param=f"{where}.role",
+            )
+        for key in ("tool_calls", "function_call"):
+            if message.get(key):
+                raise unsupported(f"{where}.{key}", "tool calling is not implemented")
+        content = message.get("content")
+        if content is None:
+            if role != "assistant":
+                raise InvalidRequestError(f"{where}.content is required", param=f"{where}.content")
+            content = ""
+        elif isinstance(content, list):
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                at = f"{where}.content[{j}]"
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                elif kind in _UNSUPPORTED_PARTS:
+                    raise unsupported(at, f"{_UNSUPPORTED_PARTS[kind]} is not implemented")
+                else:
+                    raise InvalidRequestError(
+                        f"{at} must be a text part {{'type': 'text', 'text': ...}}", param=at
+                    )
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise InvalidRequestError(
+                f"{where}.content must be a string or a list of text parts",
+                param=f"{where}.content",
+            )
+        result.append({"role": role, "content": content})
+    return result
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's finish reason as OpenAI clients see it (see the module invariants)."""
+    if reason in (None, "stop", "length", "timeout", "abort"):
+        return reason
+    return "stop"
+
+
+def finite(logprob: float) -> float:
+    if math.isnan(logprob):
+        return MIN_LOGPROB
+    return max(logprob, MIN_LOGPROB)
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: a visible character -> the byte it stands for."""
+    visible = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(visible)
+    extra = 0
+    for b in range(256):
+        if b not in visible:
+            visible.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(visible, chars)}
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, piece: str) -> list[int]:
+    """The UTF-8 bytes a token stands for (exact for byte-level BPE partial characters)."""
+    if "\ufffd" in piece:
+        raw = tokenizer.id_to_token(token_id)
+        table = _byte_decoder()
+        if raw is not None and all(ch in table for ch in raw):
+            return [table[ch] for ch in raw]
+    return list(piece.encode("utf-8"))
+
+
+def _piece(tokenizer: Tokenizer, token_id: int, entry: Logprob) -> str:
+    if entry.decoded_token is not None:
+        return entry.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _ranked(position: PositionLogprobs, count: int) -> list[tuple[int, Logprob]]:
+    """The top `count` alternatives of a position, by rank (the chosen token if among them)."""
+    ranked = sorted(
+        ((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= count),
+        key=lambda item: item[1].rank or 0,
+    )
+    return ranked[:count]
+
+
+def chat_logprobs_content(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs],
+    top_count: int,
+) -> list[dict[str, Any]]:
+    content = []
+    for token_id, position in zip(token_ids, positions):
+        entry = position.get(token_id) or Logprob(MIN_LOGPROB)
+        piece = _piece(tokenizer, token_id, entry)
+        content.append(
+            {
+                "token": piece,
+                "logprob": finite(entry.logprob),
+                "bytes": token_bytes(tokenizer, token_id, piece),
+                "top_logprobs": [
+                    {
+                        "token": (alt := _piece(tokenizer, tid, lp)),
+                        "logprob": finite(lp.logprob),
+                        "bytes": token_bytes(tokenizer, tid, alt),
+                    }
+                    for tid, lp in _ranked(position, top_count)
+                ],
+            }
+        )
+    return content
+
+
+class CompletionLogprobs:
+    """Builds the legacy completions `logprobs` block (four parallel arrays) incrementally."""
+
+    def __init__(self, tokenizer: Tokenizer, top_count: int, text_offset: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.top_count = top_count
+        self.offset = text_offset
+
+    def block(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[PositionLogprobs | None],
+    ) -> dict[str, Any]:
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        text_offset: list[int] = []
+        for token_id, position in zip(token_ids, positions):
+            if position is None:  # the first prompt token has no score
+                piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                entry = position.get(token_id) or Logprob(MIN_LOGPROB)
+                piece = _piece(self.tokenizer, token_id, entry)
+                token_logprobs.append(finite(entry.logprob))
+                top: dict[str, float] = {}
+                for tid, lp in _ranked(position, self.top_count):
+                    top.setdefault(_piece(self.tokenizer, tid, lp), finite(lp.logprob))
+                top.setdefault(piece, finite(entry.logprob))
+                top_logprobs.append(top)
+            tokens.append(piece)
+            text_offset.append(self.offset)
+            self.offset += len(piece)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
+
+
+def merge_completion_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: [*first[key], *second[key]] for key in first}

@@ -1,0 +1,447 @@
+"""OpenAI routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Owner: server. Each handler parses and validates the body, tokenizes (chat template for chat),
+hands one engine request per prompt to `AsyncEngine`, and answers with one JSON body or an SSE
+stream of chunks ending in `data: [DONE]`.
+
+Invariants:
+- Validation errors surface before any response byte is sent (4xx JSON); an error after a
+  stream started becomes an OpenAI error frame, then `[DONE]`.
+- Streamed text deltas concatenate to exactly the non-streamed text (engine outputs are
+  cumulative and their text only grows).
+- Choice indices: completions with several prompts number choices `prompt_index * n + i`.
+- `usage` is on every JSON response; in a stream it is on a final `choices: []` chunk with
+  `stream_options.include_usage`, otherwise on the last choice chunk.
+- Leaving early (disconnect, error, shutdown) aborts every engine request of the HTTP request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from metrale.engine.async_engine import RequestStream
+from metrale.engine.request import CompletionOutput, RequestOutput
+from metrale.errors import MetraleError, NotFoundError
+from metrale.server.errors import InternalServerError, error_body
+from metrale.server.metrics import RequestTracker
+from metrale.server.protocol.common import parse_body
+from metrale.server.protocol.openai import (
+    ChatCompletionRequest,
+    CompletionLogprobs,
+    CompletionRequest,
+    chat_logprobs_content,
+    chat_messages,
+    completion_prompts,
+    finish_reason,
+    merge_completion_logprobs,
+    usage,
+)
+from metrale.server.state import ServerState, read_json, server_state
+from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
+
+SYSTEM_FINGERPRINT = "fp_metrale"
+
+router = APIRouter()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "metrale",
+        "root": state.model_name,
+        "parent": None,
+        "max_model_len": state.max_model_len,
+    }
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(request: Request, model_id: str) -> JSONResponse:
+    state = server_state(request)
+    if model_id != state.model_name:
+        raise NotFoundError(f"the model '{model_id}' does not exist", param="model")
+    return JSONResponse(_model_card(state))
+
+
+# ------------------------------------------------------------------ shared machinery
+
+
+@dataclass
+class _Job:
+    """One HTTP generation request: its engine streams and what has been produced so far."""
+
+    state: ServerState
+    request_id: str
+    streams: list[RequestStream]
+    prompts: Sequence[tuple[str | None, list[int]]]
+    n: int
+    tracker: RequestTracker
+    created: int = field(default_factory=lambda: int(time.time()))
+    finals: list[RequestOutput | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.finals = [None] * len(self.streams)
+
+    def record(self, index: int, output: RequestOutput) -> None:
+        self.finals[index] = output
+        self.tracker.on_tokens(self.completion_tokens())
+        if output.error is not None:
+            raise InternalServerError(f"generation failed: {output.error}")
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for o in self.finals if o is not None for c in o.outputs)
+
+    def all_finished(self) -> bool:
+        return all(o is not None and o.finished for o in self.finals)
+
+    def usage(self, count_completion: bool = True) -> dict[str, Any]:
+        return usage(
+            sum(len(ids) for _, ids in self.prompts),
+            self.completion_tokens() if count_completion else 0,
+            sum(o.num_cached_tokens for o in self.finals if o is not None),
+        )
+
+    async def run_to_end(self) -> None:
+        merged = merge_streams(self.streams)
+        try:
+            async for index, output in merged:
+                self.record(index, output)
+        finally:
+            await merged.aclose()
+
+    def close(self) -> None:
+        """Abort what is still running and account the request in the metrics (idempotent)."""
+        for stream in self.streams:
+            stream.abort()
+        reasons = []
+        for output in self.finals:
+            choices = output.outputs if output is not None else []
+            reasons += [c.finish_reason or "abort" for c in choices]
+            reasons += ["abort"] * (self.n - len(choices))
+        self.tracker.finish(
+            sum(len(ids) for _, ids in self.prompts),
+            sum(o.num_cached_tokens for o in self.finals if o is not None),
+            self.completion_tokens(),
+            reasons,
+        )
+
+    def choices(self) -> list[tuple[int, int, RequestOutput, CompletionOutput]]:
+        """(choice index, prompt index, request output, choice) of every finished choice."""
+        result = []
+        for p, output in enumerate(self.finals):
+            assert output is not None
+            for choice in output.outputs:
+                result.append((p * self.n + choice.index, p, output, choice))
+        return result
+
+
+async def _error_frames(exc: BaseException) -> AsyncIterator[str]:
+    yield sse(error_body(exc))
+    yield sse("[DONE]")
+
+
+async def _collect(request: Request, job: _Job) -> None:
+    try:
+        await until_disconnected(request, job.run_to_end())
+    finally:
+        job.close()
+
+
+# ------------------------------------------------------------------------ completions
+
+
+@router.post("/v1/completions")
+async def create_completion(request: Request) -> Response:
+    state = server_state(request)
+    tracker = state.metrics.track()
+    req = parse_body(CompletionRequest, await read_json(request, state.max_body_bytes))
+    req.check_supported()
+    state.check_model(req.model)
+    prompts = completion_prompts(req.prompt, state.tokenizer)
+    echo = bool(req.echo)
+    echo_only = echo and req.max_tokens == 0
+    params = req.sampling_params(
+        max_tokens=1 if echo_only else req.max_tokens,
+        logprobs=req.logprobs,
+        prompt_logprobs=req.logprobs if echo else None,
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await state.add_requests(request_id, prompts, params)
+    job = _Job(state, request_id, streams, prompts, params.n, tracker)
+    view = _CompletionView(job, req, echo, echo_only)
+    if req.stream:
+        return EventStreamResponse(view.events(), on_close=job.close)
+    await _collect(request, job)
+    return JSONResponse(view.response())
+
+
+class _CompletionView:
+    """Renders a completions job as one JSON body or as SSE chunks."""
+
+    def __init__(self, job: _Job, req: CompletionRequest, echo: bool, echo_only: bool) -> None:
+        self.job = job
+        self.req = req
+        self.echo = echo
+        self.echo_only = echo_only
+        self.tokenizer = job.state.tokenizer
+
+    def _prompt_text(self, prompt: int) -> str:
+        text, ids = self.job.prompts[prompt]
+        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _logprobs(self) -> CompletionLogprobs | None:
+        if self.req.logprobs is None:
+            return None
+        return CompletionLogprobs(self.tokenizer, self.req.logprobs)
+
+    def _echo_block(self, builder: CompletionLogprobs, prompt: int, output: RequestOutput) -> Any:
+        ids = self.job.prompts[prompt][1]
+        scored = output.prompt_logprobs or [None] * len(ids)
+        return builder.block(ids, scored)
+
+    def _finish(self, choice: CompletionOutput) -> str | None:
+        if choice.finish_reason is None:
+            return None
+        return "length" if self.echo_only else finish_reason(choice.finish_reason)
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.job.request_id,
+            "object": "text_completion",
+            "created": self.job.created,
+            "model": self.job.state.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+        }
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for index, prompt, output, choice in self.job.choices():
+            text = self._prompt_text(prompt) if self.echo else ""
+            builder = self._logprobs()
+            block = None
+            if builder is not None:
+                if self.echo:
+                    block = self._echo_block(builder, prompt, output)
+                if not self.echo_only:
+                    generated = builder.block(choice.token_ids, choice.logprobs or [])
+                    block = (
+                        generated if block is None else merge_completion_logprobs(block, generated)
+                    )
+            if not self.echo_only:
+                text += choice.text
+            choices.append(
+                {
+                    "index": index,
+                    "text": text,
+                    "logprobs": block,
+                    "finish_reason": self._finish(choice),
+                }
+            )
+        choices.sort(key=lambda c: c["index"])
+        body = self._envelope(choices)
+        body["usage"] = self.job.usage(count_completion=not self.echo_only)
+        return body
+
+    async def events(self) -> AsyncIterator[str]:
+        job = self.job
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        builders: dict[int, CompletionLogprobs | None] = {}
+        done: set[int] = set()
+        merged = merge_streams(job.streams)
+        try:
+            async for prompt, output in merged:
+                job.record(prompt, output)
+                for choice in output.outputs:
+                    index = prompt * job.n + choice.index
+                    if index in done:
+                        continue
+                    first = index not in builders
+                    if first:
+                        builders[index] = self._logprobs()
+                    builder = builders[index]
+                    text = self._prompt_text(prompt) if first and self.echo else ""
+                    block = (
+                        self._echo_block(builder, prompt, output)
+                        if first and self.echo and builder is not None
+                        else None
+                    )
+                    if not self.echo_only:
+                        start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                        text += choice.text[start_t:]
+                        if builder is not None and (text or choice.finished):
+                            new = builder.block(
+                                choice.token_ids[start_k:], (choice.logprobs or [])[start_k:]
+                            )
+                            block = new if block is None else merge_completion_logprobs(block, new)
+                    reason = self._finish(choice)
+                    if not text and reason is None:
+                        continue  # nothing visible yet (held back for a possible stop string)
+                    sent_text[index] = len(choice.text)
+                    sent_tokens[index] = len(choice.token_ids)
+                    chunk = self._envelope(
+                        [{"index": index, "text": text, "logprobs": block, "finish_reason": reason}]
+                    )
+                    if reason is not None:
+                        done.add(index)
+                        last = job.all_finished() and len(done) == len(job.finals) * job.n
+                        if last and not self.req.include_usage:
+                            chunk["usage"] = job.usage(count_completion=not self.echo_only)
+                    yield sse(chunk)
+            if self.req.include_usage:
+                final = self._envelope([])
+                final["usage"] = job.usage(count_completion=not self.echo_only)
+                yield sse(final)
+            yield sse("[DONE]")
+        except (MetraleError, Exception) as exc:
+            async for frame in _error_frames(exc):
+                yield frame
+        finally:
+            await merged.aclose()
+            job.close()
+
+
+# ------------------------------------------------------------------- chat completions
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    state = server_state(request)
+    tracker = state.metrics.track()
+    req = parse_body(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    req.check_supported()
+    state.check_model(req.model)
+    messages = chat_messages(req.messages)
+    tokenizer = state.tokenizer
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        **(req.chat_template_kwargs or {}),
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    params = req.sampling_params(max_tokens=req.resolved_max_tokens, logprobs=req.logprob_count)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await state.add_requests(request_id, [(text, ids)], params, prompt_param="messages")
+    job = _Job(state, request_id, streams, [(text, ids)], params.n, tracker)
+    view = _ChatView(job, req)
+    if req.stream:
+        return EventStreamResponse(view.events(), on_close=job.close)
+    await _collect(request, job)
+    return JSONResponse(view.response())
+
+
+class _ChatView:
+    def __init__(self, job: _Job, req: ChatCompletionRequest) -> None:
+        self.job = job
+        self.req = req
+        self.tokenizer = job.state.tokenizer
+        self.top = req.top_logprobs or 0
+
+    def _logprobs(self, choice: CompletionOutput, start: int = 0) -> dict[str, Any] | None:
+        if not self.req.logprobs:
+            return None
+        return {
+            "content": chat_logprobs_content(
+                self.tokenizer,
+                choice.token_ids[start:],
+                (choice.logprobs or [])[start:],
+                self.top,
+            ),
+            "refusal": None,
+        }
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.job.request_id,
+            "object": obj,
+            "created": self.job.created,
+            "model": self.job.state.model_name,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": choices,
+        }
+
+    def response(self) -> dict[str, Any]:
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "logprobs": self._logprobs(choice),
+                "finish_reason": finish_reason(choice.finish_reason),
+            }
+            for index, _, _, choice in self.job.choices()
+        ]
+        body = self._envelope("chat.completion", choices)
+        body["usage"] = self.job.usage()
+        return body
+
+    def _chunk(self, index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice.update(extra)
+        return self._envelope("chat.completion.chunk", [choice])
+
+    async def events(self) -> AsyncIterator[str]:
+        job = self.job
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        merged = merge_streams(job.streams)
+        try:
+            for index in range(job.n):
+                yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
+            async for prompt, output in merged:
+                job.record(prompt, output)
+                for choice in output.outputs:
+                    index = choice.index
+                    if index in done:
+                        continue
+                    start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    delta = choice.text[start_t:]
+                    if delta:
+                        sent_text[index] = len(choice.text)
+                        sent_tokens[index] = len(choice.token_ids)
+                        yield sse(
+                            self._chunk(
+                                index, {"content": delta}, logprobs=self._logprobs(choice, start_k)
+                            )
+                        )
+                    if choice.finished:
+                        done.add(index)
+                        extra: dict[str, Any] = {
+                            "finish_reason": finish_reason(choice.finish_reason)
+                        }
+                        trailing = self._logprobs(choice, sent_tokens.get(index, 0))
+                        if trailing and trailing["content"]:
+                            extra["logprobs"] = trailing
+                        chunk = self._chunk(index, {}, **extra)
+                        if len(done) == job.n and not self.req.include_usage:
+                            chunk["usage"] = job.usage()
+                        yield sse(chunk)
+            if self.req.include_usage:
+                final = self._envelope("chat.completion.chunk", [])
+                final["usage"] = job.usage()
+                yield sse(final)
+            yield sse("[DONE]")
+        except (MetraleError, Exception) as exc:
+            async for frame in _error_frames(exc):
+                yield frame
+        finally:
+            await merged.aclose()
+            job.close()
