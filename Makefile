@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.metrale-installed
 
-.PHONY: test lint format venv clean
+.PHONY: test lint format venv clean serve
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,21 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -x --durations=15
+
+# `make serve` serves the bundled model; `make serve MODEL=/path/to/hf-checkpoint PORT=9000
+# SERVE_ARGS="--api-key secret"` serves another one.
+MODEL ?=
+HOST ?= 127.0.0.1
+PORT ?= 8888
+SERVE_ARGS ?=
+BUNDLED_MODEL := metrale/assets/tiny-code/config.json
+
+serve: $(STAMP)
+	@if [ -z "$(MODEL)" ] && [ ! -f $(BUNDLED_MODEL) ]; then \
+		echo "make serve: the bundled model (metrale/assets/tiny-code) is not there; name a checkpoint: make serve MODEL=/path/to/hf-checkpoint" >&2; \
+		exit 2; \
+	fi
+	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m metrale.cli serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
