@@ -95,11 +95,16 @@ def test_completion_same_tokens_as_llm(client: openai.OpenAI, reference: LLM) ->
     )
 
 
-def test_completion_stream_concatenates_to_blocking_text(client: openai.OpenAI) -> None:
+def test_completion_stream_concatenates_to_blocking_text(
+    client: openai.OpenAI, reference: LLM
+) -> None:
     kwargs: dict[str, Any] = dict(
         model=SERVED_NAME, prompt="class Foo:", max_tokens=20, temperature=0.7, seed=3
     )
     blocking = client.completions.create(**kwargs)
+    assert [c.text for c in blocking.choices] == ref_text(
+        reference, "class Foo:", max_tokens=20, temperature=0.7, seed=3
+    )
     chunks = list(
         client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
     )
