@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from metrale.kernels import reference
+from metrale.kernels import reference, ssm_reference
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,14 @@ class KernelOps:
     silu_and_mul: Callable = reference.silu_and_mul
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
+    # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
+    causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen
+    causal_conv1d_update: Callable = ssm_reference.causal_conv1d_update
+    mamba2_chunk_scan_varlen: Callable = ssm_reference.mamba2_chunk_scan_varlen
+    mamba2_state_update: Callable = ssm_reference.mamba2_state_update
+    gated_delta_chunk_varlen: Callable = ssm_reference.gated_delta_chunk_varlen
+    gated_delta_update: Callable = ssm_reference.gated_delta_update
+    moe_experts: Callable = ssm_reference.moe_experts
     #: op name -> "torch" | "triton", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 
@@ -45,5 +53,5 @@ def kernels_for(device: torch.device, use_triton: bool = True) -> KernelOps:
             ops = triton_kernel_ops()
             logger.info("kernels: %s", ops.implementations)
             return ops
-    names = ("rms_norm", "add_rms_norm", "silu_and_mul", "write_kv", "paged_attention")
+    names = [f.name for f in fields(KernelOps) if f.name != "implementations"]
     return KernelOps(implementations=dict.fromkeys(names, "torch"))
