@@ -10,7 +10,9 @@ Invariants:
 - `head_dim * num_attention_heads` need not equal `hidden_size` (explicit `head_dim` wins).
 - A config metrale cannot serve faithfully (unknown rope type, dynamic rope) is refused here
   with a `CheckpointError` that names the field; nothing is silently approximated.
-- `raw` keeps the whole dict for family-specific fields (experts, SSM layout).
+- `raw` keeps the whole dict for family-specific fields (experts, SSM layout); the hybrid
+  families read their layer layout from it in both forms (`hybrid_override_pattern` string or
+  `layers_block_type` / `layer_types` lists), and the layer count follows that layout.
 """
 
 from __future__ import annotations
@@ -172,6 +174,17 @@ def _sliding_windows(raw: dict[str, Any], num_layers: int) -> tuple[int | None, 
     return (int(window),) * num_layers
 
 
+def _num_layers(raw: dict[str, Any], source: str) -> int:
+    """`num_hidden_layers`, except where a Nemotron-H-style block layout (`layers_block_type`
+    list or `hybrid_override_pattern` string) defines the layers: its length wins, as in
+    transformers (whose v5 configs of that family omit `num_hidden_layers`)."""
+    for key in ("layers_block_type", "hybrid_override_pattern"):
+        value = raw.get(key)
+        if isinstance(value, (list, str)) and value:
+            return len(value)
+    return int(_require(raw, "num_hidden_layers", source))
+
+
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     if eos is None:
@@ -193,8 +206,8 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
             f"{source}: num_attention_heads ({heads}) is not a multiple of "
             f"num_key_value_heads ({kv_heads})"
         )
-    head_dim = int(raw.get("head_dim") or hidden // heads)
-    num_layers = int(_require(raw, "num_hidden_layers", source))
+    head_dim = int(raw.get("head_dim") or raw.get("attention_head_dim") or hidden // heads)
+    num_layers = _num_layers(raw, source)
     attention_bias = bool(raw.get("attention_bias", False))
     o_proj_bias = attention_bias
     if model_type == "qwen2":
@@ -210,7 +223,7 @@ def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> Mode
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", raw.get("layer_norm_epsilon", 1e-6))),
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope=parse_rope(raw, source),

@@ -82,11 +82,28 @@ class StackedShard:
 
 
 @dataclass
+class ExpertShard:
+    """Per-expert checkpoint tensors `<prefix>.experts.<e>.<source>.weight` fill rows
+    `[offset, offset + rows)` of expert `e` in the stacked 3-D parameter
+    `<prefix>.experts.<target>` (`[num_experts, rows_total, cols]`)."""
+
+    target: str
+    source: str
+    offset: int
+    rows: int
+
+
+@dataclass
 class WeightMapping:
     """How checkpoint names become parameter names."""
 
     #: Fused parameters, e.g. q/k/v into qkv_proj.
     stacked: list[StackedShard] = field(default_factory=list)
+    #: Per-expert tensors stacked into one parameter per projection (MoE).
+    experts: list[ExpertShard] = field(default_factory=list)
+    #: Parameter-name prefixes of optional weight groups (e.g. `mtp.`): a group the checkpoint
+    #: lacks entirely is reported by `load_weights` instead of failing; a partial one fails.
+    optional_prefixes: tuple[str, ...] = ()
     #: Checkpoint names (suffix match) that are skipped on purpose, with the reason.
     ignored_suffixes: dict[str, str] = field(default_factory=dict)
     #: Optional renaming applied before anything else.
@@ -99,8 +116,11 @@ def load_weights(
     mapping: WeightMapping,
     *,
     skip_params: set[str] | None = None,
-) -> None:
-    """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes."""
+) -> set[str]:
+    """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes.
+
+    Returns the optional prefixes (`mapping.optional_prefixes`) of which no tensor was found;
+    the caller drops those parameters."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     skip_params = skip_params or set()
@@ -111,6 +131,25 @@ def load_weights(
     for hf_name, tensor, path in iter_tensors(files):
         name = mapping.rename(hf_name) if mapping.rename else hf_name
         if any(name.endswith(s) for s in mapping.ignored_suffixes):
+            continue
+        expert = _match_expert(name, mapping.experts)
+        if expert is not None:
+            target, index, eshard = expert
+            if target not in params or params[target].dim() != 3:
+                unused.append(hf_name)
+                continue
+            param = params[target]
+            if index >= param.shape[0]:
+                raise CheckpointError(
+                    f"{path}: tensor '{hf_name}' names expert {index} but the config has "
+                    f"{param.shape[0]} experts"
+                )
+            _check_shape(tensor, (eshard.rows, param.shape[2]), hf_name, path)
+            with torch.no_grad():
+                param.data[index, eshard.offset : eshard.offset + eshard.rows].copy_(tensor)
+            done = pending.get(target) or set()
+            done.add((index * param.shape[1] + eshard.offset, eshard.rows))
+            pending[target] = done
             continue
         shard = next((s for s in mapping.stacked if _has_part(name, s.source)), None)
         if shard is not None:
@@ -135,6 +174,15 @@ def load_weights(
         with torch.no_grad():
             param.data.copy_(tensor)
         pending.pop(name, None)
+    absent = {
+        prefix
+        for prefix in mapping.optional_prefixes
+        if all(pending.get(n, ()) is None for n in params if n.startswith(prefix))
+        and any(n.startswith(prefix) for n in params)
+    }
+    for prefix in absent:
+        for n in [n for n in pending if n.startswith(prefix)]:
+            del pending[n]
     _check_complete(pending, params, mapping, files)
     if unused:
         logger.info(
@@ -142,6 +190,21 @@ def load_weights(
             len(unused),
             ", ".join(sorted(unused)[:4]),
         )
+    return absent
+
+
+def _match_expert(name: str, shards: list[ExpertShard]) -> tuple[str, int, ExpertShard] | None:
+    """`(target parameter, expert index, shard)` for `<prefix>.experts.<e>.<source>.weight`."""
+    if not shards or ".experts." not in name or not name.endswith(".weight"):
+        return None
+    prefix, _, rest = name.rpartition(".experts.")
+    index, _, source = rest.removesuffix(".weight").partition(".")
+    if not index.isdigit():
+        return None
+    for shard in shards:
+        if source == shard.source:
+            return f"{prefix}.experts.{shard.target}", int(index), shard
+    return None
 
 
 def _has_part(name: str, part: str) -> bool:
@@ -172,7 +235,8 @@ def _check_complete(
             missing.append(name)
             continue
         covered = sum(rows for _, rows in shards)
-        if covered != params[name].shape[0]:
+        shape = params[name].shape
+        if covered != (shape[0] * shape[1] if len(shape) == 3 else shape[0]):
             parts = [s.source for s in mapping.stacked if s.target == name.split(".")[-2]]
             missing.append(f"{name} (parts of {'/'.join(parts) or 'a fused weight'})")
     if missing:
