@@ -14,11 +14,14 @@ Invariants:
 - `slot_mapping[t]` is the flat cache slot (`block * block_size + offset`) of row t's new K/V;
   padded rows point at the null block 0.
 - Host lists mirror the tensors so CPU references and the scheduler never read the device.
+- Hybrid models: `ssm_slots[b]` is sequence b's SSM pool slot; `ssm_has_initial_state[b]` is
+  False when its rows start at position 0, so recurrent layers start it from a zero state
+  whatever the slot held. Both are None for models without recurrent layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,6 +38,10 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    ssm_slots: torch.Tensor | None = None  # [B] int64
+    ssm_slots_host: list[int] | None = None
+    ssm_has_initial_state: list[bool] | None = None
+    query_start_loc_host: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

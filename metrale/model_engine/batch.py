@@ -8,6 +8,8 @@ Invariants:
   result belongs to the i-th row that asked for logits, in that order.
 - Every row's blocks are already in its `block_table` (allocation happens before building).
 - A row's positions are `start .. start + len - 1`, and `start == seq.seq_len`.
+- On hybrid models every row carries its sequence's SSM slot; a row starting at position 0
+  is marked as having no initial recurrent state.
 """
 
 from __future__ import annotations
@@ -79,6 +81,15 @@ def build_forward_batch(
     def up(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
 
+    slot_list = [r.seq.ssm_slot_idx() for r in rows]
+    ssm_slots = ssm_slots_host = ssm_initial = None
+    if any(s is not None for s in slot_list):
+        if any(s is None for s in slot_list):
+            raise ValueError("a batch of a hybrid model mixes rows with and without SSM slots")
+        ssm_slots_host = [int(s) for s in slot_list if s is not None]
+        ssm_slots = up(np.asarray(ssm_slots_host, dtype=np.int64), torch.int64)
+        ssm_initial = (starts > 0).tolist()
+
     meta = AttentionMetadata(
         positions=up(positions, torch.int64),
         slot_mapping=up(slots, torch.int64),
@@ -90,6 +101,10 @@ def build_forward_batch(
         seq_lens_host=seq_lens.tolist(),
         max_query_len=int(query_lens.max()),
         max_seq_len=int(seq_lens.max()),
+        ssm_slots=ssm_slots,
+        ssm_slots_host=ssm_slots_host,
+        ssm_has_initial_state=ssm_initial,
+        query_start_loc_host=qsl.tolist(),
     )
     return ForwardBatch(
         input_ids=up(input_ids, torch.int64),

@@ -8,6 +8,8 @@ Invariants:
 - Otherwise it is sized from a memory budget, and it always holds at least one sequence of
   `max_model_len` tokens, or loading fails with a message saying which setting to change.
 - `max_model_len` never exceeds the checkpoint's `max_position_embeddings`.
+- Hybrid models get an SSM slot pool of exactly `max_num_seqs` slots (float32 recurrent
+  state); its bytes come out of the KV budget, so the two never overcommit memory together.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
@@ -70,6 +73,9 @@ class LoadReport:
     kv_bytes: int
     num_kv_blocks: int
     load_seconds: float
+    #: SSM slot pool (hybrid models): bytes and slots; 0 without recurrent layers.
+    ssm_bytes: int = 0
+    num_ssm_slots: int = 0
 
 
 def _dummy_init(module: torch.nn.Module) -> None:
@@ -106,20 +112,38 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     if config.load_format == "dummy":
         _dummy_init(module)
     else:
-        load_weights(module, model_dir, module.weight_mapping())
+        absent = load_weights(module, model_dir, module.weight_mapping())
+        if absent:
+            logger.info("checkpoint has no %s weights; dropped", ", ".join(sorted(absent)))
+            module.drop_optional_weights(absent)
     weights_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
-    num_blocks = _kv_blocks(config, mcfg, module.kv_layer_count, dtype, device, max_model_len)
+    ssm_specs = module.ssm_layer_specs() if hasattr(module, "ssm_layer_specs") else []
+    ssm_pool = None
+    if ssm_specs:
+        ssm_pool = SsmSlotPool(ssm_specs, config.max_num_seqs, dtype, device)
+    ssm_bytes = ssm_pool.bytes_total() if ssm_pool is not None else 0
+    num_blocks = _kv_blocks(
+        config, mcfg, module.kv_layer_count, dtype, device, max_model_len, ssm_bytes
+    )
     kv = PagedKVCache(
         module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
     )  # fmt: skip
     model = TransformerModel(
-        module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching
+        module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool
     )
     kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
         module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
-    report = LoadReport(weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start)
+    report = LoadReport(
+        weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,
+        ssm_pool.num_slots if ssm_pool is not None else 0,
+    )  # fmt: skip
+    if ssm_pool is not None:
+        logger.info(
+            "SSM slot pool: %d slots x %d recurrent layers (%.1f MiB, float32 state)",
+            ssm_pool.num_slots, len(ssm_specs), ssm_bytes / 2**20,
+        )  # fmt: skip
     logger.info(
         "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d blocks (%.1f MiB) in %.2fs",
         model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
@@ -135,7 +159,10 @@ def _kv_blocks(
     dtype: torch.dtype,
     device: torch.device,
     max_model_len: int,
+    reserved_bytes: int = 0,
 ) -> int:
+    """KV blocks; `reserved_bytes` (the SSM pool) come out of the CPU budget (on CUDA the
+    free-memory reading already excludes the allocated pool)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = PagedKVCache.bytes_per_block(
@@ -149,7 +176,7 @@ def _kv_blocks(
             int(total * config.gpu_memory_utilization) - used - _activation_reserve(config, mcfg)
         )
     else:
-        budget = int(config.cpu_kv_cache_gb * 2**30)
+        budget = int(config.cpu_kv_cache_gb * 2**30) - reserved_bytes
     wanted = config.max_num_seqs * blocks_per_seq + 1
     blocks = min(max(budget // per_block, 0), wanted)
     if blocks < blocks_per_seq + 1:

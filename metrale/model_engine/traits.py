@@ -367,6 +367,16 @@ class ModelLifecycle(ABC):
     def num_total_blocks(self) -> int:
         return 0
 
+    def num_free_slots(self) -> int | None:
+        """Free sequence slots of the SSM slot pool; None when the model has no pool (then
+        only `max_num_seqs` bounds the running sequences). A metrale extension: admission
+        counts slots with it."""
+        return None
+
+    def num_total_slots(self) -> int | None:
+        """Size of the SSM slot pool; None without one. `max_num_seqs` may not exceed it."""
+        return None
+
     def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
         """Tokens of `tokens` a prefix-cache lookup would reuse, without taking refs.
 

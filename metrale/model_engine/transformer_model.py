@@ -12,6 +12,10 @@ Invariants:
 - `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
   refs, its slots) and leaves it empty, so a second call releases nothing.
 - Logits rows are float32 `[rows, vocab_size]`.
+- Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
+  `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
+  `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
+  tokens before the row (so a KV prefix without its recurrent state is never used silently).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import torch
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
+from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.traits import (
+    DETACHED_SLOT,
     MixedBatchResult,
     Model,
     PrefillSlice,
@@ -58,8 +64,10 @@ class TransformerModel(Model):
         dtype: torch.dtype,
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        ssm_pool: SsmSlotPool | None = None,
     ) -> None:
         self.module = module
+        self.ssm_pool = ssm_pool
         self.config = config
         self.kv_cache = kv_cache
         self.block_pool = BlockPool(kv_cache.num_blocks)
@@ -84,10 +92,44 @@ class TransformerModel(Model):
     # ---------------------------------------------------------------- lifecycle
 
     def alloc_sequence(self) -> SequenceState:
-        seq = SequenceState(slot_idx=self._next_slot)
-        self._next_slot += 1
+        if self.ssm_pool is not None:
+            guard = self.ssm_pool.allocate()  # KVCacheExhausted when every slot is live
+            idx = guard.idx()
+            assert idx is not None
+            seq = SequenceState(slot_idx=idx, ssm_slot=guard)
+        else:
+            seq = SequenceState(slot_idx=self._next_slot)
+            self._next_slot += 1
         seq.disk_last_offloaded_per_layer = [0] * self.module.kv_layer_count
         return seq
+
+    # ------------------------------------------------------------------ SSM slots
+
+    def has_ssm_layers(self) -> bool:
+        return self.ssm_pool is not None
+
+    def num_free_slots(self) -> int | None:
+        return self.ssm_pool.num_free() if self.ssm_pool is not None else None
+
+    def num_total_slots(self) -> int | None:
+        return self.ssm_pool.num_slots if self.ssm_pool is not None else None
+
+    def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
+        """Move the sequence's conv and SSM state (every recurrent layer) into `new_slot`,
+        bit for bit, and free its old slot. `new_slot` is free, or held by a retired sequence
+        that `detach_slot_for_reuse` marks slot-less (before or after this call)."""
+        if self.ssm_pool is None or seq.ssm_slot is None:
+            raise ValueError("compact_sequence needs a sequence holding an SSM slot")
+        self.ssm_pool.move(seq.ssm_slot, new_slot)  # type: ignore[arg-type]
+        seq.slot_idx = new_slot
+
+    def detach_slot_for_reuse(self, seq: SequenceState) -> None:
+        """Make a retired sequence slot-less without freeing its slot: a survivor has been (or
+        is about to be) compacted into it, so releasing it would free a live slot."""
+        if seq.ssm_slot is not None:
+            seq.ssm_slot.forget()  # type: ignore[attr-defined]
+            seq.ssm_slot = None
+        seq.slot_idx = DETACHED_SLOT
 
     def cache_sequence(self, seq: SequenceState) -> None:
         """Index the sequence's fully written blocks in the prefix cache (if there is one)."""
@@ -183,9 +225,14 @@ class TransformerModel(Model):
         return self.block_size
 
     def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
-        """Serialise the sequence's written KV blocks (host copies) for swap-out."""
+        """Serialise the sequence's written KV blocks and its SSM slot state (host copies)
+        for swap-out."""
         data = self.kv_cache.read_blocks(seq.block_table) if seq.block_table else []
-        pickle.dump({"num_blocks": len(seq.block_table), "kv": data}, writer)
+        payload: dict[str, Any] = {"num_blocks": len(seq.block_table), "kv": data}
+        slot = seq.ssm_slot_idx()
+        if self.ssm_pool is not None and slot is not None:
+            payload["ssm"] = self.ssm_pool.read_slot(slot)
+        pickle.dump(payload, writer)
 
     def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
         """Allocate `num_blocks` blocks and fill them from `save_sequence_state` output."""
@@ -194,10 +241,15 @@ class TransformerModel(Model):
             raise ValueError(
                 f"swap record holds {payload['num_blocks']} blocks, expected {num_blocks}"
             )
+        slot = seq.ssm_slot_idx()
+        if self.ssm_pool is not None and (slot is None or "ssm" not in payload):
+            raise ValueError("swap-in of a hybrid sequence needs its SSM state and a slot")
         blocks = self.block_pool.allocate(num_blocks)
         if num_blocks:
             self.kv_cache.write_blocks(blocks, payload["kv"])
         seq.block_table = blocks
+        if self.ssm_pool is not None and slot is not None:
+            self.ssm_pool.write_slot(slot, payload["ssm"])
 
     # ------------------------------------------------------------------ forward
 
@@ -260,6 +312,7 @@ class TransformerModel(Model):
             )
         if not rows:
             return MixedBatchResult(None, [])
+        self._check_ssm_states(rows)
         self._allocate_blocks(rows)
         logits, spans = self._forward(rows, len(decode_seqs))
         decode_logits = logits[: len(decode_seqs)] if decode_seqs else None
@@ -275,7 +328,31 @@ class TransformerModel(Model):
             row.seq.tokens.extend(row.tokens)
             row.seq.seq_len += len(row.tokens)
             row.seq.kv_valid_tokens = row.seq.seq_len
+            if self.ssm_pool is not None:
+                slot = row.seq.ssm_slot_idx()
+                assert slot is not None
+                self.ssm_pool.num_tokens[slot] = row.seq.seq_len
         return MixedBatchResult(decode_logits, prefill_logits)
+
+    def _check_ssm_states(self, rows: list[ForwardRow]) -> None:
+        """On hybrid models, each row's slot state must cover exactly its sequence's tokens."""
+        pool = self.ssm_pool
+        if pool is None:
+            return
+        seen: set[int] = set()
+        for r in rows:
+            slot = r.seq.ssm_slot_idx()
+            if slot is None:
+                raise ValueError("a sequence of a hybrid model has no SSM slot")
+            if slot in seen:
+                raise ValueError(f"two rows of one forward share SSM slot {slot}")
+            seen.add(slot)
+            if pool.num_tokens[slot] != r.seq.seq_len:
+                raise ValueError(
+                    f"SSM slot {slot} holds the state of {pool.num_tokens[slot]} tokens but the "
+                    f"sequence continues at {r.seq.seq_len}; a KV prefix cannot be reused "
+                    "without its recurrent state"
+                )
 
     def _allocate_blocks(self, rows: list[ForwardRow]) -> None:
         needs = [blocks_needed(r.seq, len(r.tokens), self.block_size) for r in rows]
@@ -299,9 +376,15 @@ class TransformerModel(Model):
         self, rows: list[ForwardRow], num_decode: int
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
-        hidden = self.module(
-            batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers
-        )
+        if self.ssm_pool is not None:
+            hidden = self.module(
+                batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers,
+                ssm_states=self.ssm_pool.layers,
+            )  # fmt: skip
+        else:
+            hidden = self.module(
+                batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers
+            )
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans

@@ -25,6 +25,10 @@ Invariants:
   state exactly once, after offering its written KV to the prefix cache.
 - A non-final prefill chunk ends on a KV block boundary whenever the budget reaches one; a
   budget smaller than the distance to the next boundary still makes progress.
+- Hybrid models: admission also needs a free SSM slot (`num_free_slots`), `max_num_seqs` may
+  not exceed the slot pool, and decode rows are ordered by SSM slot. A recompute preemption
+  frees the slot, so the resumed sequence restarts its recurrent state from zero; a swap
+  carries the state with the KV.
 """
 
 from __future__ import annotations
@@ -96,6 +100,12 @@ class Scheduler:
         if block_size is None:
             raise ValueError("the scheduler needs a model with a paged KV cache (kv_block_size)")
         self.block_size: int = block_size
+        slots = model.num_total_slots()
+        if slots is not None and config.max_num_seqs > slots:
+            raise ValueError(
+                f"max_num_seqs ({config.max_num_seqs}) exceeds the model's SSM slot pool "
+                f"({slots} slots)"
+            )
         self.waiting: deque[SchedSequence] = deque()
         self.swapped: deque[SchedSequence] = deque()
         self.running: list[SchedSequence] = []
@@ -201,6 +211,8 @@ class Scheduler:
             plan.prefill.append(work)
             budget -= work.length
         budget = self._admit(plan, budget, available)
+        if self.model.num_total_slots() is not None:
+            plan.decode.sort(key=_ssm_slot_key)
         return plan
 
     def _expire(self, plan: StepPlan) -> None:
@@ -332,6 +344,9 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
         while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
+            free_slots = self.model.num_free_slots()
+            if free_slots is not None and free_slots <= 0:
+                break
             from_swap = bool(self.swapped)
             queue = self.swapped if from_swap else self.waiting
             seq = queue[0]
@@ -436,3 +451,9 @@ class Scheduler:
         if n_out >= seq.max_tokens or seq.num_known >= self.config.max_model_len:
             return "length", None
         return None, None
+
+
+def _ssm_slot_key(seq: SchedSequence) -> int:
+    """Decode rows of hybrid models run in SSM slot order (the seed's batch layout)."""
+    idx = seq.state.ssm_slot_idx() if seq.state is not None else None
+    return -1 if idx is None else idx
