@@ -76,6 +76,35 @@ DENSE_VARIANTS: list[Variant] = [
 ]  # fmt: skip
 
 
+_MAMBA = dict(
+    mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16
+)
+_LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
+
+MOE_VARIANTS: list[Variant] = [
+    Variant("qwen3moe-norm-dense1", "qwen3_moe", tuple(dict(num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]).items())),
+    Variant("qwen3moe-classic", "qwen3_moe", tuple(dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=False).items()), classic_layout=True),
+    Variant("mixtral-classic", "mixtral", tuple(dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64).items()), classic_layout=True),
+]  # fmt: skip
+
+HYBRID_VARIANTS: list[Variant] = [
+    # Mamba-2, NoPE attention, MLP and a sigmoid-routed MoE; transformers 5 layout (lists).
+    Variant("nemotronh-moe", "nemotron_h", tuple(dict(num_hidden_layers=5, hybrid_override_pattern="M*-ME", head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2, topk_group=1, routed_scaling_factor=1.5, **_MAMBA).items())),
+    # Published layout: hybrid_override_pattern string, top-level rope_theta.
+    Variant("nemotronh-classic", "nemotron_h", tuple(dict(num_hidden_layers=4, hybrid_override_pattern="M-M*", head_dim=16, **_MAMBA).items()), classic_layout=True),
+    Variant("bamba", "bamba", tuple(dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16).items())),
+    Variant("qwen3next", "qwen3_next", tuple(dict(num_hidden_layers=4, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, mlp_only_layers=[1], **_LINEAR).items())),
+    # Published layout: full_attention_interval, top-level rope_theta / partial_rotary_factor.
+    Variant("qwen3next-classic", "qwen3_next", tuple(dict(num_hidden_layers=4, head_dim=16, full_attention_interval=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=False, **_LINEAR).items()), classic_layout=True),
+]  # fmt: skip
+
+
 def _classes(arch: str) -> tuple[type, type]:
     import transformers as tf
 
@@ -84,7 +113,15 @@ def _classes(arch: str) -> tuple[type, type]:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM),
+        "bamba": (tf.BambaConfig, tf.BambaForCausalLM),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
     }[arch]
+
+
+_BLOCK_CHARS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 
 
 def to_classic_layout(config_path: Path) -> None:
@@ -98,6 +135,24 @@ def to_classic_layout(config_path: Path) -> None:
         cfg["rope_scaling"] = None
     if "dtype" in cfg:
         cfg["torch_dtype"] = cfg.pop("dtype")
+    partial = rope.pop("partial_rotary_factor", None)
+    if partial is not None and cfg.get("model_type") != "bamba":  # Bamba files omit it
+        cfg["partial_rotary_factor"] = partial
+    # Family fields as published checkpoints write them.
+    model_type = cfg.get("model_type")
+    if model_type == "nemotron_h":
+        types = cfg.pop("layers_block_type")
+        cfg["hybrid_override_pattern"] = "".join(_BLOCK_CHARS[t] for t in types)
+        cfg["num_hidden_layers"] = len(types)
+    elif model_type == "qwen3_next":
+        types = cfg.pop("layer_types")
+        interval = types.index("full_attention") + 1
+        assert all(
+            (t == "full_attention") == ((i + 1) % interval == 0) for i, t in enumerate(types)
+        )
+        cfg["full_attention_interval"] = interval
+    elif model_type == "qwen3_moe":
+        cfg["num_experts"] = cfg.pop("num_local_experts")
     config_path.write_text(json.dumps(cfg, indent=2))
 
 
