@@ -9,8 +9,11 @@ Invariants:
 from __future__ import annotations
 
 from metrale.errors import CheckpointError
+from metrale.models.bamba import BambaForCausalLM
 from metrale.models.llama import LlamaForCausalLM
 from metrale.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
+from metrale.models.nemotron_h import NemotronHForCausalLM
+from metrale.models.qwen3_next import Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +22,9 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 #: model_type -> architecture, for configs without an `architectures` list.
@@ -29,6 +35,9 @@ MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
+    "bamba": "BambaForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 

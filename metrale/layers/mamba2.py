@@ -1,0 +1,160 @@
+"""The Mamba-2 mixer (Nemotron-H, Bamba): input projection, causal conv1d with a carried
+window, the SSD scan (chunked for prefill, one step for decode) and the gated RMSNorm.
+
+Owner: layers. State lives in the SSM slot pool; this block reads and writes the slot of each
+sequence named by the batch metadata, through the `KernelOps` recurrent ops.
+
+Invariants:
+- Parameter names and layouts equal transformers' (`in_proj`, `conv1d.weight [C, 1, K]`,
+  `conv1d.bias`, `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`); `in_proj` rows are
+  `[gate z (I) | x B C (conv_dim) | dt (H)]`.
+- Decode rows (the first `meta.num_decode`) take one recurrent step each; every prefill chunk
+  runs the chunked scan from its sequence's carried state (zero when it starts at position 0),
+  so chunked prefill is exact up to rounding.
+- dt: `softplus(dt + dt_bias)`, clamped to `prefill_dt_limit` in the chunked scan only, as
+  transformers does (its decode step does not clamp). Nemotron-H's transformers mixer clamps
+  prefill dt at `time_step_min`; Bamba's at the config's `time_step_limit`.
+- The gated RMSNorm normalises `y * silu(z)` per group of `I / n_groups` channels, in float32.
+- Per-slot state: conv window `[conv_dim, K]` (model dtype), SSM state `[H, P, N]` (float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.cache.ssm_pool import SsmLayerSpec
+from metrale.kernels import KernelOps
+from metrale.kernels.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    eps: float
+    use_conv_bias: bool = True
+    use_bias: bool = False
+    activation: str = "silu"
+    prefill_dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+    def state_spec(self) -> SsmLayerSpec:
+        return SsmLayerSpec(
+            conv_shape=(self.conv_dim, self.conv_kernel),
+            state_shape=(self.num_heads, self.head_dim, self.state_size),
+        )
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """`weight * groupnorm(x * silu(z))` with RMS statistics per group, in float32."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float() * F.silu(gate.float())
+        grouped = h.view(*h.shape[:-1], -1, self.group_size)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(h.shape).to(dtype)
+
+
+class Conv1dWeights(nn.Module):
+    """Holds `weight [C, 1, K]` and `bias` under transformers' names (`conv1d.*`)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, spec: Mamba2Spec, ops: KernelOps) -> None:
+        super().__init__()
+        if spec.num_heads % spec.n_groups:
+            raise ValueError(
+                f"mamba heads ({spec.num_heads}) must be a multiple of n_groups ({spec.n_groups})"
+            )
+        self.spec = spec
+        i, h = spec.intermediate, spec.num_heads
+        self.in_proj = nn.Linear(spec.hidden_size, i + spec.conv_dim + h, bias=spec.use_bias)
+        self.conv1d = Conv1dWeights(spec.conv_dim, spec.conv_kernel, spec.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(h))
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.D = nn.Parameter(torch.empty(h))
+        self.norm = GatedGroupRMSNorm(i, i // spec.n_groups, spec.eps)
+        self.out_proj = nn.Linear(i, spec.hidden_size, bias=spec.use_bias)
+        self.ops = ops
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        state: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        s = self.spec
+        conv_states, ssm_states = state
+        if meta.ssm_slots is None or meta.ssm_slots_host is None:
+            raise ValueError("a Mamba-2 layer needs SSM slots in the batch metadata")
+        tokens = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
+        weight = self.conv1d.weight.squeeze(1)
+        a = -torch.exp(self.A_log.float())
+        nd = meta.num_decode
+        xbc_out = torch.empty_like(xbc)
+        y = torch.empty(tokens, s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
+        if nd:
+            slots = meta.ssm_slots[:nd]
+            xbc_out[:nd] = self.ops.causal_conv1d_update(
+                xbc[:nd], weight, self.conv1d.bias, conv_states, slots, s.activation
+            )
+            xs, b, c = self._split(xbc_out[:nd])
+            y[:nd] = self.ops.mamba2_state_update(
+                xs, dt[:nd], a, b, c, self.D, self.dt_bias, ssm_states, slots
+            ).float()
+        if nd < meta.num_seqs:
+            first = meta.query_start_loc_host[nd]
+            qsl = [q - first for q in meta.query_start_loc_host[nd:]]
+            slots_host = meta.ssm_slots_host[nd:]
+            initial = (meta.ssm_has_initial_state or [])[nd:]
+            xbc_out[first:] = self.ops.causal_conv1d_varlen(
+                xbc[first:], weight, self.conv1d.bias, conv_states, qsl, slots_host, initial,
+                s.activation,
+            )  # fmt: skip
+            xs, b, c = self._split(xbc_out[first:])
+            y[first:] = self.ops.mamba2_chunk_scan_varlen(
+                xs, dt[first:], a, b, c, self.D, self.dt_bias, s.prefill_dt_limit, s.chunk_size,
+                ssm_states, qsl, slots_host, initial,
+            )  # fmt: skip
+        out = self.norm(y.view(tokens, s.intermediate), gate)
+        return self.out_proj(out.to(x.dtype))
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s = self.spec
+        n = xbc.shape[0]
+        gs = s.n_groups * s.state_size
+        xs, b, c = xbc.split([s.intermediate, gs, gs], dim=-1)
+        return (
+            xs.reshape(n, s.num_heads, s.head_dim),
+            b.reshape(n, s.n_groups, s.state_size),
+            c.reshape(n, s.n_groups, s.state_size),
+        )

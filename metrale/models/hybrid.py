@@ -1,0 +1,147 @@
+"""The frame the hybrid families (Nemotron-H, Bamba, Qwen3-Next) share: a stack whose layers
+each hold paged KV (attention), a recurrent state in the SSM slot pool, or nothing (MLP/MoE
+blocks), and the causal-LM wrapper the model engine drives.
+
+Owner: models.
+
+Invariants:
+- The module interface is the dense family's (`forward(input_ids, positions, meta, kv_caches)`,
+  `compute_logits`, `weight_mapping()`, `kv_layer_count`) plus `ssm_states`: per recurrent
+  layer, in layer order, the `(conv_states, ssm_states)` pool tensors; `ssm_layer_specs()`
+  gives their per-slot shapes so the factory can size the pool.
+- `kv_caches[i]` belongs to the i-th attention layer, `ssm_states[j]` to the j-th recurrent
+  layer, both counted in layer order.
+- Layers thread the residual like the dense family (`forward_add` norms), which computes
+  transformers' `residual + x` then norm.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+from torch import nn
+
+from metrale.cache.ssm_pool import SsmLayerSpec
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.models.config import ModelConfig
+from metrale.models.loader import WeightMapping
+
+LayerCache = tuple[torch.Tensor, torch.Tensor] | None
+
+
+class CacheKind(Enum):
+    ATTENTION = "attention"
+    RECURRENT = "recurrent"
+    NONE = "none"
+
+
+class HybridLayer(nn.Module):
+    """One layer of a hybrid stack; subclasses set `cache_kind` and implement `forward`."""
+
+    cache_kind: CacheKind = CacheKind.NONE
+
+    def ssm_spec(self) -> SsmLayerSpec:
+        raise TypeError(f"{type(self).__name__} holds no recurrent state")
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class HybridStack(nn.Module):
+    """Embedding, layers, final norm. Subclasses name the embedding and the final norm as the
+    checkpoints do and implement `embed` and `final_norm`."""
+
+    layers: nn.ModuleList
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ssm_states: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids)
+        residual: torch.Tensor | None = None
+        kv_iter, ssm_iter = iter(kv_caches), iter(ssm_states)
+        for layer in self.layers:
+            kind = layer.cache_kind
+            cache = (
+                next(kv_iter)
+                if kind is CacheKind.ATTENTION
+                else next(ssm_iter)
+                if kind is CacheKind.RECURRENT
+                else None
+            )
+            hidden, residual = layer(positions, hidden, residual, meta, cache)
+        assert residual is not None
+        return self.final_norm(hidden, residual)
+
+
+class HybridForCausalLM(nn.Module):
+    """Causal LM over a `HybridStack` (`self.model`) with an untied or tied LM head."""
+
+    model: HybridStack
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tied = cfg.tie_word_embeddings
+
+    def _add_lm_head(self) -> None:
+        if not self.tied:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+
+    def _layers_of(self, kind: CacheKind) -> list[HybridLayer]:
+        return [layer for layer in self.model.layers if layer.cache_kind is kind]
+
+    @property
+    def kv_layer_count(self) -> int:
+        return len(self._layers_of(CacheKind.ATTENTION))
+
+    def ssm_layer_specs(self) -> list[SsmLayerSpec]:
+        return [layer.ssm_spec() for layer in self._layers_of(CacheKind.RECURRENT)]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ssm_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        if ssm_states is None:
+            raise ValueError("a hybrid model's forward needs the SSM slot pool's layers")
+        return self.model(input_ids, positions, meta, kv_caches, ssm_states)
+
+    def input_embeddings(self) -> nn.Embedding:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.input_embeddings().weight if self.tied else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def weight_mapping(self) -> WeightMapping:
+        raise NotImplementedError
+
+    def drop_optional_weights(self, prefixes: set[str]) -> None:
+        """Remove submodules whose weights the checkpoint does not have (see
+        `WeightMapping.optional_prefixes`)."""
+        for prefix in prefixes:
+            name = prefix.rstrip(".")
+            if hasattr(self, name):
+                delattr(self, name)

@@ -1,0 +1,227 @@
+"""Nemotron-H: a hybrid where every layer is exactly one block (Mamba-2 mixer, attention
+without positional encoding, a plain MLP, or a sigmoid-routed MoE) after one RMSNorm.
+
+Owner: models.
+
+Invariants:
+- The block layout comes from `hybrid_override_pattern` (published checkpoints: `M` mamba,
+  `*` attention, `-` MLP, `E` MoE) or `layers_block_type` (transformers 5: `linear_attention`,
+  `full_attention`, `mlp`, `moe`); the layer count follows it. Mamba fields are read under
+  both their names (`n_groups`/`mamba_n_groups`, `conv_kernel`/`mamba_d_conv`, ...).
+- Checkpoint names are `backbone.*` (both published and transformers-written checkpoints) and
+  become `model.*` here; per-expert MoE tensors stack into `experts.up_proj`/`down_proj`.
+- As in transformers: attention has no rotary embedding and no biases; the LM head is never
+  tied; the mixer clamps prefill dt at `time_step_min`.
+- Unsupported options (MoE latent projection) are refused with a `CheckpointError` naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from metrale.cache.ssm_pool import SsmLayerSpec
+from metrale.errors import CheckpointError
+from metrale.kernels import KernelOps
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import PagedSelfAttention, RMSNorm
+from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
+from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
+from metrale.models.config import ModelConfig
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
+from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
+
+PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+LIST_NAMES = {
+    "linear_attention": "mamba",
+    "mamba": "mamba",
+    "full_attention": "attention",
+    "attention": "attention",
+    "mlp": "mlp",
+    "moe": "moe",
+}
+
+
+def _get(raw: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    return default
+
+
+def block_types(raw: dict[str, Any], source: str = "config.json") -> list[str]:
+    """Per layer one of `mamba`, `attention`, `mlp`, `moe`, from either config layout."""
+    listed = raw.get("layers_block_type") or raw.get("layer_types")
+    if isinstance(listed, list) and listed:
+        unknown = sorted({t for t in listed if t not in LIST_NAMES})
+        if unknown:
+            raise CheckpointError(f"{source}: unknown Nemotron-H block types {unknown}")
+        return [LIST_NAMES[t] for t in listed]
+    pattern = raw.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and pattern:
+        unknown = sorted({c for c in pattern if c not in PATTERN_CHARS})
+        if unknown:
+            raise CheckpointError(
+                f"{source}: hybrid_override_pattern has unknown block characters {unknown}"
+            )
+        return [PATTERN_CHARS[c] for c in pattern]
+    raise CheckpointError(
+        f"{source}: a Nemotron-H config needs 'hybrid_override_pattern' or 'layers_block_type'"
+    )
+
+
+def mamba_spec(cfg: ModelConfig) -> Mamba2Spec:
+    raw = cfg.raw
+    heads = int(_get(raw, "mamba_num_heads", default=128))
+    return Mamba2Spec(
+        hidden_size=cfg.hidden_size,
+        num_heads=heads,
+        head_dim=int(_get(raw, "mamba_head_dim", default=64)),
+        state_size=int(_get(raw, "ssm_state_size", "mamba_d_state", default=128)),
+        n_groups=int(_get(raw, "n_groups", "mamba_n_groups", default=8)),
+        conv_kernel=int(_get(raw, "conv_kernel", "mamba_d_conv", default=4)),
+        chunk_size=int(_get(raw, "chunk_size", "mamba_chunk_size", default=128)),
+        eps=float(_get(raw, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+        use_conv_bias=bool(_get(raw, "use_conv_bias", "mamba_conv_bias", default=True)),
+        use_bias=bool(_get(raw, "use_bias", default=False)),
+        activation=str(_get(raw, "mamba_hidden_act", default="silu")),
+        prefill_dt_limit=(float(_get(raw, "time_step_min", "mamba_dt_min", default=0.001)),
+                          float("inf")),
+    )  # fmt: skip
+
+
+def moe_block(cfg: ModelConfig, ops: KernelOps, source: str) -> SparseMoeBlock:
+    raw = cfg.raw
+    if raw.get("moe_latent_size") is not None:
+        raise CheckpointError(f"{source}: Nemotron-H 'moe_latent_size' is not supported")
+    experts = int(_get(raw, "n_routed_experts", "num_local_experts", default=8))
+    groups = int(_get(raw, "n_group", default=1))
+    if experts % groups:
+        raise CheckpointError(
+            f"{source}: n_routed_experts ({experts}) is not a multiple of n_group"
+        )
+    spec = MoeSpec(
+        hidden_size=cfg.hidden_size,
+        num_experts=experts,
+        top_k=int(_get(raw, "num_experts_per_tok", default=2)),
+        intermediate_size=int(_get(raw, "moe_intermediate_size", default=7688)),
+        routing="sigmoid_group",
+        renormalize=bool(_get(raw, "norm_topk_prob", default=True)),
+        gated=False,
+        activation=str(_get(raw, "mlp_hidden_act", default="relu2")),
+        num_groups=groups,
+        topk_groups=int(_get(raw, "topk_group", default=1)),
+        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", default=1.0)),
+    )
+    shared = int(_get(raw, "moe_shared_expert_intermediate_size", default=spec.intermediate_size))
+    return SparseMoeBlock(spec, ops, shared_intermediate=shared, shared_name="shared_experts")
+
+
+class NoRotary(nn.Module):
+    """Stands in for the rotary embedding: Nemotron-H attention has no positional encoding."""
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
+class NemotronHBlock(HybridLayer):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, kind: str, ops: KernelOps, source: str
+    ) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.kind = kind
+        self.mixer: nn.Module
+        if kind == "mamba":
+            self.cache_kind = CacheKind.RECURRENT
+            self.mixer = Mamba2Mixer(mamba_spec(cfg), ops)
+        elif kind == "attention":
+            self.cache_kind = CacheKind.ATTENTION
+            attn_cfg = dataclasses.replace(
+                cfg, attention_bias=False, o_proj_bias=False, qk_norm=False
+            )
+            self.mixer = PagedSelfAttention(attn_cfg, layer_idx, NoRotary(), ops)  # type: ignore[arg-type]
+        elif kind == "mlp":
+            act = str(_get(cfg.raw, "mlp_hidden_act", default="relu2"))
+            self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, False, act, cfg.mlp_bias)
+        else:
+            self.mixer = moe_block(cfg, ops, source)
+
+    def ssm_spec(self) -> SsmLayerSpec:
+        assert isinstance(self.mixer, Mamba2Mixer)
+        return self.mixer.spec.state_spec()
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.norm(hidden)
+        else:
+            hidden, residual = self.norm.forward_add(hidden, residual)
+        if self.kind == "mamba":
+            assert cache is not None
+            return self.mixer(hidden, meta, cache), residual
+        if self.kind == "attention":
+            assert cache is not None
+            return self.mixer(positions, hidden, meta, cache), residual
+        return self.mixer(hidden), residual
+
+
+class NemotronHStack(HybridStack):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, source: str) -> None:
+        super().__init__()
+        kinds = block_types(cfg.raw, source)
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            [NemotronHBlock(cfg, i, kind, ops, source) for i, kind in enumerate(kinds)]
+        )
+        self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.norm_f.forward_add(hidden, residual)[0]
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
+        super().__init__(cfg)
+        self.tied = False  # transformers never ties Nemotron-H's LM head
+        self.model = NemotronHStack(cfg, ops, f"{cfg.architecture} config")
+        self._add_lm_head()
+
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.embeddings  # type: ignore[return-value]
+
+    def weight_mapping(self) -> WeightMapping:
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        moe_inter = int(_get(c.raw, "moe_intermediate_size", default=7688))
+        return WeightMapping(
+            stacked=[
+                StackedShard("qkv_proj", "q_proj", 0, q),
+                StackedShard("qkv_proj", "k_proj", q, kv),
+                StackedShard("qkv_proj", "v_proj", q + kv, kv),
+            ],
+            experts=[
+                ExpertShard("up_proj", "up_proj", 0, moe_inter),
+                ExpertShard("down_proj", "down_proj", 0, c.hidden_size),
+            ],
+            rename=_rename,
+        )
+
+
+def _rename(name: str) -> str:
+    return "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
