@@ -36,6 +36,14 @@ def expert_count(cfg: ModelConfig) -> int:
     return int(n)
 
 
+def moe_intermediate(cfg: ModelConfig) -> int:
+    """The experts' width; a sparse layer without it cannot be built."""
+    n = cfg.raw.get("moe_intermediate_size")
+    if not n:
+        raise CheckpointError(f"{cfg.architecture}: config.json lacks 'moe_intermediate_size'")
+    return int(n)
+
+
 class Qwen3MoeDecoderLayer(DecoderLayer):
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: KernelOps) -> nn.Module:
         raw = cfg.raw
@@ -46,7 +54,7 @@ class Qwen3MoeDecoderLayer(DecoderLayer):
             hidden_size=cfg.hidden_size,
             num_experts=expert_count(cfg),
             top_k=int(raw.get("num_experts_per_tok") or 1),
-            intermediate_size=int(raw["moe_intermediate_size"]),
+            intermediate_size=moe_intermediate(cfg),
             renormalize=bool(raw.get("norm_topk_prob", False)),
             activation=cfg.hidden_act,
         )

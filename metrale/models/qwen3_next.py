@@ -34,6 +34,7 @@ from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
 from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
+from metrale.models.moe import moe_intermediate
 
 DEFAULT_PARTIAL_ROTARY = 0.25
 
@@ -171,7 +172,7 @@ class Qwen3NextLayer(HybridLayer):
                 hidden_size=cfg.hidden_size,
                 num_experts=experts,
                 top_k=int(raw.get("num_experts_per_tok") or 1),
-                intermediate_size=int(raw["moe_intermediate_size"]),
+                intermediate_size=moe_intermediate(cfg),
                 renormalize=bool(raw.get("norm_topk_prob", True)),
                 activation=cfg.hidden_act,
             )
