@@ -30,6 +30,12 @@ class KernelOps:
     silu_and_mul: Callable = reference.silu_and_mul
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
+    # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm.
+    rotary_embedding: Callable = reference.rotary_embedding
+    qk_norm_rotary: Callable = reference.qk_norm_rotary
+    # The sampler's hot path (device argmax; top-k/min-p/top-p draw without a full sort).
+    argmax: Callable = reference.argmax
+    top_k_top_p_sample: Callable = reference.top_k_top_p_sample
     # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
     causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen
     causal_conv1d_update: Callable = ssm_reference.causal_conv1d_update

@@ -129,3 +129,110 @@ def _decode_rows(
         enable_gqa=True,
     )
     out.copy_(attn.squeeze(2))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` by `positions` `[T]` with the layer's table
+    `cos_sin` `[max_positions, 2, rotary_dim // 2]` (rotate-half layout; dims past
+    `rotary_dim` pass through). The math of `metrale.layers.rotary.RotaryEmbedding.forward`."""
+    table = cos_sin.index_select(0, positions)
+    cos = table[:, 0].unsqueeze(1)
+    sin = table[:, 1].unsqueeze(1)
+    return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    half = rotary_dim // 2
+    rot = x[..., :rotary_dim].float()
+    x1, x2 = rot[..., :half], rot[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+
+
+def qk_norm_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q/k RMSNorm (weights `[D]`) followed by `rotary_embedding`."""
+    return rotary_embedding(
+        positions, rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps), cos_sin, rotary_dim
+    )
+
+
+def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `[B, V]`: `(index of the largest logit [B] int64, its value [B] float32)`.
+
+    NaN reads as -inf; ties go to the lowest index; a row of -inf gives index 0, value -inf.
+    """
+    x = logits.float().masked_fill(torch.isnan(logits), float("-inf"))
+    ids = x.argmax(dim=-1)
+    return ids, x.gather(1, ids.unsqueeze(1)).squeeze(1)
+
+
+def top_k_top_p_filter(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The filtered probabilities `[B, V]` float32 (0 where filtered, not renormalised) of
+    processed logits (penalties, bias and temperature applied; NaN reads as -inf), by a full
+    sort; with `samplable [B]` (whether the row has a finite logit; if not, all zeros).
+
+    Per row: top-k (`top_k` <= 0 or >= V: off) keeps every logit >= the k-th largest;
+    softmax; min-p (`min_p` <= 0 or None: off) zeroes probabilities < min_p * max; top-p
+    (`top_p` >= 1: off) keeps a token while the mass ranked above it (descending, ties by id)
+    is < top_p * the remaining mass.
+    """
+    x = logits.float().masked_fill(torch.isnan(logits), float("-inf"))
+    vocab = x.shape[-1]
+    k = top_k.to(device=x.device, dtype=torch.int64)
+    k = torch.where((k <= 0) | (k >= vocab), vocab, k)
+    kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+    x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    samplable = ~torch.isnan(probs[:, 0])
+    probs = torch.nan_to_num(probs, nan=0.0)
+    if min_p is not None:
+        floor = probs.amax(dim=-1, keepdim=True) * min_p.to(x.device).float().unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    p = top_p.to(device=x.device, dtype=torch.float32).unsqueeze(1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    total = probs.sum(dim=-1, keepdim=True)
+    keep_sorted = (mass_above < total * p) | (p >= 1.0)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return probs.masked_fill(~keep, 0.0), samplable
+
+
+def top_k_top_p_sample(
+    logits: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniforms: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row: `top_k_top_p_filter`, then the first token in id order whose
+    float64 cumulative probability reaches `uniforms * total` (`uniforms` in (0, 1)); the
+    definition the Triton kernel matches. Returns `(token_ids [B] int64, samplable [B]
+    bool)`; a row without a finite logit gets token 0 and samplable False.
+    """
+    probs, samplable = top_k_top_p_filter(logits, top_k, top_p, min_p)
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, target, right=False).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return torch.where(samplable, ids, 0), samplable

@@ -89,11 +89,25 @@ class PagedSelfAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self._norm_and_rotate(positions, q, k)
         k_cache, v_cache = kv
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _norm_and_rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Optional per-head q/k RMSNorm, then rotary: one kernel op for a RotaryEmbedding, the
+        module's own forward for a stand-in (e.g. a model without positional encoding)."""
+        rotary = self.rotary
+        if not isinstance(rotary, RotaryEmbedding):
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            return rotary(positions, q, k)
+        if self.qk_norm:
+            return self.ops.qk_norm_rotary(
+                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rotary.cos_sin, rotary.rotary_dim,
+            )  # fmt: skip
+        return self.ops.rotary_embedding(positions, q, k, rotary.cos_sin, rotary.rotary_dim)

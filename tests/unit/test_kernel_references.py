@@ -1,0 +1,62 @@
+"""The torch references the Triton kernels are checked against compute what the layers and the
+sampler compute: the fused rotary ops equal RMSNorm + `RotaryEmbedding`, and the sampling
+reference equals the sampler's top-k -> softmax -> min-p -> top-p filter chain.
+
+CPU only, no triton needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.kernels import reference
+from metrale.layers.rotary import RotaryEmbedding
+from metrale.models.config import RopeConfig
+from metrale.sampling.logits_processors import apply_min_p, apply_top_k, apply_top_p
+
+
+def test_rotary_references_match_the_layer() -> None:
+    g = torch.Generator().manual_seed(0)
+    for partial in (1.0, 0.5):
+        rotary = RotaryEmbedding(RopeConfig(theta=1e6, partial_rotary_factor=partial), 32, 128)
+        q = torch.randn(5, 4, 32, generator=g)
+        k = torch.randn(5, 2, 32, generator=g)
+        positions = torch.tensor([0, 3, 77, 127, 9])
+        want = rotary(positions, q, k)
+        got = reference.rotary_embedding(positions, q, k, rotary.cos_sin, rotary.rotary_dim)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+        qw, kw = torch.randn(32, generator=g), torch.randn(32, generator=g)
+        normed = reference.rms_norm(q, qw, 1e-6), reference.rms_norm(k, kw, 1e-6)
+        want = rotary(positions, *normed)
+        got = reference.qk_norm_rotary(
+            positions, q, k, qw, kw, 1e-6, rotary.cos_sin, rotary.rotary_dim
+        )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_sampling_filter_reference_matches_the_sampler_chain() -> None:
+    g = torch.Generator().manual_seed(1)
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=g) * 2
+    logits[2] = torch.round(logits[2])  # ties
+    top_k = torch.tensor([0, 5, 40, 1, vocab, 17])
+    top_p = torch.tensor([0.5, 1.0, 0.95, 0.3, 0.99, 0.7])
+    min_p = torch.tensor([0.0, 0.0, 0.1, 0.0, 0.0, 0.02])
+
+    k_on = (top_k > 0) & (top_k < vocab)
+    x = torch.where(
+        k_on.unsqueeze(1), apply_top_k(logits, torch.where(k_on, top_k, vocab), vocab), logits
+    )
+    probs = apply_top_p(apply_min_p(torch.softmax(x, dim=-1), min_p), top_p)
+
+    got, samplable = reference.top_k_top_p_filter(logits, top_k, top_p, min_p)
+    assert samplable.all()
+    assert torch.equal(got, probs)
+
+
+def test_argmax_reference() -> None:
+    x = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 0.0, -1.0], [float("-inf")] * 3])
+    ids, values = reference.argmax(x)
+    assert ids.tolist() == [1, 1, 0]
+    assert values.tolist() == [3.0, 0.0, float("-inf")]
