@@ -1,0 +1,43 @@
+"""The CUDA op set: which `KernelOps` entries have a Triton kernel, and the factory that binds
+them. `kernels_for(cuda)` imports this module only when triton is importable.
+
+Owner: kernels.
+
+Invariants:
+- `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
+  each computing the same function as the `reference` entry of the same name and tested
+  against it in `tests/gpu/test_kernels.py`. An op not listed keeps its torch reference.
+- The factory reports every op's implementation ("triton" | "torch") in
+  `KernelOps.implementations`, so a slower path is never silent.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import fields
+
+from metrale.kernels import KernelOps
+
+#: op name -> (module, function). Add a line here when a Triton kernel for an op lands.
+TRITON_OPS: dict[str, tuple[str, str]] = {
+    "rms_norm": ("metrale.kernels.triton_norm", "rms_norm"),
+    "add_rms_norm": ("metrale.kernels.triton_norm", "add_rms_norm"),
+    "silu_and_mul": ("metrale.kernels.triton_norm", "silu_and_mul"),
+    "write_kv": ("metrale.kernels.triton_attention", "write_kv"),
+    "paged_attention": ("metrale.kernels.triton_attention", "paged_attention"),
+    "rotary_embedding": ("metrale.kernels.triton_rotary", "rotary_embedding"),
+    "qk_norm_rotary": ("metrale.kernels.triton_rotary", "qk_norm_rotary"),
+    "argmax": ("metrale.kernels.triton_sampling", "argmax"),
+    "top_k_top_p_sample": ("metrale.kernels.triton_sampling", "top_k_top_p_sample"),
+}
+
+
+def triton_kernel_ops() -> KernelOps:
+    """`KernelOps` with every registered Triton kernel bound, references elsewhere."""
+    names = {f.name for f in fields(KernelOps)} - {"implementations"}
+    chosen = {}
+    for name, (module, function) in TRITON_OPS.items():
+        if name in names:
+            chosen[name] = getattr(importlib.import_module(module), function)
+    implementations = {name: "triton" if name in chosen else "torch" for name in sorted(names)}
+    return KernelOps(**chosen, implementations=implementations)

@@ -1,0 +1,89 @@
+"""GPU test tier: tests marked `gpu` run on a CUDA machine and are skipped elsewhere.
+
+With `METRALE_TRITON_INTERPRET=1` the kernel tests run without a GPU instead: Triton's CPU
+interpreter (`TRITON_INTERPRET=1`, set here before anything imports triton) executes the
+kernels on CPU tensors. Only tests that can run interpreted opt in (marker `interpretable`);
+CUDA-only tests (graph capture, timing) still skip. Nothing here imports triton unless the
+interpreter was asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("METRALE_TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+_HERE = Path(__file__).parent
+
+
+def _patch_interpreter() -> None:
+    """Two fixes to Triton 3.6's CPU interpreter (compiled kernels are unaffected):
+
+    - scalar kernel arguments are 1-element arrays that it converts with `int(array)`, which
+      NumPy >= 2.4 rejects (loops with a run-time bound fail): convert through `[0]`;
+    - it casts float32 to bfloat16 by truncation, where the GPU rounds to nearest even: that
+      biases every bf16 output by up to one ulp, so round to nearest even as the GPU does.
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_metrale_patched", False):
+        return
+
+    def patched(tensor, scope):  # type: ignore[no-untyped-def]
+        original(tensor, scope)
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+        )
+
+    patched._metrale_patched = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patched
+
+    builder = interpreter.InterpreterBuilder
+    original_cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
+            wide = bits.astype(np.uint64)
+            rounded = ((wide + 0x7FFF + ((wide >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(np.asarray(src.data, dtype=np.float32))
+            rounded = np.where(nan, np.uint16(0x7FC0), rounded).astype(np.uint16)
+            return interpreter.TensorHandle(rounded, tl.bfloat16)
+        return original_cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+
+
+if INTERPRET and importlib.util.find_spec("triton") is not None:
+    _patch_interpreter()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "interpretable: a gpu test that can also run under METRALE_TRITON_INTERPRET=1"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = torch.cuda.is_available()
+    triton_installed = importlib.util.find_spec("triton") is not None
+    for item in items:
+        if _HERE not in item.path.parents or "gpu" not in item.keywords:
+            continue
+        if INTERPRET:
+            if not triton_installed:
+                item.add_marker(pytest.mark.skip(reason="METRALE_TRITON_INTERPRET needs triton"))
+            elif "interpretable" not in item.keywords:
+                item.add_marker(pytest.mark.skip(reason="CUDA only (not under the interpreter)"))
+        elif not cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
