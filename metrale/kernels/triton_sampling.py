@@ -97,9 +97,10 @@ def _load_row(base, cols, V):
 
 @triton.jit
 def _pivots(lo, hi, NP: tl.constexpr):
-    """NP int64 pivots spread strictly inside (lo, hi) when hi - lo >= 2 (at least one)."""
+    """NP int32 pivots spread strictly inside (lo, hi) when hi - lo >= 2 (at least one);
+    `lo`, `hi` are int64 scalars within int32 range (the product needs 64 bits)."""
     j = tl.arange(0, NP).to(tl.int64)
-    return lo + ((hi - lo) * (j + 1)) // (NP + 1)
+    return (lo + ((hi - lo) * (j + 1)) // (NP + 1)).to(tl.int32)
 
 
 @triton.jit
@@ -122,14 +123,18 @@ def _top_k_top_p_kernel(
     base = x_ptr + row.to(tl.int64) * stride_x
     offs = tl.arange(0, BLOCK)
 
+    # Every pass accumulates per-element partials and reduces across the block once at its
+    # end (a cross-warp reduction per chunk would cost more than the chunk's loads).
     # Pass 1: the row's largest logit and the key range.
-    m = tl.full([], float("-inf"), dtype=tl.float32)
-    key_min = tl.full([], 2147483647, dtype=tl.int64)
+    m_part = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    kmin_part = tl.full([BLOCK], 2147483647, dtype=tl.int32)
     for start in range(0, V, BLOCK):
         cols = start + offs
         x = _load_row(base, cols, V)
-        m = tl.maximum(m, tl.max(x, 0))
-        key_min = tl.minimum(key_min, tl.min(tl.where(cols < V, _key(x), 2147483647), 0))
+        m_part = tl.maximum(m_part, x)
+        kmin_part = tl.minimum(kmin_part, tl.where(cols < V, _key(x), 2147483647))
+    m = tl.max(m_part, 0)
+    key_min = tl.min(kmin_part, 0).to(tl.int64)
     samplable = m > float("-inf")
     key_max = _key(m).to(tl.int64)
     m = tl.where(samplable, m, 0.0)  # a row without a finite logit: every p below is 0
@@ -142,24 +147,25 @@ def _top_k_top_p_kernel(
         hi = key_max + 1  # count(key >= hi) = 0 < k
         while hi - lo > 1:
             piv = _pivots(lo, hi, NP)
-            cnt = tl.zeros([NP], dtype=tl.int64)
+            cnt_part = tl.zeros([BLOCK, NP], dtype=tl.int32)
             for start in range(0, V, BLOCK):
                 cols = start + offs
-                key = _key(_load_row(base, cols, V)).to(tl.int64)
+                key = _key(_load_row(base, cols, V))
                 hit = (key[:, None] >= piv[None, :]) & (cols < V)[:, None]
-                cnt += tl.sum(hit.to(tl.int64), 0)
-            enough = cnt >= k
+                cnt_part += hit.to(tl.int32)
+            enough = tl.sum(cnt_part, 0).to(tl.int64) >= k
             lo = tl.max(tl.where(enough, piv, lo), 0)
             hi = tl.min(tl.where(enough, hi, piv), 0)
         t_k = lo
 
     # Softmax normaliser over the top-k survivors.
-    z = tl.zeros([], dtype=tl.float32)
+    z_part = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         cols = start + offs
         x = _load_row(base, cols, V)
-        kept = (_key(x).to(tl.int64) >= t_k) & (cols < V)
-        z += tl.sum(tl.where(kept, tl.exp(x - m), 0.0), 0)
+        kept = (_key(x) >= t_k) & (cols < V)
+        z_part += tl.where(kept, tl.exp(x - m), 0.0)
+    z = tl.sum(z_part, 0)
     inv_z = tl.where(z > 0.0, 1.0 / tl.maximum(z, 1e-30), 0.0)
     min_p = tl.load(min_p_ptr + row).to(tl.float32)
     p_floor = inv_z * min_p  # min-p: a probability below min_p * max (max = 1/z) is dropped
@@ -169,61 +175,69 @@ def _top_k_top_p_kernel(
     # kept in id order while the mass ranked above them stays below the bound.
     k_b = key_min - 1
     keep_ties = tl.full([], 2147483647, dtype=tl.int64)
+    limit_ties = k_b > k_b  # False (a scalar tensor, reassigned below)
     if (top_p < 1.0) & samplable:
-        total = tl.zeros([], dtype=tl.float32)
+        total_part = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = _load_row(base, cols, V)
             p = tl.exp(x - m) * inv_z
-            kept = (_key(x).to(tl.int64) >= t_k) & (p >= p_floor) & (cols < V)
-            total += tl.sum(tl.where(kept, p, 0.0), 0)
-        bound = top_p * total
+            kept = (_key(x) >= t_k) & (p >= p_floor) & (cols < V)
+            total_part += tl.where(kept, p, 0.0)
+        bound = top_p * tl.sum(total_part, 0)
         lo = key_min - 1  # mass(key > lo) = total >= bound
         hi = key_max  # mass(key > hi) = 0 < bound
         while hi - lo > 1:
             piv = _pivots(lo, hi, NP)
-            mass = tl.zeros([NP], dtype=tl.float32)
+            mass_part = tl.zeros([BLOCK, NP], dtype=tl.float32)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 x = _load_row(base, cols, V)
-                key = _key(x).to(tl.int64)
+                key = _key(x)
                 p = tl.exp(x - m) * inv_z
                 w = tl.where((key >= t_k) & (p >= p_floor) & (cols < V), p, 0.0)
-                mass += tl.sum(tl.where(key[:, None] > piv[None, :], w[:, None], 0.0), 0)
-            below = mass < bound
+                mass_part += tl.where(key[:, None] > piv[None, :], w[:, None], 0.0)
+            below = tl.sum(mass_part, 0) < bound
             hi = tl.min(tl.where(below, piv, hi), 0)
             lo = tl.max(tl.where(below, lo, piv), 0)
         k_b = hi
-        above = tl.zeros([], dtype=tl.float32)
+        above_part = tl.zeros([BLOCK], dtype=tl.float32)
+        ties_part = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = _load_row(base, cols, V)
-            key = _key(x).to(tl.int64)
+            key = _key(x)
             p = tl.exp(x - m) * inv_z
             w = tl.where((key > k_b) & (key >= t_k) & (p >= p_floor) & (cols < V), p, 0.0)
-            above += tl.sum(w, 0)
+            above_part += w
+            ties_part += ((key == k_b) & (cols < V)).to(tl.int32)
+        above = tl.sum(above_part, 0)
+        num_ties = tl.sum(ties_part, 0).to(tl.int64)
         p_b = tl.exp(_unkey(k_b) - m) * inv_z
         ties = tl.minimum(tl.ceil((bound - above) / p_b), 2147483647.0)
         keep_ties = tl.maximum(ties.to(tl.int64), 1)
+        # Only a boundary tie that top-p cuts through needs id-order ranks (a scan).
+        limit_ties = keep_ties < num_ties
 
     # Total surviving mass (float64), then the inverse-CDF draw in token-id order.
     lower = tl.maximum(t_k, k_b)
-    total64 = tl.zeros([], dtype=tl.float64)
+    total_part = tl.zeros([BLOCK], dtype=tl.float64)
     ties_seen = tl.zeros([], dtype=tl.int64)
     for start in range(0, V, BLOCK):
         cols = start + offs
         x = _load_row(base, cols, V)
-        key = _key(x).to(tl.int64)
+        key = _key(x)
         p = tl.exp(x - m) * inv_z
-        tie = (key == k_b) & (cols < V)
-        rank = ties_seen + tl.cumsum(tie.to(tl.int64), 0) - 1
-        ties_seen += tl.sum(tie.to(tl.int64), 0)
-        keep = (key >= lower) & (p >= p_floor) & (cols < V) & (~tie | (rank < keep_ties))
-        total64 += tl.sum(tl.where(keep, p, 0.0).to(tl.float64), 0)
+        keep = (key >= lower) & (p >= p_floor) & (cols < V)
+        if limit_ties:
+            tie = (key == k_b) & (cols < V)
+            rank = ties_seen + tl.cumsum(tie.to(tl.int64), 0) - 1
+            ties_seen += tl.sum(tie.to(tl.int64), 0)
+            keep = keep & (~tie | (rank < keep_ties))
+        total_part += tl.where(keep, p, 0.0).to(tl.float64)
         if WRITE_PROBS:
-            kept_p = tl.where(keep, p, 0.0)
-            tl.store(probs_ptr + row.to(tl.int64) * V + cols, kept_p, mask=cols < V)
-    target = tl.load(u_ptr + row).to(tl.float64) * total64
+            tl.store(probs_ptr + row.to(tl.int64) * V + cols, tl.where(keep, p, 0.0), mask=cols < V)
+    target = tl.load(u_ptr + row).to(tl.float64) * tl.sum(total_part, 0)
     cdf = tl.zeros([], dtype=tl.float64)
     ties_seen = tl.zeros([], dtype=tl.int64)
     chosen = tl.full([], V, dtype=tl.int64)
@@ -231,16 +245,20 @@ def _top_k_top_p_kernel(
     while (start < V) & (chosen == V):
         cols = start + offs
         x = _load_row(base, cols, V)
-        key = _key(x).to(tl.int64)
+        key = _key(x)
         p = tl.exp(x - m) * inv_z
-        tie = (key == k_b) & (cols < V)
-        rank = ties_seen + tl.cumsum(tie.to(tl.int64), 0) - 1
-        ties_seen += tl.sum(tie.to(tl.int64), 0)
-        keep = (key >= lower) & (p >= p_floor) & (cols < V) & (~tie | (rank < keep_ties))
-        running = cdf + tl.cumsum(tl.where(keep, p, 0.0).to(tl.float64), 0)
-        hit = (running >= target) & (cols < V)
-        chosen = tl.min(tl.where(hit, cols.to(tl.int64), V), 0)
-        cdf += tl.sum(tl.where(keep, p, 0.0).to(tl.float64), 0)
+        keep = (key >= lower) & (p >= p_floor) & (cols < V)
+        if limit_ties:
+            tie = (key == k_b) & (cols < V)
+            rank = ties_seen + tl.cumsum(tie.to(tl.int64), 0) - 1
+            ties_seen += tl.sum(tie.to(tl.int64), 0)
+            keep = keep & (~tie | (rank < keep_ties))
+        w = tl.where(keep, p, 0.0).to(tl.float64)
+        chunk = tl.sum(w, 0)
+        if cdf + chunk >= target:  # the chosen token is in this chunk: scan it
+            hit = ((cdf + tl.cumsum(w, 0)) >= target) & (cols < V)
+            chosen = tl.min(tl.where(hit, cols.to(tl.int64), V), 0)
+        cdf += chunk
         start += BLOCK
     chosen = tl.minimum(chosen, V - 1)
     chosen = tl.where(samplable, chosen, 0)
