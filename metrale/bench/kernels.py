@@ -58,7 +58,7 @@ def _median_ms(fn: Callable[[], Any]) -> float:
 def _graph_ms(fn: Callable[[], Any]) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median"))
 
 
 class _Recorder:
