@@ -180,7 +180,7 @@ def _engine_info(engine: Engine) -> dict[str, Any]:
     model = engine.model
     info = {
         "kv_blocks": model.num_total_blocks(),
-        "kernels": dict(getattr(getattr(model.module, "ops", None), "implementations", {}) or {}),
+        "kernels": dict(getattr(model, "kernel_implementations", {})),
         "cuda_graphs": getattr(model, "graph_runner", None) is not None,
     }
     breakdown = getattr(engine, "startup_breakdown", None) or getattr(

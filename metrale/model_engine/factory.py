@@ -28,6 +28,13 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
+from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.gpu_setup import (
+    GRAPH_RESERVE_BYTES,
+    StartupBreakdown,
+    cuda_kv_budget,
+    profile_activation_peak,
+)
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
 from metrale.models.loader import load_weights
@@ -76,6 +83,8 @@ class LoadReport:
     #: SSM slot pool (hybrid models): bytes and slots; 0 without recurrent layers.
     ssm_bytes: int = 0
     num_ssm_slots: int = 0
+    #: CUDA start-up breakdown (weights, activations, KV, graphs); None on the CPU.
+    breakdown: StartupBreakdown | None = None
 
 
 def _dummy_init(module: torch.nn.Module) -> None:
@@ -105,7 +114,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
             f"{mcfg.max_position_embeddings}",
             param="max_model_len",
         )
-    ops = kernels_for(device, use_triton=not config.enforce_eager or device.type == "cuda")
+    ops = kernels_for(device)
     with torch.device(device), _default_dtype(dtype):
         module = cls(mcfg, ops, max_model_len)
     module.eval()
@@ -122,9 +131,24 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     if ssm_specs:
         ssm_pool = SsmSlotPool(ssm_specs, config.max_num_seqs, dtype, device)
     ssm_bytes = ssm_pool.bytes_total() if ssm_pool is not None else 0
-    num_blocks = _kv_blocks(
-        config, mcfg, module.kv_layer_count, dtype, device, max_model_len, ssm_bytes
+    breakdown = StartupBreakdown(
+        weights_bytes=weights_bytes, load_seconds=time.perf_counter() - start
     )
+    activation_peak = None
+    if device.type == "cuda" and config.num_kv_blocks is None and ssm_pool is None:
+        t0 = time.perf_counter()
+        activation_peak = profile_activation_peak(
+            module, TransformerModel,
+            dict(config=mcfg, device=device, dtype=dtype, max_model_len=max_model_len),
+            tokens=config.resolved_batched_tokens("cuda"), max_model_len=max_model_len,
+            block_size=config.block_size,
+        )  # fmt: skip
+        breakdown.activation_peak_bytes = activation_peak
+        breakdown.profile_seconds = time.perf_counter() - t0
+    num_blocks = _kv_blocks(
+        config, mcfg, module.kv_layer_count, dtype, device, max_model_len, ssm_bytes,
+        activation_peak,
+    )  # fmt: skip
     kv = PagedKVCache(
         module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
@@ -132,12 +156,16 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     model = TransformerModel(
         module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool
     )
+    model.kernel_implementations = dict(ops.implementations)
     kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
         module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
+    breakdown.kv_bytes = kv_bytes
+    if device.type == "cuda" and not config.enforce_eager:
+        _capture_graphs(model, config, max_model_len, breakdown, ops.implementations)
     report = LoadReport(
         weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,
-        ssm_pool.num_slots if ssm_pool is not None else 0,
+        ssm_pool.num_slots if ssm_pool is not None else 0, breakdown,
     )  # fmt: skip
     if ssm_pool is not None:
         logger.info(
@@ -149,7 +177,39 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
         model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
         num_blocks, kv_bytes / 2**20, report.load_seconds,
     )  # fmt: skip
+    if device.type == "cuda":
+        logger.info("startup: %s; total %.1fs", breakdown.summary(), report.load_seconds)
     return model, report
+
+
+def _capture_graphs(
+    model: TransformerModel,
+    config: EngineConfig,
+    max_model_len: int,
+    breakdown: StartupBreakdown,
+    kernels: dict[str, str],
+) -> None:
+    """Capture decode graphs when every op on the decode path is capturable."""
+    if model.ssm_pool is not None or kernels.get("paged_attention") != "triton":
+        logger.warning(
+            "CUDA graphs disabled: %s; decode runs eagerly (slower)",
+            "recurrent layers use reference ops" if model.ssm_pool is not None
+            else "the attention op is not capturable",
+        )  # fmt: skip
+        return
+    runner = DecodeGraphRunner(
+        model.module, model.kv_cache.layers, model.device, config.max_num_seqs,
+        -(-max_model_len // config.block_size), config.block_size,
+    )  # fmt: skip
+    runner.capture()
+    model.graph_runner = runner
+    breakdown.graph_bytes = runner.capture_bytes
+    breakdown.capture_seconds = runner.capture_seconds
+    if runner.capture_bytes > GRAPH_RESERVE_BYTES:
+        logger.warning(
+            "decode graphs took %.0f MiB, more than the %.0f MiB reserved for them",
+            runner.capture_bytes / 2**20, GRAPH_RESERVE_BYTES / 2**20,
+        )  # fmt: skip
 
 
 def _kv_blocks(
@@ -160,6 +220,7 @@ def _kv_blocks(
     device: torch.device,
     max_model_len: int,
     reserved_bytes: int = 0,
+    activation_peak: int | None = None,
 ) -> int:
     """KV blocks; `reserved_bytes` (the SSM pool) come out of the CPU budget (on CUDA the
     free-memory reading already excludes the allocated pool)."""
@@ -169,7 +230,9 @@ def _kv_blocks(
         kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
     blocks_per_seq = -(-max_model_len // config.block_size)
-    if device.type == "cuda":
+    if device.type == "cuda" and activation_peak is not None:
+        budget = cuda_kv_budget(config.gpu_memory_utilization, activation_peak, device)
+    elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         budget = (

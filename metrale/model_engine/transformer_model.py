@@ -25,6 +25,7 @@ import pickle
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
+import numpy as np
 import torch
 
 from metrale.cache.block_pool import BlockPool
@@ -33,6 +34,7 @@ from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
+from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
     MixedBatchResult,
@@ -76,6 +78,12 @@ class TransformerModel(Model):
         self.dtype = dtype
         self.max_model_len = max_model_len
         self._next_slot = 0
+        #: Decode CUDA graphs (set by the factory on CUDA); None runs every forward eagerly.
+        self.graph_runner: DecodeGraphRunner | None = None
+        #: Forwards run eagerly (prefills, mixed steps, and decode when no graph applies).
+        self.eager_forwards = 0
+        #: op name -> "torch" | "triton", as the factory selected them.
+        self.kernel_implementations: dict[str, str] = {}
         self._last_hidden: torch.Tensor | None = None
         self.prefix_cache: RadixPrefixCache | None = None
         #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
@@ -375,6 +383,10 @@ class TransformerModel(Model):
     def _forward(
         self, rows: list[ForwardRow], num_decode: int
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        runner = self.graph_runner
+        if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
+            return self._forward_graphed(runner, rows), [(i, 1) for i in range(len(rows))]
+        self.eager_forwards += 1
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
         if self.ssm_pool is not None:
             hidden = self.module(
@@ -388,6 +400,17 @@ class TransformerModel(Model):
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
+
+    def _forward_graphed(self, runner: DecodeGraphRunner, rows: list[ForwardRow]) -> torch.Tensor:
+        """A decode-only forward replayed from the captured graph of its padded width."""
+        tokens = np.fromiter((r.tokens[0] for r in rows), dtype=np.int64, count=len(rows))
+        positions = np.fromiter((r.seq.seq_len for r in rows), dtype=np.int64, count=len(rows))
+        width = max(len(r.seq.block_table) for r in rows)
+        tables = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            tables[i, : len(r.seq.block_table)] = r.seq.block_table
+        self._last_hidden = None
+        return runner.run(tokens, positions, tables)
 
     def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
         """Append one PromptTokenLogprob per chunk position that has a next prompt token."""

@@ -1,0 +1,146 @@
+"""CUDA graphs for decode: one graph per rung of `DECODE_BATCH_LADDER` (plus batch 1), captured
+at startup into one memory pool, replayed with persistent input buffers.
+
+Owner: model-engine (`TransformerModel` routes decode-only forwards here when graphs exist).
+
+Invariants:
+- A graph is replayed only for a forward whose rows are all single-token decode rows and whose
+  count fits a captured rung; everything else runs eagerly.
+- Inputs reach the graph only through the persistent buffers; rows past the real batch are
+  padding: token 0 at position 0, writing its K/V to slot 0 of the null block, attending to
+  that slot alone, and its logits row is never read.
+- Block-table columns past a row's current block count are stale but never read: the
+  attention kernels stop at `seq_lens`.
+- The attention op must be capturable (no host reads); graphs are refused otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.model_engine.traits import DECODE_BATCH_LADDER, padded_batch_n
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGraphRunner:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+    ) -> None:
+        self.module = module
+        self.kv_layers = kv_layers
+        self.device = device
+        self.block_size = block_size
+        top = padded_batch_n(max_batch)
+        self.rungs = sorted({1, *(r for r in DECODE_BATCH_LADDER if r <= top), top})
+        self.max_rows = self.rungs[-1]
+        n, width = self.max_rows, max_blocks_per_seq
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        staging = torch.zeros(4, n, dtype=torch.int64)
+        self._staging = staging.pin_memory() if device.type == "cuda" else staging
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        #: Forwards served by a graph replay (a metric: eager fallbacks are the rest).
+        self.replays = 0
+
+    def _meta(self, rows: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:rows],
+            slot_mapping=self.slot_mapping[:rows],
+            query_start_loc=self.query_start_loc[: rows + 1],
+            seq_lens=self.seq_lens[:rows],
+            block_tables=self.block_tables[:rows],
+            num_decode=rows,
+            query_lens_host=[1] * rows,
+            seq_lens_host=[],  # not available inside a graph: kernels must not read it
+            max_query_len=1,
+            max_seq_len=self.block_tables.shape[1] * self.block_size,
+        )
+
+    def _body(self, rows: int) -> torch.Tensor:
+        hidden = self.module(
+            self.input_ids[:rows], self.positions[:rows], self._meta(rows), self.kv_layers
+        )
+        return self.module.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for rows in reversed(self.rungs):
+                for _ in range(2):  # warm-up: autotuning, lazy init, allocator
+                    self._body(rows)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    self.outputs[rows] = self._body(rows)
+                self.graphs[rows] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+        logger.info(
+            "captured %d decode graphs (batch %s) in %.2fs using %.1f MiB",
+            len(self.graphs), ",".join(map(str, self.rungs)), self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )  # fmt: skip
+
+    def can_run(self, rows: int) -> bool:
+        return 0 < rows <= self.max_rows
+
+    @torch.inference_mode()
+    def run(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+        """Replay for `len(tokens)` decode rows; returns their `[rows, vocab]` float32 logits.
+        `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded)."""
+        rows = len(tokens)
+        rung = next(r for r in self.rungs if r >= rows)
+        bs = self.block_size
+        slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
+        stage = self._staging.numpy()
+        stage[0, :rung] = 0
+        stage[1, :rung] = 0
+        stage[2, :rung] = 0
+        stage[3, :rung] = 1
+        stage[0, :rows] = tokens
+        stage[1, :rows] = positions
+        stage[2, :rows] = slots
+        stage[3, :rows] = positions + 1
+        staged = self._staging[:, :rung].to(self.device, non_blocking=True)
+        self.input_ids[:rung].copy_(staged[0])
+        self.positions[:rung].copy_(staged[1])
+        self.slot_mapping[:rung].copy_(staged[2])
+        self.seq_lens[:rung].copy_(staged[3])
+        width = tables.shape[1]
+        self.block_tables[:rows, :width].copy_(
+            torch.from_numpy(tables.astype(np.int32)).to(self.device, non_blocking=True)
+        )
+        if rung > rows:
+            self.block_tables[rows:rung, 0].zero_()
+        if self.graphs:
+            self.graphs[rung].replay()
+            self.replays += 1
+            return self.outputs[rung][:rows]
+        # Not captured (a CPU check of the buffer logic): run the same body eagerly.
+        return self._body(rung)[:rows]

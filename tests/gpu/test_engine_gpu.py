@@ -1,0 +1,65 @@
+"""The engine on CUDA: bfloat16 greedy output against the CPU float32 path, and graphed decode
+against eager decode. Marked `gpu`; skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.parity import mixed_prompts
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+NEW = 32
+VARIANTS = [
+    v for v in DENSE_VARIANTS if v.name in ("llama-gqa2", "qwen3-qknorm", "qwen2-bias-tied")
+]
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=5)
+
+
+def _tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_bf16_cuda_greedy_tracks_cpu_float32(variant) -> None:
+    prompts = mixed_prompts(12)
+    cpu = LLM(str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=300)
+    gpu = LLM(str(build(variant)), device="cuda", dtype="bfloat16", num_kv_blocks=300)
+    ref = cpu.generate(prompts, PARAMS)
+    got = gpu.generate(prompts, PARAMS)
+    identical = 0
+    for r, g in zip(ref, got, strict=True):
+        rt, gt = r.outputs[0].token_ids, g.outputs[0].token_ids
+        if rt == gt:
+            identical += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(rt, gt)) if a != b)
+        top5 = set(r.outputs[0].logprobs[first].keys())
+        assert gt[first] in top5, f"GPU token {gt[first]} not in the CPU top-5 {top5} at {first}"
+    assert identical >= 0.9 * len(prompts), f"only {identical}/{len(prompts)} prompts identical"
+
+
+def test_graphed_decode_equals_eager() -> None:
+    variant = VARIANTS[1]
+    prompts = mixed_prompts(12)
+    params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    eager = LLM(
+        str(build(variant)), device="cuda", dtype="float32", num_kv_blocks=300, enforce_eager=True
+    )
+    graphed = LLM(
+        str(build(variant)), device="cuda", dtype="float32", num_kv_blocks=300, max_num_seqs=16
+    )
+    assert getattr(graphed.engine.model, "graph_runner", None) is not None, (
+        "no CUDA graphs captured"
+    )
+    assert getattr(eager.engine.model, "graph_runner", None) is None
+    # batch sizes 1, 3 (padded to 4) and 12 (padded to 12) all go through graphs
+    for batch in (prompts[:1], prompts[:3], prompts):
+        assert _tokens(graphed.generate(batch, params)) == _tokens(eager.generate(batch, params))
+    assert graphed.engine.model.graph_runner.replays > 0

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# One GPU session on an H200 (torch 2.11 image, no package index): GPU tests, kernel bench,
+# latency/throughput instruments with the HF peer, and the serve ladder against a real
+# `metrale serve`. Every part is independent: a failing part is logged and the next one runs.
+#
+# Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
+#   OUT=/some/dir bash tools/gpu_session.sh [parts...]
+# parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
+set -u
+OUT=${OUT:-/tmp/metrale-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.:${PYTHONPATH:-}
+PARTS=${*:-quick latency8b latency06b throughput serve kerneltests kernels}
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/nvidia.csv" 2>&1
+stamp() { echo "=== $(date +%T) $*"; }
+
+for part in $PARTS; do
+  case $part in
+  quick)
+    stamp engine gpu tests
+    timeout 120 python3 -m pytest tests/gpu/test_decode_runner.py tests/gpu/test_engine_gpu.py -q \
+      -p no:cacheprovider --timeout 100 >"$OUT/gpu_engine_tests.log" 2>&1
+    echo "rc=$?"; tail -6 "$OUT/gpu_engine_tests.log"
+    ;;
+  kerneltests)
+    stamp kernel tests
+    timeout 200 python3 -m pytest tests/gpu/test_kernels.py -q -p no:cacheprovider --timeout 190 \
+      >"$OUT/gpu_kernel_tests.log" 2>&1
+    echo "rc=$?"; tail -6 "$OUT/gpu_kernel_tests.log"
+    ;;
+  kernels)
+    stamp kernel bench
+    timeout 110 python3 -m metrale.bench.kernels --out "$OUT/kernels.json" >"$OUT/kernels.log" 2>&1
+    echo "rc=$?"; tail -25 "$OUT/kernels.log"
+    ;;
+  latency8b)
+    stamp latency qwen3-8b
+    timeout 180 python3 -m metrale.cli bench latency --config-dir bench/configs/qwen3-8b \
+      --max-model-len 2048 --tokens 256 --max-num-seqs 8 --out-dir "$OUT" >"$OUT/latency8b.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/latency8b.log"; grep -iE "startup|Error" "$OUT/latency8b.log" | tail -3
+    ;;
+  latency06b)
+    stamp latency qwen3-0.6b
+    timeout 90 python3 -m metrale.cli bench latency --config-dir bench/configs/qwen3-0.6b \
+      --max-model-len 2048 --tokens 512 --max-num-seqs 8 --out-dir "$OUT" >"$OUT/latency06b.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/latency06b.log"
+    ;;
+  throughput)
+    stamp throughput qwen3-0.6b
+    timeout 150 python3 -m metrale.cli bench throughput --config-dir bench/configs/qwen3-0.6b \
+      --max-model-len 4096 --max-num-seqs 256 --out-dir "$OUT" >"$OUT/throughput.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/throughput.log"
+    ;;
+  serve)
+    stamp serve qwen3-8b
+    rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
+    python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
+    timeout 150 python3 -c "
+import json, torch
+from metrale.bench.hf_peer import hf_generate_tok_s
+peer = {f'C={b}': hf_generate_tok_s('bench/configs/qwen3-8b', b, 128, 16) for b in (1, 128)}
+json.dump(peer, open('$OUT/serve_peer.json', 'w'), indent=1)
+print(peer)" >"$OUT/serve_peer.log" 2>&1
+    echo "peer rc=$?"; tail -3 "$OUT/serve_peer.log"
+    python3 -m metrale.cli serve /tmp/qwen3-8b --load-format dummy --max-model-len 2048 \
+      --max-num-seqs 128 --served-model-name qwen3-8b --port 8888 --log-level INFO \
+      >"$OUT/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 120); do
+      curl -sf localhost:8888/health >/dev/null 2>&1 && break
+      sleep 1
+    done
+    timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+      --shape qwen3-8b --vocab 151936 --concurrency "${LADDER:-1,128}" --isl 128 --osl 1024 \
+      --device cuda --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128" \
+      --peer-json "$OUT/serve_peer.json" --out-dir "$OUT" >"$OUT/serve.log" 2>&1
+    echo "ladder rc=$?"; tail -6 "$OUT/serve.log"
+    kill -TERM $server; wait $server; echo "server exit=$?"
+    grep -iE "summary|graphs|KV|error" "$OUT/server.log" | head -8
+    ;;
+  esac
+done
+stamp done
