@@ -50,6 +50,8 @@ def hf_generate_tok_s(
     try_compile: bool = False,
 ) -> dict[str, Any]:
     """Output tokens per second of `generate(do_sample=False)` on `batch` random prompts."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     model = _build(config_dir, dtype, dev)
     vocab = model.config.vocab_size

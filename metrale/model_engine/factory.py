@@ -89,14 +89,13 @@ class LoadReport:
 
 def _dummy_init(module: torch.nn.Module) -> None:
     """Small random weights that keep activations finite in any dtype (`--load-format dummy`)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
-        for name, p in module.named_parameters():
+        for i, (name, p) in enumerate(module.named_parameters()):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                cpu = torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen)
-                p.copy_(cpu.to(p.dtype))
+            else:  # drawn where the parameter lives: an 8B model initialises in seconds
+                gen = torch.Generator(device=p.device).manual_seed(i)
+                p.uniform_(-0.02, 0.02, generator=gen)
 
 
 def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, LoadReport]:

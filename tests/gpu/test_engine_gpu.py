@@ -26,11 +26,18 @@ def _tokens(outs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
-def test_bf16_cuda_greedy_tracks_cpu_float32(variant) -> None:
-    prompts = mixed_prompts(12)
-    cpu = LLM(str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=300)
-    gpu = LLM(str(build(variant)), device="cuda", dtype="bfloat16", num_kv_blocks=300)
+def test_bf16_cuda_greedy_tracks_cpu_float32() -> None:
+    """On the bundled trained model (real weights, so real margins between candidates; random
+    tiny weights have near-flat distributions where bf16 rounding flips ties)."""
+    tok_prompts = [
+        "def fibonacci(n):\n", "import os\n\n", "class Stack:\n    def __init__(self):\n",
+        "for i in range(10):\n", "# Copyright", "from typing import", "def main():\n    args = ",
+        "try:\n    import json\nexcept ImportError:\n", "if __name__ == ", "x = [",
+        "def read(path):\n    with open(path) as f:\n", "raise ValueError(",
+    ]  # fmt: skip
+    cpu = LLM(None, device="cpu", dtype="float32", num_kv_blocks=300)
+    gpu = LLM(None, device="cuda", dtype="bfloat16", num_kv_blocks=300)
+    prompts = [cpu.get_tokenizer().encode(p) for p in tok_prompts]
     ref = cpu.generate(prompts, PARAMS)
     got = gpu.generate(prompts, PARAMS)
     identical = 0
