@@ -10,6 +10,8 @@ set -u
 OUT=${OUT:-/tmp/metrale-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The device copy of the tree has no .git: records take the commit from here (pass it in).
+export METRALE_COMMIT=${METRALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
