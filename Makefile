@@ -19,7 +19,7 @@ $(STAMP): $(PY) pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m pytest -q -x --durations=15
+	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=15
 
 # `make serve` serves the bundled model; `make serve MODEL=/path/to/hf-checkpoint PORT=9000
 # SERVE_ARGS="--api-key secret"` serves another one.
