@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from enum import Enum
 
 import torch
@@ -36,7 +37,7 @@ class CacheKind(Enum):
     NONE = "none"
 
 
-class HybridLayer(nn.Module):
+class HybridLayer(nn.Module, ABC):
     """One layer of a hybrid stack; subclasses set `cache_kind` and implement `forward`."""
 
     cache_kind: CacheKind = CacheKind.NONE
@@ -44,6 +45,7 @@ class HybridLayer(nn.Module):
     def ssm_spec(self) -> SsmLayerSpec:
         raise TypeError(f"{type(self).__name__} holds no recurrent state")
 
+    @abstractmethod
     def forward(
         self,
         positions: torch.Tensor,
@@ -51,21 +53,20 @@ class HybridLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
         cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-class HybridStack(nn.Module):
+class HybridStack(nn.Module, ABC):
     """Embedding, layers, final norm. Subclasses name the embedding and the final norm as the
     checkpoints do and implement `embed` and `final_norm`."""
 
     layers: nn.ModuleList
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abstractmethod
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
 
     def forward(
         self,
@@ -92,7 +93,7 @@ class HybridStack(nn.Module):
         return self.final_norm(hidden, residual)
 
 
-class HybridForCausalLM(nn.Module):
+class HybridForCausalLM(nn.Module, ABC):
     """Causal LM over a `HybridStack` (`self.model`) with an untied or tied LM head."""
 
     model: HybridStack
@@ -128,15 +129,15 @@ class HybridForCausalLM(nn.Module):
             raise ValueError("a hybrid model's forward needs the SSM slot pool's layers")
         return self.model(input_ids, positions, meta, kv_caches, ssm_states)
 
-    def input_embeddings(self) -> nn.Embedding:
-        raise NotImplementedError
+    @abstractmethod
+    def input_embeddings(self) -> nn.Embedding: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.input_embeddings().weight if self.tied else self.lm_head.weight
         return hidden @ weight.t()
 
-    def weight_mapping(self) -> WeightMapping:
-        raise NotImplementedError
+    @abstractmethod
+    def weight_mapping(self) -> WeightMapping: ...
 
     def drop_optional_weights(self, prefixes: set[str]) -> None:
         """Remove submodules whose weights the checkpoint does not have (see
