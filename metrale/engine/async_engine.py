@@ -61,6 +61,11 @@ class EngineSnapshot:
     num_steps: int = 0
     alive: bool = True
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    #: The model's prefix-cache counters (`Model.prefix_cache_stats`: evictions, bypasses).
+    prefix_cache: dict[str, int] = field(default_factory=dict)
+    #: Forwards replayed from a CUDA graph, and forwards run eagerly.
+    graph_forwards: int = 0
+    eager_forwards: int = 0
 
 
 class RequestStream:
@@ -403,6 +408,9 @@ class AsyncEngine:
             num_steps=engine.num_steps,
             alive=alive,
             stats=copy.deepcopy(scheduler.stats),
+            prefix_cache=dict(engine.model.prefix_cache_stats()),
+            graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
+            eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
         )
         with self._snapshot_lock:
             self._snapshot = snap

@@ -106,6 +106,36 @@ class _EngineCollector(Collector):
             "metrale_request_timeouts", "sequences ended by their deadline", stats.timeouts
         )
         yield counter("metrale_request_aborts", "sequences aborted (client gone, shutdown)", stats.aborts)  # fmt: skip
+        cache = snap.prefix_cache
+        yield counter(
+            "metrale_prefix_cache_evicted_blocks",
+            "KV blocks evicted from the prefix cache",
+            cache.get("evicted_blocks", 0),
+        )
+        yield counter(
+            "metrale_prefix_cache_bypassed_lookups",
+            "prefix lookups refused because the model keeps recurrent state a KV hit cannot restore",
+            cache.get("bypassed_lookups", 0),
+        )
+        swapped = CounterMetricFamily(
+            "metrale_swapped_blocks",
+            "KV blocks moved to and from host memory",
+            labels=["direction"],
+        )
+        swapped.add_metric(["out"], stats.swapped_out_blocks)
+        swapped.add_metric(["in"], stats.swapped_in_blocks)
+        yield swapped
+        yield counter(
+            "metrale_swap_fallbacks",
+            "swap preemptions turned into recompute because swap space was full",
+            stats.swap_fallbacks,
+        )
+        forwards = CounterMetricFamily(
+            "metrale_forwards", "model forwards, by path (graph replay or eager)", labels=["path"]
+        )
+        forwards.add_metric(["graph"], snap.graph_forwards)
+        forwards.add_metric(["eager"], snap.eager_forwards)
+        yield forwards
 
 
 class ServerMetrics:

@@ -502,3 +502,12 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
         assert (gauge, ()) in after, gauge
     assert metric(after, "metrale_kv_blocks_total") == 255
     assert ("metrale_preemptions_total", (("mode", "recompute"),)) in after
+    assert moved("metrale_forwards_total", path="eager") >= 5  # CPU: no graphs, every forward eager
+    assert metric(after, "metrale_forwards_total", path="graph") == 0
+    for series, labels in (
+        ("metrale_prefix_cache_evicted_blocks_total", ()),
+        ("metrale_prefix_cache_bypassed_lookups_total", ()),
+        ("metrale_swapped_blocks_total", (("direction", "out"),)),
+        ("metrale_swap_fallbacks_total", ()),
+    ):
+        assert (series, labels) in after, series
