@@ -73,3 +73,33 @@ def test_request_that_can_never_fit_is_refused() -> None:
     )
     assert len(ok[0].outputs[0].token_ids) == 8
     assert_no_leaks(llm.engine)
+
+
+def test_abort_while_swapped_releases_the_swap_record_and_spares_the_rest() -> None:
+    prompts, params = workload()
+    ample, _ = run(num_kv_blocks=400)
+    engine = LLM(
+        str(build(VARIANT)), device="cpu", max_num_seqs=32, num_kv_blocks=20,
+        preemption_mode="swap",
+    ).engine  # fmt: skip
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", p, sp)
+    sched = engine.scheduler
+    finals: dict[str, list[int]] = {}
+    while not sched.swapped:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    victim = sched.swapped[0]
+    assert victim.swap is not None
+    engine.abort_request(victim.request_id)
+    assert victim.swap is None and victim.state is None
+    assert sched._swap_bytes == sum(s.swap.nbytes for s in sched.swapped if s.swap is not None)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0].token_ids
+    assert victim.request_id not in finals
+    assert all(finals[f"r{i}"] == ample[i] for i in range(32) if f"r{i}" in finals)
+    assert len(finals) == 31
+    assert_no_leaks(engine)
