@@ -37,6 +37,16 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def pre_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's entry, for any norm with `forward` and `forward_add`: `(norm(x), x)`
+    in the first layer, else the fused residual add `(norm(residual + x), residual + x)`."""
+    if residual is None:
+        return norm(x), x
+    return norm.forward_add(x, residual)
+
+
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up fused into one projection."""
 

@@ -24,7 +24,7 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm
+from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import ModelConfig
@@ -119,11 +119,7 @@ class BambaLayer(HybridLayer):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         assert cache is not None
         if self.attention:
             hidden = self.self_attn(positions, hidden, meta, cache)

@@ -18,7 +18,7 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm
+from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import ModelConfig
 from metrale.models.loader import StackedShard, WeightMapping
@@ -45,11 +45,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden, meta, kv)
         hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
         return self.mlp(hidden), residual

@@ -26,7 +26,7 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import RMSNorm
+from metrale.layers.common import RMSNorm, pre_norm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.models.config import ModelConfig
@@ -184,11 +184,7 @@ class NemotronHBlock(HybridLayer):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.norm(hidden)
-        else:
-            hidden, residual = self.norm.forward_add(hidden, residual)
+        hidden, residual = pre_norm(self.norm, hidden, residual)
         if self.kind == "mamba":
             assert cache is not None
             return self.mixer(hidden, meta, cache), residual

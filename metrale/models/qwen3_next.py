@@ -28,6 +28,7 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import pre_norm
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
@@ -195,11 +196,7 @@ class Qwen3NextLayer(HybridLayer):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm.forward_add(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         assert cache is not None
         if self.kind == "linear_attention":
             hidden = self.linear_attn(hidden, meta, cache)
