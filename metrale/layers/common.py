@@ -66,7 +66,7 @@ class GatedMLP(nn.Module):
 
 class PagedSelfAttention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
     ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -108,13 +108,13 @@ class PagedSelfAttention(nn.Module):
     def _norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Optional per-head q/k RMSNorm, then rotary: one kernel op for a RotaryEmbedding, the
-        module's own forward for a stand-in (e.g. a model without positional encoding)."""
+        """Optional per-head q/k RMSNorm, then rotary in one kernel op; without a rotary
+        embedding (a model with no positional encoding, e.g. Nemotron-H) only the norm."""
         rotary = self.rotary
-        if not isinstance(rotary, RotaryEmbedding):
+        if rotary is None:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            return rotary(positions, q, k)
+            return q, k
         if self.qk_norm:
             return self.ops.qk_norm_rotary(
                 positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,

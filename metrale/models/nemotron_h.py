@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import RMSNorm, pre_norm
+from metrale.layers.common import PagedSelfAttention, RMSNorm, pre_norm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.models.config import ModelConfig
@@ -119,39 +120,6 @@ def moe_block(cfg: ModelConfig, ops: KernelOps, source: str) -> SparseMoeBlock:
     return SparseMoeBlock(spec, ops, shared_intermediate=shared, shared_name="shared_experts")
 
 
-class NoPositionAttention(nn.Module):
-    """Paged self-attention without positional encoding or biases (Nemotron-H's)."""
-
-    def __init__(self, cfg: ModelConfig, ops: KernelOps) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
-        self.ops = ops
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None)
-        return self.o_proj(out.reshape(tokens, self.q_size))
-
-
 class NemotronHBlock(HybridLayer):
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, ops: KernelOps, source: str
@@ -165,7 +133,10 @@ class NemotronHBlock(HybridLayer):
             self.mixer = Mamba2Mixer(mamba_spec(cfg), ops)
         elif kind == "attention":
             self.cache_kind = CacheKind.ATTENTION
-            self.mixer = NoPositionAttention(cfg, ops)
+            # Nemotron-H attention: no positional encoding and no biases, whatever
+            # `attention_bias` says (transformers hard-codes bias=False).
+            unbiased = dataclasses.replace(cfg, attention_bias=False, o_proj_bias=False)
+            self.mixer = PagedSelfAttention(unbiased, layer_idx, None, ops)
         elif kind == "mlp":
             act = str(_get(cfg.raw, "mlp_hidden_act", default="relu2"))
             self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, False, act, cfg.mlp_bias)
