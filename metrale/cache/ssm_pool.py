@@ -183,9 +183,9 @@ class SsmSlotPool:
             raise ValueError(f"slot {new_idx} is outside the pool of {self.num_slots}")
         if new_idx == old:
             return
-        if new_idx in self._owner:
-            pass  # the guard still naming it no longer owns it: its release is a no-op
-        else:
+        # A guard still naming `new_idx` loses it here (its release becomes a no-op, because
+        # `_owner` will name the migrating guard); a free `new_idx` leaves the free list.
+        if new_idx not in self._owner:
             self._free.remove(new_idx)
             heapq.heapify(self._free)
         self.copy_slot(old, new_idx)
