@@ -1,0 +1,140 @@
+"""Shared pieces of the paged-attention Triton kernels: device queries, split constants and
+the device helpers (`_dot`, `_attend_tile`) both the decode and the prefill kernels inline.
+
+Owner: kernels. See `triton_attention` for the invariants the kernels keep together.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+#: Shortest share of the context one decode split takes (tokens), so short contexts do not
+#: pay for a reduction over many near-empty splits.
+MIN_SPLIT_TOKENS = 256
+#: Most splits of one decode row (partials cost `splits * head_dim * 4` bytes per head).
+MAX_SPLITS = 64
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of `device` (a fixed small number on the CPU interpreter)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+# -------------------------------------------------------------------------------------------
+# Shared device helpers
+# -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """`a @ b` accumulated in float32. UPCAST: operands as float32 (the CPU interpreter
+    mis-computes bf16 dots); IEEE: exact float32 products (no tf32) for float32 inputs."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptr,
+    v_ptr,
+    table_row_ptr,
+    tile,
+    q_pos,
+    row_ok,
+    seq_len,
+    window,
+    max_blocks,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    scale_log2,
+    offs_d,
+    d_mask,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One online-softmax step over the context tokens `tile*BLOCK_N ..` of one sequence.
+
+    Rows of `q` `[M, D]` sit at positions `q_pos` `[M]`; a row attends to keys at positions
+    `<= q_pos` (and `> q_pos - window` with a window). MASKED=False promises every key of the
+    tile is visible to every row (interior causal tiles), which skips the masking.
+    """
+    k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    blk = k_pos // BLOCK_SIZE
+    in_ctx = (k_pos < seq_len) & (blk < max_blocks)
+    page = tl.load(table_row_ptr + blk, mask=in_ctx, other=0)
+    offs = (
+        page.to(tl.int64) * stride_cb
+        + (k_pos % BLOCK_SIZE).to(tl.int64) * stride_cs
+        + kv_head.to(tl.int64) * stride_ch
+    )
+    kv_mask = in_ctx[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k.to(q.dtype)), UPCAST, IEEE) * scale_log2
+    if MASKED:
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :] & row_ok[:, None]
+        if USE_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (no NaN).
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, IEEE)
+    return acc, m_new, l_i
+
+
+# -------------------------------------------------------------------------------------------
+# KV write
+# -------------------------------------------------------------------------------------------
+
+
+def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
+        raise ValueError("K and V caches must have the same shape and strides")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("KV cache rows must be contiguous in head_dim")
+
+
+# -------------------------------------------------------------------------------------------
+# Paged decode attention (one query token per row), split along the context
+# -------------------------------------------------------------------------------------------
