@@ -28,8 +28,6 @@ def solo_tokens() -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(llm.generate([p], GREEDY)[0].outputs[0].token_ids) for p in mixed_prompts(8))
 
 
-
-
 def test_batch_of_eight_equals_each_alone() -> None:
     llm = make_llm()
     outs = llm.generate(mixed_prompts(8), GREEDY)
