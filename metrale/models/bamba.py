@@ -29,7 +29,7 @@ from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
-from metrale.models.loader import StackedShard, WeightMapping
+from metrale.models.loader import WeightMapping, gate_up_shards, qkv_shards, rotary_and_tied_ignored
 
 #: transformers' BambaConfig forces this partial rotary factor.
 BAMBA_PARTIAL_ROTARY = 0.5
@@ -160,17 +160,7 @@ class BambaForCausalLM(HybridForCausalLM):
     def weight_mapping(self) -> WeightMapping:
         c = self.config
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        inter = c.intermediate_size
         return WeightMapping(
-            stacked=[
-                StackedShard("qkv_proj", "q_proj", 0, q),
-                StackedShard("qkv_proj", "k_proj", q, kv),
-                StackedShard("qkv_proj", "v_proj", q + kv, kv),
-                StackedShard("gate_up_proj", "gate_proj", 0, inter),
-                StackedShard("gate_up_proj", "up_proj", inter, inter),
-            ],
-            ignored_suffixes={
-                "rotary_emb.inv_freq": "recomputed from the config",
-                **({"lm_head.weight": "tied to the embeddings"} if self.tied else {}),
-            },
+            stacked=qkv_shards(q, kv) + gate_up_shards(c.intermediate_size),
+            ignored_suffixes=rotary_and_tied_ignored(self.tied),
         )

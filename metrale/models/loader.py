@@ -110,6 +110,31 @@ class WeightMapping:
     rename: Callable[[str], str] | None = None
 
 
+def qkv_shards(q_rows: int, kv_rows: int) -> list[StackedShard]:
+    """Separate q/k/v projections into the fused `qkv_proj` (q first, then k, then v)."""
+    return [
+        StackedShard("qkv_proj", "q_proj", 0, q_rows),
+        StackedShard("qkv_proj", "k_proj", q_rows, kv_rows),
+        StackedShard("qkv_proj", "v_proj", q_rows + kv_rows, kv_rows),
+    ]
+
+
+def gate_up_shards(intermediate: int) -> list[StackedShard]:
+    """Separate gate/up projections into the fused `gate_up_proj` (gate first)."""
+    return [
+        StackedShard("gate_up_proj", "gate_proj", 0, intermediate),
+        StackedShard("gate_up_proj", "up_proj", intermediate, intermediate),
+    ]
+
+
+def rotary_and_tied_ignored(tied: bool) -> dict[str, str]:
+    """Checkpoint tensors every rotary decoder may carry and never loads."""
+    ignored = {"rotary_emb.inv_freq": "recomputed from the config"}
+    if tied:
+        ignored["lm_head.weight"] = "tied to the embeddings"
+    return ignored
+
+
 def load_weights(
     model: torch.nn.Module,
     model_dir: str | Path,

@@ -32,7 +32,7 @@ from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.models.config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
-from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
+from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 LIST_NAMES = {
@@ -197,11 +197,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(_get(c.raw, "moe_intermediate_size", default=7688))
         return WeightMapping(
-            stacked=[
-                StackedShard("qkv_proj", "q_proj", 0, q),
-                StackedShard("qkv_proj", "k_proj", q, kv),
-                StackedShard("qkv_proj", "v_proj", q + kv, kv),
-            ],
+            stacked=qkv_shards(q, kv),
             experts=[
                 ExpertShard("up_proj", "up_proj", 0, moe_inter),
                 ExpertShard("down_proj", "down_proj", 0, c.hidden_size),

@@ -34,7 +34,7 @@ from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
-from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
+from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards, rotary_and_tied_ignored
 from metrale.models.moe import moe_intermediate
 
 DEFAULT_PARTIAL_ROTARY = 0.25
@@ -266,19 +266,12 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(c.raw.get("moe_intermediate_size") or 0)
         return WeightMapping(
-            stacked=[
-                StackedShard("qkv_proj", "q_proj", 0, 2 * q),
-                StackedShard("qkv_proj", "k_proj", 2 * q, kv),
-                StackedShard("qkv_proj", "v_proj", 2 * q + kv, kv),
-            ],
+            stacked=qkv_shards(2 * q, kv),  # q carries its output gate: twice the rows
             experts=[
                 ExpertShard("gate_up_proj", "gate_proj", 0, moe_inter),
                 ExpertShard("gate_up_proj", "up_proj", moe_inter, moe_inter),
                 ExpertShard("down_proj", "down_proj", 0, c.hidden_size),
             ],
             optional_prefixes=("mtp.",),
-            ignored_suffixes={
-                "rotary_emb.inv_freq": "recomputed from the config",
-                **({"lm_head.weight": "tied to the embeddings"} if self.tied else {}),
-            },
+            ignored_suffixes=rotary_and_tied_ignored(self.tied),
         )
