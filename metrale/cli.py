@@ -35,6 +35,8 @@ FLAG_HELP = {
     "preemption_mode": "recompute | swap",
     "request_timeout": "per-request deadline in seconds (0: none)",
     "load_format": "auto | dummy (random weights of the config's shapes)",
+    "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
+    "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
 }
 
 
@@ -75,17 +77,26 @@ def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> Engin
 
 def _generate(args: argparse.Namespace) -> int:
     from metrale.engine.llm import LLM
-    from metrale.sampling.params import SamplingParams
 
     config = engine_config_from_args(args)
     llm = LLM(**dataclasses.asdict(config))
-    params = SamplingParams(
+    # Flags left unset take the model's generation-config defaults (temperature: greedy).
+    given = {
+        name: value
+        for name, value in (
+            ("top_p", args.top_p),
+            ("top_k", args.top_k),
+            ("min_p", args.min_p),
+            ("repetition_penalty", args.repetition_penalty),
+        )
+        if value is not None
+    }
+    params = llm.get_default_sampling_params().replace(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
         seed=args.seed_request,
         stop=args.stop or [],
+        **given,
     )
     if args.chat:
         outputs = llm.chat([{"role": "user", "content": args.prompt}], params)
@@ -113,8 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (off)")
+    gen.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0")
+    gen.add_argument(
+        "--repetition-penalty", type=float, default=None, help="default: the model's, else 1"
+    )
     gen.add_argument("--seed-request", type=int, default=None, help="sampling seed of the request")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")

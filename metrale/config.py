@@ -21,6 +21,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 LOAD_FORMATS = ("auto", "dummy")
+#: "auto": the checkpoint's generation_config.json supplies default sampling parameters;
+#: "none" (or vLLM's spelling "vllm"): the engine's own defaults.
+GENERATION_CONFIGS = ("auto", "none", "vllm")
 
 
 @dataclass
@@ -56,6 +59,9 @@ class EngineConfig:
     #: Most requests waiting for admission; more are refused with QueueFullError.
     max_queue: int = 4096
     load_format: str = "auto"
+    #: "auto": requests that leave temperature, top_p, top_k, min_p or repetition_penalty
+    #: unset get the checkpoint's generation_config.json values; "none": the engine's defaults.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -98,6 +104,16 @@ class EngineConfig:
             raise bad("max_queue", f"must be >= 1, got {self.max_queue}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"'{self.load_format}' is not one of {LOAD_FORMATS}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise bad(
+                "generation_config",
+                f"'{self.generation_config}' is not one of {', '.join(GENERATION_CONFIGS)}",
+            )
+
+    @property
+    def uses_generation_config(self) -> bool:
+        """True when the checkpoint's generation_config.json supplies sampling defaults."""
+        return self.generation_config == "auto"
 
     def resolved_batched_tokens(self, device_type: str) -> int:
         if self.max_num_batched_tokens is not None:

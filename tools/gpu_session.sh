@@ -6,6 +6,8 @@
 # Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
+#        ceiling gemv serveab  (diagnostics: engine-only decode ceiling at C=128, the GEMV
+#        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
 OUT=${OUT:-/tmp/metrale-gpu}
 mkdir -p "$OUT"
@@ -57,6 +59,35 @@ for part in $PARTS; do
     timeout 150 python3 -m metrale.cli bench throughput --config-dir bench/configs/qwen3-0.6b \
       --max-model-len 4096 --max-num-seqs 256 --out-dir "$OUT" >"$OUT/throughput.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/throughput.log"
+    ;;
+  ceiling)
+    stamp decode ceiling qwen3-8b C=128
+    timeout 200 python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128 \
+      --out "$OUT/ceiling.json" >"$OUT/ceiling.log" 2>&1
+    echo "rc=$?"; tail -10 "$OUT/ceiling.log"
+    ;;
+  gemv)
+    stamp gemv bench
+    timeout 150 python3 tools/bench_gemv.py --out "$OUT/gemv.json" >"$OUT/gemv.log" 2>&1
+    echo "rc=$?"; tail -30 "$OUT/gemv.log"
+    ;;
+  serveab)
+    rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
+    python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
+    for mode in process thread; do
+      stamp serve C=128 engine $mode
+      extra=""; [ $mode = thread ] && extra=--engine-in-process
+      python3 -m metrale.cli serve /tmp/qwen3-8b --load-format dummy --max-model-len 2048 \
+        --max-num-seqs 128 --served-model-name qwen3-8b --port 8888 --log-level INFO $extra \
+        >"$OUT/server_$mode.log" 2>&1 &
+      server=$!
+      for _ in $(seq 1 120); do curl -sf localhost:8888/health >/dev/null 2>&1 && break; sleep 1; done
+      timeout 150 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+        --shape qwen3-8b --vocab 151936 --concurrency "${ABLADDER:-128}" --isl 128 --osl 512 \
+        --device cuda --server-info "engine $mode" --out-dir "$OUT/ab_$mode" >"$OUT/serve_$mode.log" 2>&1
+      echo "rc=$?"; grep "C=" "$OUT/serve_$mode.log"
+      kill -TERM $server; wait $server; echo "server exit=$?"
+    done
     ;;
   serve)
     stamp serve qwen3-8b

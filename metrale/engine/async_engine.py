@@ -10,7 +10,9 @@ Invariants:
   loop reach it through a locked inbox of commands, applied between steps in arrival order.
 - An abort (client disconnect, cancellation) is applied at the next loop turn, before the next
   step, so the request's KV blocks are free long before it would have finished.
-- Each request's outputs reach its asyncio queue through `loop.call_soon_threadsafe`; the last
+- Each request's outputs reach its asyncio queue through `loop.call_soon_threadsafe`, one call
+  per event loop per step carrying every output of that step (one wakeup of the loop, not one
+  per request: at 128 streams the per-request wakeups were the engine thread's largest cost); the last
   item a stream yields is a finished `RequestOutput` or an exception, never nothing: errors
   raised by `Engine.add_request` reach the awaiting caller, a crash of the engine loop reaches
   every open stream as `EngineDeadError` and refuses new requests with it.
@@ -27,14 +29,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.engine.request import RequestOutput
 from metrale.errors import EngineDeadError, MetraleError
+from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.scheduler.core import SchedulerStats
+from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,102 @@ class EngineSnapshot:
     eager_forwards: int = 0
 
 
+class SnapshotTaker:
+    """Reads an `Engine`'s gauges into an `EngineSnapshot` (on the engine's own thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cache_only = 0
+        self._cache_scanned_at = float("-inf")
+
+    def take(self, alive: bool = True) -> EngineSnapshot:
+        engine = self.engine
+        scheduler = engine.scheduler
+        return EngineSnapshot(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped),
+            num_requests=len(engine.requests),
+            num_free_blocks=engine.model.num_free_blocks(),
+            num_cache_only_blocks=self._cache_only_blocks(idle=not engine.requests),
+            num_total_blocks=engine.model.num_total_blocks(),
+            num_steps=engine.num_steps,
+            alive=alive,
+            stats=copy.deepcopy(scheduler.stats),
+            prefix_cache=dict(engine.model.prefix_cache_stats()),
+            graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
+            eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
+        )
+
+    def _cache_only_blocks(self, idle: bool) -> int:
+        cache = getattr(self.engine.model, "prefix_cache", None)
+        if cache is None:
+            return 0
+        now = time.monotonic()
+        if idle or now - self._cache_scanned_at >= _CACHE_SCAN_INTERVAL_S:
+            self._cache_only = int(cache.cache_only_blocks())
+            self._cache_scanned_at = now
+        return self._cache_only
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of a loaded engine (picklable: it crosses processes)."""
+
+    served_model_name: str
+    model_dir: str
+    max_model_len: int
+    device: str
+    dtype: str
+    num_total_blocks: int
+    kv_block_size: int
+    #: The checkpoint's generation_config.json sampling defaults (empty when not used).
+    sampling_defaults: SamplingDefaults
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    model = engine.model
+    return EngineInfo(
+        served_model_name=engine.served_model_name,
+        model_dir=engine.model_dir,
+        max_model_len=engine.max_model_len,
+        device=str(getattr(model, "device", engine.config.device)),
+        dtype=str(getattr(model, "dtype", engine.config.dtype)).removeprefix("torch."),
+        num_total_blocks=model.num_total_blocks(),
+        kv_block_size=model.kv_block_size() or 0,
+        sampling_defaults=engine.sampling_defaults,
+    )
+
+
+class EngineHandle(Protocol):
+    """What the server holds: `AsyncEngine` (a thread) or `EngineProcess` (a child process)."""
+
+    info: EngineInfo
+    tokenizer: Tokenizer
+
+    @property
+    def is_running(self) -> bool: ...
+    @property
+    def dead_error(self) -> MetraleError | None: ...
+    def start(self) -> None: ...
+    def begin_drain(self, message: str = ...) -> None: ...
+    def abort_all(self, message: str) -> None: ...
+    def shutdown(self, timeout: float = ...) -> None: ...
+    def snapshot(self) -> EngineSnapshot: ...
+    def num_open_requests(self) -> int: ...
+    def _submit_abort(self, request_id: str) -> None: ...
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        adapter_id: int = 0,
+    ) -> RequestStream: ...
+
+
 class RequestStream:
     """The outputs of one request, as the engine produces them.
 
@@ -77,7 +177,7 @@ class RequestStream:
     ended the request. Leaving early must call `abort` (the `async with` form does).
     """
 
-    def __init__(self, request_id: str, engine: AsyncEngine, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, engine: EngineHandle, loop: asyncio.AbstractEventLoop):
         self.request_id = request_id
         self._engine = engine
         self._loop = loop
@@ -130,6 +230,12 @@ class RequestStream:
         self.abort()
 
 
+def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """On the streams' event loop: queue each output for its stream."""
+    for stream, output in items:
+        stream._queue.put_nowait(output)
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -178,9 +284,10 @@ class AsyncEngine:
         self._dead: MetraleError | None = None
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineSnapshot()
-        self._cache_only = 0
-        self._cache_scanned_at = float("-inf")
+        self._snapshots = SnapshotTaker(engine)
         self._update_snapshot()
+        self.info = engine_info(engine)
+        self.tokenizer = engine.tokenizer
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -190,7 +297,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
 
     @property
     def dead_error(self) -> MetraleError | None:
@@ -321,8 +428,7 @@ class AsyncEngine:
             if engine.has_unfinished():
                 steps_before = engine.num_steps
                 outputs = engine.step()
-                for output in outputs:
-                    self._deliver(output)
+                self._deliver(outputs)
                 stalled = not outputs and engine.num_steps == steps_before
             self._update_snapshot()
 
@@ -364,14 +470,21 @@ class AsyncEngine:
         elif output is not None:
             stream._post(output)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = (
-            self._streams.pop(output.request_id, None)
-            if output.finished
-            else self._streams.get(output.request_id)
-        )
-        if stream is not None:
-            stream._post(output)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Post a step's outputs: one `call_soon_threadsafe` per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for output in outputs:
+            stream = (
+                self._streams.pop(output.request_id, None)
+                if output.finished
+                else self._streams.get(output.request_id)
+            )
+            if stream is not None:
+                by_loop.setdefault(stream._loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            # RuntimeError: the event loop is closed, nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _die(self, error: EngineDeadError) -> None:
         with self._cond:
@@ -395,32 +508,6 @@ class AsyncEngine:
                 self._snapshot = EngineSnapshot(alive=False)
 
     def _update_snapshot(self, alive: bool = True) -> None:
-        engine = self.engine
-        scheduler = engine.scheduler
-        snap = EngineSnapshot(
-            num_waiting=len(scheduler.waiting),
-            num_running=len(scheduler.running),
-            num_swapped=len(scheduler.swapped),
-            num_requests=len(engine.requests),
-            num_free_blocks=engine.model.num_free_blocks(),
-            num_cache_only_blocks=self._cache_only_blocks(idle=not engine.requests),
-            num_total_blocks=engine.model.num_total_blocks(),
-            num_steps=engine.num_steps,
-            alive=alive,
-            stats=copy.deepcopy(scheduler.stats),
-            prefix_cache=dict(engine.model.prefix_cache_stats()),
-            graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
-            eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
-        )
+        snap = self._snapshots.take(alive)
         with self._snapshot_lock:
             self._snapshot = snap
-
-    def _cache_only_blocks(self, idle: bool) -> int:
-        cache = getattr(self.engine.model, "prefix_cache", None)
-        if cache is None:
-            return 0
-        now = time.monotonic()
-        if idle or now - self._cache_scanned_at >= _CACHE_SCAN_INTERVAL_S:
-            self._cache_only = int(cache.cache_only_blocks())
-            self._cache_scanned_at = now
-        return self._cache_only

@@ -11,6 +11,9 @@ Invariants:
   request finishes when all its choices have.
 - An exception inside a forward ends the requests of that step with finish reason "error"
   (their resources released); the engine keeps serving.
+- `sampling_defaults` (the checkpoint's generation_config.json values, empty under
+  `--generation-config none`) is read once at start-up; a request queued without
+  `SamplingParams` gets `default_sampling_params()`. Explicit `SamplingParams` are used as given.
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -29,6 +32,7 @@ from metrale.engine.request import RequestOutput
 from metrale.errors import ContextLengthError, InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import Model, PrefillSlice
+from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import Sampler, SamplingRow
 from metrale.scheduler.core import Scheduler, SchedulerConfig
@@ -63,6 +67,19 @@ class Engine:
     ) -> None:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
+        # Read before the weights, so that a bad generation_config.json fails fast.
+        self.sampling_defaults = (
+            load_sampling_defaults(self.model_dir)
+            if config.uses_generation_config
+            else SamplingDefaults()
+        )
+        if self.sampling_defaults:
+            logger.info(
+                "Default sampling parameters have been overridden by the model's generation "
+                "config (%s); requests that set them still win. Pass --generation-config none "
+                "to use metrale's defaults.",
+                describe(self.sampling_defaults),
+            )
         self.load_report: LoadReport | None = None
         if model is None:
             model, self.load_report = load_model(config, self.model_dir)
@@ -106,6 +123,10 @@ class Engine:
             return BUNDLED_MODEL_NAME
         return Path(self.model_dir).name
 
+    def default_sampling_params(self) -> SamplingParams:
+        """`SamplingParams()` with the model's generation-config defaults applied."""
+        return self.sampling_defaults.sampling_params()
+
     # ------------------------------------------------------------------ intake
 
     def add_request(
@@ -119,7 +140,7 @@ class Engine:
         adapter_id: int = 0,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad."""
-        params = params or SamplingParams()
+        params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"

@@ -6,12 +6,15 @@ Invariants:
 - Every prompt of a call is validated before any is queued, so a bad one raises and queues
   nothing; the engine stays usable for the next call.
 - Outputs come back in the order of the prompts given, whatever order they finished in.
+- `sampling_params=None` means `get_default_sampling_params()`: `SamplingParams()` with the
+  model's generation_config.json defaults (unless `generation_config="none"`), as in vLLM.
+  `SamplingParams` passed in are used exactly as given.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metrale.config import EngineConfig
@@ -37,13 +40,19 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` / `chat` use without `sampling_params`: `SamplingParams()` with the
+        model's generation-config defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty) applied; change it with `.replace(...)`."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         items = _as_prompt_list(prompts)
-        params = _params_list(sampling_params, len(items))
+        params = _params_list(sampling_params, len(items), self.get_default_sampling_params)
         return self._run([(_split_prompt(p), sp) for p, sp in zip(items, params)])
 
     def chat(
@@ -56,7 +65,7 @@ class LLM:
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
-        params = _params_list(sampling_params, len(conversations))
+        params = _params_list(sampling_params, len(conversations), self.get_default_sampling_params)
         tok = self.engine.tokenizer
         prompts = []
         for conv in conversations:
@@ -118,10 +127,12 @@ def _split_prompt(prompt: PromptInput) -> tuple[str | None, list[int] | None]:
 
 
 def _params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    n: int,
+    default: Callable[[], SamplingParams],
 ) -> list[SamplingParams]:
     if sampling_params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * n
     params = list(sampling_params)

@@ -1,4 +1,5 @@
-"""`create_app`: the FastAPI application around one `AsyncEngine`.
+"""`create_app`: the FastAPI application around one engine handle (`AsyncEngine` in-process,
+or `EngineProcess`).
 
 Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`.
@@ -10,7 +11,8 @@ Invariants:
   wrong methods (405), bad JSON and unexpected exceptions (500), is answered in the OpenAI
   error shape by `metrale.server.errors`; no traceback reaches a client.
 - The app holds no global state: everything lives on `app.state.metrale` (a `ServerState`).
-- The lifespan starts the engine thread if it is not running and stops it at shutdown.
+- The lifespan starts the engine (its thread, or the reader of its process) if it is not
+  running and stops it at shutdown.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metrale.engine.async_engine import AsyncEngine
+from metrale.engine.async_engine import EngineHandle
 from metrale.errors import MetraleError
 from metrale.server.auth import ApiKeyMiddleware
 from metrale.server.errors import (
@@ -118,20 +120,19 @@ class _BodyLimitMiddleware:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineHandle,
     *,
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
 ) -> FastAPI:
-    core = engine.engine
-    model_name = served_model_name or core.served_model_name
+    model_name = served_model_name or engine.info.served_model_name
     metrics = ServerMetrics(engine, model_name)
     state = ServerState(
         engine=engine,
-        tokenizer=core.tokenizer,
+        tokenizer=engine.tokenizer,
         model_name=model_name,
-        max_model_len=core.max_model_len,
+        max_model_len=engine.info.max_model_len,
         metrics=metrics,
         api_key=api_key,
         max_body_bytes=max_body_bytes,

@@ -65,6 +65,12 @@ def add_serve_parser(subparsers: Any) -> None:
         default=DEFAULT_SHUTDOWN_GRACE_S,
         help="seconds in-flight requests may finish after SIGTERM (default 5)",
     )
+    parser.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="run the engine on a thread of the server process instead of its own process "
+        "(slower under many concurrent streams: both then share one GIL)",
+    )
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)
 
@@ -112,6 +118,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         api_key=api_key,
         shutdown_grace=args.shutdown_grace,
         log_level=str(args.log_level).upper(),
+        engine_process=not args.engine_in_process,
     )
 
 
@@ -123,20 +130,28 @@ def serve(
     api_key: str | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "INFO",
+    engine_process: bool = True,
 ) -> int:
     import uvicorn
 
-    from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.async_engine import AsyncEngine, EngineHandle
     from metrale.engine.engine import resolve_model_dir
+    from metrale.engine.engine_process import EngineProcess
     from metrale.server.app import create_app
 
     model_dir = resolve_model_dir(config.model)
     logger.info(
-        "loading model %s (device %s, dtype %s) ...", model_dir, config.device, config.dtype
+        "loading model %s (device %s, dtype %s, engine %s) ...",
+        model_dir,
+        config.device,
+        config.dtype,
+        "in its own process" if engine_process else "on a thread of this process",
     )
     start = time.perf_counter()
-    engine = AsyncEngine.from_config(config)
-    core = engine.engine
+    engine: EngineHandle = (
+        EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
+    )
+    info = engine.info
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     sock = _bind(host, port)
@@ -158,7 +173,6 @@ def serve(
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
-    model = core.model
     if host in ("0.0.0.0", "::"):
         logger.warning(
             "listening on all interfaces (%s)%s", host, "" if api_key else " WITHOUT an API key"
@@ -166,12 +180,12 @@ def serve(
     logger.info(
         "serving %s on %s %s | KV %d blocks x %d tokens | max_model_len %d | max_num_seqs %d | "
         "prefix caching %s | %s%s",
-        core.served_model_name,
-        getattr(model, "device", config.device),
-        str(getattr(model, "dtype", config.dtype)).removeprefix("torch."),
-        model.num_total_blocks(),
-        model.kv_block_size() or 0,
-        core.max_model_len,
+        info.served_model_name,
+        info.device,
+        info.dtype,
+        info.num_total_blocks,
+        info.kv_block_size,
+        info.max_model_len,
         config.max_num_seqs,
         "on" if config.enable_prefix_caching else "off",
         _url(sock),

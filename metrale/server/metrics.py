@@ -3,7 +3,7 @@
 Owner: server. `ServerMetrics` owns a private `CollectorRegistry` (never the global default
 one), so several apps in one process do not collide. HTTP counters are updated by the
 middleware, token counts and latencies by `RequestTracker`s, and engine gauges/counters are
-read from `AsyncEngine.snapshot()` at scrape time.
+read from the engine handle's `snapshot()` at scrape time.
 
 Invariants:
 - Every series is named `metrale_*`; counters end in `_total` when exposed.
@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from metrale.engine.async_engine import AsyncEngine
+from metrale.engine.async_engine import EngineHandle
 
 KNOWN_ENDPOINTS = frozenset(
     {
@@ -45,7 +45,7 @@ def endpoint_label(path: str) -> str:
 
 
 class _EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: EngineHandle, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
 
@@ -139,7 +139,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: EngineHandle, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r = self.registry

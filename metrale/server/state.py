@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from metrale.engine.async_engine import AsyncEngine, RequestStream
+from metrale.engine.async_engine import EngineHandle, RequestStream
 from metrale.errors import MetraleError, NotFoundError
+from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.errors import PayloadTooLargeError
 from metrale.server.metrics import ServerMetrics
@@ -30,7 +31,7 @@ MAX_BODY_BYTES = 32 * 2**20
 
 @dataclass
 class ServerState:
-    engine: AsyncEngine
+    engine: EngineHandle
     tokenizer: Tokenizer
     model_name: str
     max_model_len: int
@@ -38,6 +39,11 @@ class ServerState:
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def sampling_defaults(self) -> SamplingDefaults:
+        """The served model's generation-config sampling defaults (read by the engine)."""
+        return self.engine.info.sampling_defaults
 
     def check_model(self, model: str | None) -> None:
         """Refuse a request for a model this server does not serve (404, param "model")."""

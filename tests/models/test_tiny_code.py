@@ -192,22 +192,28 @@ def test_training_model_equals_transformers(hf_model) -> None:
     assert mtp is not None and mtp.shape == ref.shape and torch.isfinite(mtp).all()
 
 
-def _hf_greedy(model, tok, prompt: str, n: int) -> list[int]:
+def _hf_greedy(model, tok, prompt: str, n: int, **overrides) -> list[int]:
     ids = tok(prompt, return_tensors="pt").input_ids
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, **overrides
     )
     return out[0, ids.shape[1] :].tolist()
 
 
-def test_metrale_greedy_equals_transformers(hf_model, hf_tokenizer) -> None:
-    from metrale import LLM, SamplingParams
+@pytest.mark.parametrize("plain", [False, True], ids=["generation-config", "plain-greedy"])
+def test_metrale_greedy_equals_transformers(hf_model, hf_tokenizer, plain: bool) -> None:
+    """Both sides with the checkpoint's generation_config.json (repetition_penalty 1.2), and
+    both with it overridden to plain greedy (repetition_penalty 1.0)."""
+    from metrale import LLM
 
     llm = LLM(model=str(ASSET_DIR), device="cpu", dtype="float32")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))
+    overrides = {"repetition_penalty": 1.0} if plain else {}
+    params = llm.get_default_sampling_params().replace(temperature=0, max_tokens=32, **overrides)
+    assert params.repetition_penalty == (1.0 if plain else 1.2)
+    outs = llm.generate(PROMPTS, params)
     model, _ = hf_model
     for prompt, out in zip(PROMPTS, outs, strict=True):
-        expected = _hf_greedy(model, hf_tokenizer, prompt, 32)
+        expected = _hf_greedy(model, hf_tokenizer, prompt, 32, **overrides)
         assert list(out.outputs[0].token_ids) == expected, prompt
 
 

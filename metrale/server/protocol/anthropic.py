@@ -4,6 +4,9 @@ Owner: server.
 
 Invariants:
 - `max_tokens` is required (as in Anthropic's API); `temperature` is in [0, 1].
+- Sampling fields the request leaves unset take the model's generation-config defaults, else
+  the engine's (`SamplingDefaults.pick`); the model's `min_p` and `repetition_penalty` always
+  apply (the Messages API has no field for them).
 - Only text content is accepted; image, document, tool_use, tool_result and thinking blocks,
   `tools`, `tool_choice`, enabled `thinking` and `output_config.format` are refused with a
   400 naming the field. `output_config.effort` is accepted and has no effect (no reasoning).
@@ -21,6 +24,7 @@ from typing import Any, ClassVar
 
 from metrale.engine.request import CompletionOutput
 from metrale.errors import InvalidRequestError
+from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.protocol.common import RequestModel, unsupported
 
@@ -72,11 +76,15 @@ class MessagesRequest(RequestModel):
                 f"temperature must be in [0, 1], got {self.temperature}", param="temperature"
             )
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The request's fields, else the model's `defaults`, else `SamplingParams`' own."""
+        pick = (defaults or SamplingDefaults()).pick
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
+            temperature=pick("temperature", self.temperature),
+            top_p=pick("top_p", self.top_p),
+            top_k=pick("top_k", self.top_k),
+            min_p=pick("min_p", None),
+            repetition_penalty=pick("repetition_penalty", None),
             max_tokens=self.max_tokens,
             stop=self.stop_sequences or [],
         )

@@ -6,7 +6,9 @@ Owner: server. Pydantic v2 models validate the bodies; `sampling_params()` maps 
 
 Invariants:
 - Defaults are OpenAI's: `temperature` 1, `top_p` 1, `n` 1; completions `max_tokens` 16,
-  chat `max_tokens` unset (up to the context).
+  chat `max_tokens` unset (up to the context). Except that a field the request leaves unset
+  (None) among `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` takes the
+  model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
 - Fields that would change the result but are not supported (tools, tool_choice,
   response_format other than text, functions, audio, image / audio / file content parts,
   `suffix`, `best_of` != n) are refused with a 400 naming the field.
@@ -27,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from metrale.engine.request import Logprob, PositionLogprobs
 from metrale.errors import InvalidRequestError
+from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.protocol.common import RequestModel, unsupported
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -72,34 +75,42 @@ class SamplingFields(RequestModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def sampling_params(
-        self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        defaults: SamplingDefaults | None = None,
     ) -> SamplingParams:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
+        """The request's `SamplingParams`: each field as the request set it, else the model's
+        default from `defaults` (its generation config), else `SamplingParams`' default."""
+        pick = (defaults or SamplingDefaults()).pick
 
         if self.n > MAX_N:
             raise InvalidRequestError(f"n must be at most {MAX_N}, got {self.n}", param="n")
 
         return SamplingParams(
             n=self.n,
-            temperature=given(self.temperature, 1.0),
-            top_p=given(self.top_p, 1.0),
-            top_k=given(self.top_k, 0),
-            min_p=given(self.min_p, 0.0),
-            repetition_penalty=given(self.repetition_penalty, 1.0),
-            presence_penalty=given(self.presence_penalty, 0.0),
-            frequency_penalty=given(self.frequency_penalty, 0.0),
+            temperature=pick("temperature", self.temperature),
+            top_p=pick("top_p", self.top_p),
+            top_k=pick("top_k", self.top_k),
+            min_p=pick("min_p", self.min_p),
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty),
+            presence_penalty=pick("presence_penalty", self.presence_penalty),
+            frequency_penalty=pick("frequency_penalty", self.frequency_penalty),
             logit_bias=self.logit_bias,
             seed=self.seed,
             max_tokens=max_tokens,
-            min_tokens=given(self.min_tokens, 0),
+            min_tokens=pick("min_tokens", self.min_tokens),
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
-            ignore_eos=given(self.ignore_eos, False),
+            ignore_eos=pick("ignore_eos", self.ignore_eos),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=given(self.skip_special_tokens, True),
-            include_stop_str_in_output=given(self.include_stop_str_in_output, False),
+            skip_special_tokens=pick("skip_special_tokens", self.skip_special_tokens),
+            include_stop_str_in_output=pick(
+                "include_stop_str_in_output", self.include_stop_str_in_output
+            ),
         )
 
 

@@ -103,7 +103,10 @@ async def create_message(request: Request) -> Response:
     ids = tokenizer.encode(text, add_special_tokens=False)
     message_id = f"msg_{uuid.uuid4().hex}"
     (stream,) = await state.add_requests(
-        message_id, [(text, ids)], req.sampling_params(), prompt_param="messages"
+        message_id,
+        [(text, ids)],
+        req.sampling_params(state.sampling_defaults),
+        prompt_param="messages",
     )
     job = _MessageJob(state, message_id, stream, len(ids), tracker)
     if req.stream:

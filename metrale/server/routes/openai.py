@@ -181,6 +181,7 @@ async def create_completion(request: Request) -> Response:
         max_tokens=1 if echo_only else req.max_tokens,
         logprobs=req.logprobs,
         prompt_logprobs=req.logprobs if echo else None,
+        defaults=state.sampling_defaults,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await state.add_requests(request_id, prompts, params)
@@ -337,7 +338,11 @@ async def create_chat_completion(request: Request) -> Response:
         **(req.chat_template_kwargs or {}),
     )
     ids = tokenizer.encode(text, add_special_tokens=False)
-    params = req.sampling_params(max_tokens=req.resolved_max_tokens, logprobs=req.logprob_count)
+    params = req.sampling_params(
+        max_tokens=req.resolved_max_tokens,
+        logprobs=req.logprob_count,
+        defaults=state.sampling_defaults,
+    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await state.add_requests(request_id, [(text, ids)], params, prompt_param="messages")
     job = _Job(state, request_id, streams, [(text, ids)], params.n, tracker)

@@ -1,0 +1,552 @@
+"""`EngineProcess`: the `Engine` in a child process, behind the same asyncio interface as
+`AsyncEngine`, so the server's Python never competes with the engine loop for one GIL.
+
+Owner: engine. The parent (the server) holds an `EngineProcess`: `add_request` returns a
+`RequestStream`, `snapshot` gives the metrics' gauges, `begin_drain` / `abort_all` /
+`shutdown` serve a graceful exit, `info` and `tokenizer` describe the model. The child runs
+`_child_main`: it loads the model, then loops over commands and steps.
+
+Why a process: in one process the HTTP layer's per-token work (one SSE event per stream per
+step) and the engine thread share the GIL, and every torch call of the engine thread (each
+releases the GIL) can wait a whole switch interval to get it back; at 128 streams that made
+decode host-bound (vLLM's API server + EngineCore and SGLang's tokenizer / scheduler processes
+split the same way).
+
+Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
+- parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id),
+  ("abort", request_id), ("shutdown",).
+- child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then
+  ("added", request_id, error | None) answering each add, ("out", [OutputDelta], snapshot |
+  None) once per step, ("snapshot", snapshot) when the engine goes idle, ("dead", message)
+  if the loop crashes.
+
+Invariants:
+- One "out" message per step carries every request's new tokens as deltas (new text, new
+  token ids, new logprobs), so the bytes sent per step grow with the batch, not with the
+  length of the outputs; the parent rebuilds the cumulative `RequestOutput`s the routes read,
+  as fresh objects (an output handed to a consumer never changes afterwards).
+- Every add is answered (accepted or its error), and every accepted request's stream ends with
+  a finished output or an exception: a child that dies, crashes or stops ends every open
+  stream with `EngineDeadError` and refuses new requests.
+- The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
+  closes, so it never outlives the server.
+- Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import gc
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from metrale.config import EngineConfig
+from metrale.engine.async_engine import (
+    EngineInfo,
+    EngineSnapshot,
+    RequestStream,
+    SnapshotTaker,
+    engine_info,
+)
+from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
+from metrale.errors import EngineDeadError, MetraleError
+from metrale.sampling.params import SamplingParams
+from metrale.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: How long the child waits before retrying when a step made no progress (all held back).
+_STALL_WAIT_S = 0.005
+#: Least time between two snapshots sent while the engine is busy.
+_SNAPSHOT_INTERVAL_S = 0.1
+#: How long `shutdown` waits for the child to exit before terminating it.
+_EXIT_WAIT_S = 10.0
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    cumulative_logprob: float | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class OutputDelta:
+    """What one step added to one request's `RequestOutput`."""
+
+    request_id: str
+    finished: bool
+    choices: list[ChoiceDelta]
+    num_cached_tokens: int
+    metrics: dict[str, float]
+    error: str | None
+    #: Sent once, in the first delta after the prompt was scored.
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    #: Sent once, in the request's first delta (the engine tokenized a text prompt).
+    prompt_token_ids: list[int] | None
+
+
+@dataclass
+class _Sent:
+    """How much of each choice of one request the parent already has."""
+
+    text: list[int]
+    tokens: list[int]
+    logprobs: list[int]
+    prompt_logprobs: bool = False
+
+
+class DeltaEncoder:
+    """Child side: turns cumulative outputs into deltas against what was sent before."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, _Sent] = {}
+
+    def encode(self, output: RequestOutput) -> OutputDelta:
+        n = len(output.outputs)
+        sent = self._sent.get(output.request_id)
+        first = sent is None
+        if sent is None:
+            sent = self._sent[output.request_id] = _Sent([0] * n, [0] * n, [0] * n)
+        choices = []
+        for i, c in enumerate(output.outputs):
+            logprobs = None
+            if c.logprobs is not None:
+                logprobs = c.logprobs[sent.logprobs[i] :]
+                sent.logprobs[i] = len(c.logprobs)
+            choices.append(
+                ChoiceDelta(
+                    c.index,
+                    c.text[sent.text[i] :],
+                    c.token_ids[sent.tokens[i] :],
+                    logprobs,
+                    c.cumulative_logprob,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+            )
+            sent.text[i], sent.tokens[i] = len(c.text), len(c.token_ids)
+        prompt_logprobs = None
+        if output.prompt_logprobs is not None and not sent.prompt_logprobs:
+            prompt_logprobs, sent.prompt_logprobs = output.prompt_logprobs, True
+        if output.finished:
+            del self._sent[output.request_id]
+        return OutputDelta(
+            output.request_id, output.finished, choices, output.num_cached_tokens,
+            dict(output.metrics), output.error, prompt_logprobs,
+            list(output.prompt_token_ids) if first else None,
+        )  # fmt: skip
+
+    def forget(self, request_id: str) -> None:
+        self._sent.pop(request_id, None)
+
+
+@dataclass
+class _Assembly:
+    """Parent side: one request's cumulative output so far."""
+
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+    last: RequestOutput | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+def _apply_delta(assembly: _Assembly, delta: OutputDelta) -> RequestOutput:
+    """The next cumulative output: fresh lists and strings, the previous one left as it was."""
+    before = {c.index: c for c in assembly.last.outputs} if assembly.last else {}
+    outputs = []
+    for d in delta.choices:
+        prev = before.get(d.index)
+        logprobs = None
+        if d.logprobs is not None:
+            logprobs = [*(prev.logprobs or [] if prev else []), *d.logprobs]
+        outputs.append(
+            CompletionOutput(
+                index=d.index,
+                text=(prev.text if prev else "") + d.text,
+                token_ids=[*(prev.token_ids if prev else []), *d.token_ids],
+                cumulative_logprob=d.cumulative_logprob,
+                logprobs=logprobs,
+                finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+            )
+        )
+    if delta.prompt_logprobs is not None:
+        assembly.prompt_logprobs = delta.prompt_logprobs
+    if delta.prompt_token_ids is not None:
+        assembly.prompt_token_ids = delta.prompt_token_ids
+    output = RequestOutput(
+        request_id=delta.request_id,
+        prompt=assembly.prompt,
+        prompt_token_ids=assembly.prompt_token_ids,
+        outputs=outputs,
+        finished=delta.finished,
+        prompt_logprobs=assembly.prompt_logprobs,
+        num_cached_tokens=delta.num_cached_tokens,
+        metrics=delta.metrics,
+        error=delta.error,
+    )
+    assembly.last = output
+    return output
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
+    """The engine process: load, say ready (or why not), then serve commands and step."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
+    )
+    from metrale.engine.engine import Engine
+
+    try:
+        engine = Engine(config)
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("failed", _portable(exc)))
+        return
+    conn.send(("ready", engine_info(engine)))
+    # The loaded model's objects live as long as the process: keep the collector from walking
+    # them again and again (each step allocates many short-lived objects, which triggers it).
+    gc.collect()
+    gc.freeze()
+    try:
+        _ChildLoop(engine, conn).run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent went away: nothing left to serve
+    except BaseException as exc:
+        logging.getLogger(__name__).exception("the engine loop crashed")
+        with contextlib.suppress(Exception):
+            conn.send(("dead", f"the engine loop stopped: {type(exc).__name__}: {exc}"))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """`exc` if it pickles, else an `EngineDeadError` with its text."""
+    import pickle
+
+    try:
+        pickle.dumps(exc)
+    except Exception:
+        return EngineDeadError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+class _ChildLoop:
+    def __init__(self, engine: Any, conn: Connection) -> None:
+        self.engine = engine
+        self.conn = conn
+        self.encoder = DeltaEncoder()
+        self.snapshots = SnapshotTaker(engine)
+        self.snapshot_sent_at = float("-inf")
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        stalled = False
+        while True:
+            if not engine.has_unfinished():
+                conn.poll(None)  # idle: sleep until a command arrives
+            elif stalled:
+                conn.poll(_STALL_WAIT_S)
+            while conn.poll(0):
+                if not self._apply(conn.recv()):
+                    return
+            stalled = False
+            if engine.has_unfinished():
+                steps_before = engine.num_steps
+                outputs = engine.step()
+                deltas = [self.encoder.encode(o) for o in outputs]
+                stalled = not outputs and engine.num_steps == steps_before
+                idle = not engine.has_unfinished()
+                conn.send(("out", deltas, self._snapshot_if_due(force=idle)))
+
+    def _snapshot_if_due(self, force: bool) -> EngineSnapshot | None:
+        now = time.monotonic()
+        if not force and now - self.snapshot_sent_at < _SNAPSHOT_INTERVAL_S:
+            return None
+        self.snapshot_sent_at = now
+        return self.snapshots.take()
+
+    def _apply(self, command: tuple[Any, ...]) -> bool:
+        """Apply one command; False when it says to stop."""
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, ids, timeout, adapter_id = command
+            error: BaseException | None = None
+            try:
+                self.engine.add_request(
+                    request_id, prompt, params, prompt_token_ids=ids, timeout=timeout,
+                    adapter_id=adapter_id,
+                )  # fmt: skip
+            except Exception as exc:  # MetraleError for bad requests; anything else: a bug
+                error = _portable(exc)
+            self.conn.send(("added", request_id, error))
+        elif kind == "abort":
+            self.engine.abort_request(command[1])
+            self.encoder.forget(command[1])
+            if not self.engine.has_unfinished():
+                self.conn.send(("snapshot", self._snapshot_if_due(force=True)))
+        elif kind == "shutdown":
+            return False
+        else:
+            raise ValueError(f"unknown engine command {kind!r}")
+        return True
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+@dataclass
+class _PendingAdd:
+    future: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+    assembly: _Assembly
+
+
+@dataclass
+class _ParentState:
+    streams: dict[str, _Assembly] = field(default_factory=dict)
+    pending: dict[str, _PendingAdd] = field(default_factory=dict)
+
+
+class EngineProcess:
+    """The parent's handle on the engine process; `AsyncEngine`'s interface."""
+
+    def __init__(self, config: EngineConfig, *, start_timeout: float | None = None) -> None:
+        """Start the child and wait until its model is loaded (raises why it could not)."""
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe(duplex=True)
+        self._process = context.Process(
+            target=_child_main,
+            args=(config, child_conn, logging.getLogger("metrale").getEffectiveLevel()),
+            name="metrale-engine",
+            daemon=True,
+        )
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _state, _dead, _draining
+        self._state = _ParentState()
+        self._dead: MetraleError | None = None
+        self._draining: MetraleError | None = None
+        self._snapshot = EngineSnapshot()
+        self._reader: threading.Thread | None = None
+        if not self._conn.poll(start_timeout):
+            self._process.terminate()
+            raise EngineDeadError("the engine process did not start in time")
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            raise EngineDeadError(
+                f"the engine process exited while loading (exit code {self._process.exitcode})"
+            ) from None
+        if message[0] == "failed":
+            self._process.join(5)
+            raise message[1]
+        self.info: EngineInfo = message[1]
+        self.tokenizer = Tokenizer.from_dir(
+            config.tokenizer or self.info.model_dir, chat_template=config.chat_template
+        )
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @property
+    def is_running(self) -> bool:
+        return self._dead is None and self._process.is_alive()
+
+    @property
+    def dead_error(self) -> MetraleError | None:
+        return self._dead
+
+    def start(self) -> None:
+        if self._reader is not None:
+            return
+        self._reader = threading.Thread(
+            target=self._read, name="metrale-engine-reader", daemon=True
+        )
+        self._reader.start()
+
+    def begin_drain(self, message: str = "the server is shutting down") -> None:
+        with self._lock:
+            if self._draining is None:
+                self._draining = EngineDeadError(message)
+
+    def abort_all(self, message: str) -> None:
+        with self._lock:
+            streams = list(self._state.streams.items())
+            self._state.streams.clear()
+        for request_id, assembly in streams:
+            self._send(("abort", request_id))
+            assembly.stream._post(EngineDeadError(message))
+
+    def shutdown(self, timeout: float = _EXIT_WAIT_S) -> None:
+        self.begin_drain()
+        self._send(("shutdown",))
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("the engine process did not exit in %.0f s; terminating it", timeout)
+            self._process.terminate()
+            self._process.join(5)
+        self._die(EngineDeadError("the engine has shut down"))
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+        self._conn.close()
+
+    def snapshot(self) -> EngineSnapshot:
+        return self._snapshot
+
+    def num_open_requests(self) -> int:
+        return len(self._state.streams)
+
+    # -------------------------------------------------------------------- intake
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int] | None,
+        params: SamplingParams,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        timeout: float | None = None,
+        adapter_id: int = 0,
+    ) -> RequestStream:
+        """Queue a request; returns once the engine accepted it, or raises why it did not."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, self, loop)
+        text = prompt if isinstance(prompt, str) else None
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+        if ids is None and prompt is not None and not isinstance(prompt, str):
+            ids = list(prompt)
+        future: asyncio.Future[None] = loop.create_future()
+        assembly = _Assembly(stream, text, ids or [])
+        with self._lock:
+            refusal = self._dead or self._draining
+            if refusal is None and request_id in self._state.pending:
+                refusal = MetraleError(f"request id {request_id!r} is already in use")
+            if refusal is None:
+                self._state.pending[request_id] = _PendingAdd(future, loop, assembly)
+        if refusal is not None:
+            raise copy.copy(refusal)
+        self._send(("add", request_id, prompt, params, ids, timeout, adapter_id))
+        try:
+            await future
+        except asyncio.CancelledError:
+            self._submit_abort(request_id)  # it may have been added meanwhile
+            raise
+        return stream
+
+    def _submit_abort(self, request_id: str) -> None:
+        with self._lock:
+            self._state.streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError):  # the pipe is closed: the child is gone
+            self._die(EngineDeadError("the engine process is gone"))
+
+    # --------------------------------------------------------------- reader thread
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                if kind == "out":
+                    _, deltas, snap = message
+                    if snap is not None:
+                        self._snapshot = snap
+                    self._deliver(deltas)
+                elif kind == "added":
+                    self._settle(message[1], message[2])
+                elif kind == "snapshot":
+                    self._snapshot = message[1]
+                elif kind == "dead":
+                    self._die(EngineDeadError(message[1]))
+                    return
+        except (EOFError, OSError):
+            code = self._process.exitcode
+            self._die(EngineDeadError(f"the engine process exited (code {code})"))
+
+    def _settle(self, request_id: str, error: BaseException | None) -> None:
+        with self._lock:
+            pending = self._state.pending.pop(request_id, None)
+            if pending is not None and error is None:
+                self._state.streams[request_id] = pending.assembly
+        if pending is None:
+            return
+
+        def settle() -> None:
+            if pending.future.done():  # the caller gave up waiting (and sent an abort)
+                return
+            if error is None:
+                pending.future.set_result(None)
+            else:
+                pending.future.set_exception(error)
+
+        try:
+            pending.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is gone: nobody will read this request
+            if error is None:
+                self._submit_abort(request_id)
+
+    def _deliver(self, deltas: list[OutputDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Assembly, OutputDelta]]] = {}
+        with self._lock:
+            for delta in deltas:
+                streams = self._state.streams
+                assembly = (
+                    streams.pop(delta.request_id, None)
+                    if delta.finished
+                    else streams.get(delta.request_id)
+                )
+                if assembly is not None:
+                    by_loop.setdefault(assembly.stream._loop, []).append((assembly, delta))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+                loop.call_soon_threadsafe(_put_deltas, items)
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._dead = error
+            streams = list(self._state.streams.values())
+            pending = list(self._state.pending.values())
+            self._state.streams.clear()
+            self._state.pending.clear()
+        self._snapshot = replace(self._snapshot, alive=False)
+        for assembly in streams:
+            assembly.stream._post(copy.copy(error))
+        for item in pending:
+
+            def fail(item: _PendingAdd = item) -> None:
+                if not item.future.done():
+                    item.future.set_exception(copy.copy(error))
+
+            with contextlib.suppress(RuntimeError):
+                item.loop.call_soon_threadsafe(fail)
+
+
+def _put_deltas(items: list[tuple[_Assembly, OutputDelta]]) -> None:
+    """On the streams' event loop: rebuild each cumulative output and queue it."""
+    for assembly, delta in items:
+        assembly.stream._queue.put_nowait(_apply_delta(assembly, delta))

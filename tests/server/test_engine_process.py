@@ -1,0 +1,149 @@
+"""`EngineProcess`: the engine in a child process gives exactly the outputs of the engine in
+this process (cumulative text, tokens, logprobs, n > 1, stop strings), add errors reach the
+caller while the others run on, an abort frees the request's KV, and a child that dies ends
+every open stream with EngineDeadError and turns the server to 503 instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from metrale import SamplingParams
+from metrale.config import EngineConfig
+from metrale.engine.engine import Engine
+from metrale.engine.engine_process import EngineProcess
+from metrale.engine.request import RequestOutput
+from metrale.errors import ContextLengthError, EngineDeadError
+from metrale.server.app import create_app
+
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+CASES = [
+    ("a", "def f(x):", SamplingParams(temperature=0, max_tokens=24, logprobs=2)),
+    ("b", "import os\n", SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=16)),
+    ("c", "class A:", SamplingParams(temperature=0, max_tokens=40, stop=["\n\n", "):"])),
+    ("d", [5, 9, 11, 3], SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=1)),
+]
+
+
+def _config(checkpoint: Path) -> EngineConfig:
+    return EngineConfig(
+        model=str(checkpoint), device="cpu", num_kv_blocks=64, enable_prefix_caching=False
+    )
+
+
+@pytest.fixture(scope="module")
+def process(checkpoint: Path) -> Iterator[EngineProcess]:
+    handle = EngineProcess(_config(checkpoint))
+    handle.start()
+    try:
+        yield handle
+    finally:
+        handle.shutdown()
+
+
+def _fingerprint(output: RequestOutput) -> list[object]:
+    return [
+        output.finished,
+        output.prompt_token_ids,
+        output.prompt_logprobs,
+        [
+            (c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+            for c in output.outputs
+        ],
+    ]
+
+
+def test_outputs_equal_the_in_process_engine(process: EngineProcess, checkpoint: Path) -> None:
+    engine = Engine(_config(checkpoint))
+    expected = {}
+    for rid, prompt, params in CASES:
+        if isinstance(prompt, str):
+            engine.add_request(rid, prompt, params)
+        else:
+            engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                expected[out.request_id] = _fingerprint(out)
+
+    async def run() -> dict[str, list[RequestOutput]]:
+        async def one(rid: str, prompt: str | list[int], params: SamplingParams) -> list:
+            text = prompt if isinstance(prompt, str) else None
+            ids = None if isinstance(prompt, str) else prompt
+            stream = await process.add_request(rid, text, params, prompt_token_ids=ids)
+            return [out async for out in stream]
+
+        results = await asyncio.gather(*(one(*case) for case in CASES))
+        return {case[0]: outs for case, outs in zip(CASES, results)}
+
+    got = asyncio.run(asyncio.wait_for(run(), 60))
+    for rid, outputs in got.items():
+        assert _fingerprint(outputs[-1]) == expected[rid], rid
+        # Cumulative: every output extends the one before, and none changed after it was handed out.
+        for before, after in zip(outputs, outputs[1:]):
+            for b, a in zip(before.outputs, after.outputs):
+                assert a.text.startswith(b.text) and a.token_ids[: len(b.token_ids)] == b.token_ids
+
+
+def test_add_errors_reach_the_caller_and_abort_frees_kv(process: EngineProcess) -> None:
+    total = process.info.num_total_blocks
+
+    async def run() -> None:
+        stream = await process.add_request("long", "def f(x):", LONG)
+        with pytest.raises(ContextLengthError):
+            await process.add_request("bad", "x", SamplingParams(max_tokens=10**6))
+        first = await stream.__anext__()
+        assert first.outputs[0].token_ids
+        stream.abort()
+        deadline = time.monotonic() + 5
+        while process.snapshot().num_free_blocks != total or process.snapshot().num_requests:
+            assert time.monotonic() < deadline, process.snapshot()
+            await asyncio.sleep(0.01)
+        again = await process.add_request("after", "def g():", SamplingParams(max_tokens=4))
+        outs = [o async for o in again]
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+        assert process.num_open_requests() == 0
+
+    asyncio.run(asyncio.wait_for(run(), 60))
+
+
+def test_a_dead_child_fails_streams_and_new_requests(checkpoint: Path) -> None:
+    handle = EngineProcess(_config(checkpoint))
+    handle.start()
+    app = create_app(handle)
+
+    async def run() -> None:
+        stream = await handle.add_request("x", "def f(x):", LONG)
+        await stream.__anext__()
+        os.kill(handle._process.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await handle.add_request("y", "def f(x):", LONG)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 503
+            reply = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert reply.status_code == 503
+            assert reply.json()["error"]["type"] == "engine_dead"
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+        assert not handle.is_running
+        assert not handle.snapshot().alive
+    finally:
+        handle.shutdown(timeout=2)
+
+
+def test_a_model_that_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
+    with pytest.raises(Exception, match="NoSuchModel"):
+        EngineProcess(EngineConfig(model=str(tmp_path), device="cpu"))

@@ -1,0 +1,111 @@
+"""The engine's decode ceiling at C concurrent sequences, without any server: C requests of
+`--isl` random tokens decode `--osl` tokens each; prints steady-state decode tok/s and splits a
+step's wall time into the forward (GPU time by CUDA events), the sampler, and the rest (host).
+
+Usage (on a GPU machine, from the repository root):
+    PYTHONPATH=. python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from metrale import Engine, EngineConfig, SamplingParams
+from metrale.bench.synthetic import prepare_model_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config_dir")
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--isl", type=int, default=128)
+    parser.add_argument("--osl", type=int, default=384)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    c = args.concurrency
+    engine = Engine(
+        EngineConfig(
+            model=str(prepare_model_dir(args.config_dir)), load_format="dummy",
+            max_model_len=2048, max_num_seqs=c, enable_prefix_caching=False,
+        )
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for i in range(c):
+        prompt = torch.randint(10, engine.vocab_size - 10, (args.isl,), generator=gen).tolist()
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=args.osl, ignore_eos=True)
+        )
+    sampler_ms: list[float] = []
+    model_forward = engine._forward
+    sampler = engine.sampler
+
+    cuda = engine.model.device.type == "cuda"
+
+    def timed_forward(plan):  # type: ignore[no-untyped-def]
+        if not cuda:  # CPU smoke run: wall time stands in for device time
+            t = time.perf_counter()
+            out = model_forward(plan)
+            timed_forward.events.append(1000 * (time.perf_counter() - t))
+            return out
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = model_forward(plan)
+        end.record()
+        timed_forward.events.append((start, end))
+        return out
+
+    timed_forward.events = []  # type: ignore[attr-defined]
+    engine._forward = timed_forward  # type: ignore[method-assign]
+
+    class TimedSampler:
+        def __call__(self, logits, rows):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = sampler(logits, rows)
+            sampler_ms.append(1000 * (time.perf_counter() - t))
+            return out
+
+    engine.sampler = TimedSampler()  # type: ignore[assignment]
+    step_ms: list[float] = []
+    tokens = 0
+    decode_steps = 0
+    while engine.has_unfinished():
+        running = len(engine.scheduler.running)
+        t = time.perf_counter()
+        outputs = engine.step()
+        dt = 1000 * (time.perf_counter() - t)
+        all_decoding = running == c and all(
+            len(s.output_token_ids) > 0 for s in engine.scheduler.running
+        )
+        if all_decoding and len(outputs) == c:
+            step_ms.append(dt)
+            tokens += c
+            decode_steps += 1
+    events = timed_forward.events[-decode_steps:]  # type: ignore[attr-defined]
+    if cuda:
+        torch.cuda.synchronize()
+        gpu = [s.elapsed_time(e) for s, e in events]
+    else:
+        gpu = list(events)
+    wall = sum(step_ms) / 1000
+    result = {
+        "concurrency": c,
+        "decode_tok_s": tokens / wall if wall else 0.0,
+        "step_ms_median": statistics.median(step_ms),
+        "forward_gpu_ms_median": statistics.median(gpu),
+        "sampler_ms_median": statistics.median(sampler_ms[-decode_steps:]),
+        "decode_steps": decode_steps,
+        "graph_forwards": getattr(getattr(engine.model, "graph_runner", None), "replays", 0),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
