@@ -26,6 +26,7 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=384)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="cProfile 50 steady decode steps")
     args = parser.parse_args()
     c = args.concurrency
     engine = Engine(
@@ -70,10 +71,33 @@ def main() -> None:
             return out
 
     engine.sampler = TimedSampler()  # type: ignore[assignment]
+    host_ms: dict[str, list[float]] = {"schedule": [], "forward_call": [], "commit": []}
+
+    def timed(name, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            host_ms[name].append(1000 * (time.perf_counter() - t))
+            return out
+
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
+    engine.scheduler.commit = timed("commit", engine.scheduler.commit)  # type: ignore[method-assign]
+    engine._forward = timed("forward_call", engine._forward)  # type: ignore[method-assign]
     step_ms: list[float] = []
     tokens = 0
     decode_steps = 0
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
     while engine.has_unfinished():
+        if profiler is not None and decode_steps == 100:
+            profiler.enable()
+        if profiler is not None and decode_steps == 150:
+            profiler.disable()
         running = len(engine.scheduler.running)
         t = time.perf_counter()
         outputs = engine.step()
@@ -99,9 +123,14 @@ def main() -> None:
         "forward_gpu_ms_median": statistics.median(gpu),
         "sampler_ms_median": statistics.median(sampler_ms[-decode_steps:]),
         "decode_steps": decode_steps,
+        **{f"{k}_ms_median": statistics.median(v[-decode_steps:]) for k, v in host_ms.items()},
         "graph_forwards": getattr(getattr(engine.model, "graph_runner", None), "replays", 0),
     }
     print(json.dumps(result, indent=1))
+    if profiler is not None and decode_steps > 150:
+        import pstats
+
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(35)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -61,10 +61,12 @@ for part in $PARTS; do
     echo "rc=$?"; tail -14 "$OUT/throughput.log"
     ;;
   ceiling)
-    stamp decode ceiling qwen3-8b C=128
-    timeout 200 python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128 \
-      --out "$OUT/ceiling.json" >"$OUT/ceiling.log" 2>&1
-    echo "rc=$?"; tail -10 "$OUT/ceiling.log"
+    for c in ${CEILING_C:-128}; do
+      stamp decode ceiling qwen3-8b C=$c
+      timeout 200 python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency $c \
+        --out "$OUT/ceiling$c.json" >"$OUT/ceiling$c.log" 2>&1
+      echo "rc=$?"; tail -14 "$OUT/ceiling$c.log"
+    done
     ;;
   gemv)
     stamp gemv bench

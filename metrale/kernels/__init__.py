@@ -28,6 +28,10 @@ class KernelOps:
     rms_norm: Callable = reference.rms_norm
     add_rms_norm: Callable = reference.add_rms_norm
     silu_and_mul: Callable = reference.silu_and_mul
+    # Projections: cuBLAS through torch, except few-row (decode) batches on CUDA, where a
+    # bandwidth-bound GEMV kernel reads the weights faster.
+    linear: Callable = reference.linear
+    silu_mul_linear: Callable = reference.silu_mul_linear
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
     # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm.

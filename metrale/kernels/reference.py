@@ -39,6 +39,18 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight.T + bias` (torch's `Linear`; cuBLAS on CUDA)."""
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`linear(silu_and_mul(gate_up), weight, bias)`: a gated MLP's down projection."""
+    return F.linear(silu_and_mul(gate_up), weight, bias)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -212,9 +224,11 @@ def top_k_top_p_filter(
         probs = probs.masked_fill(probs < floor, 0.0)
     p = top_p.to(device=x.device, dtype=torch.float32).unsqueeze(1)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    total = probs.sum(dim=-1, keepdim=True)
-    keep_sorted = (mass_above < total * p) | (p >= 1.0)
+    # float64 sums: in float32 the order of summation decides which token crosses the bound.
+    wide = sorted_probs.double()
+    mass_above = wide.cumsum(dim=-1) - wide
+    total = wide.sum(dim=-1, keepdim=True)
+    keep_sorted = (mass_above < total * p.double()) | (p >= 1.0)
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     return probs.masked_fill(~keep, 0.0), samplable
 

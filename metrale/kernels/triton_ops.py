@@ -23,6 +23,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "rms_norm": ("metrale.kernels.triton_norm", "rms_norm"),
     "add_rms_norm": ("metrale.kernels.triton_norm", "add_rms_norm"),
     "silu_and_mul": ("metrale.kernels.triton_norm", "silu_and_mul"),
+    "linear": ("metrale.kernels.triton_linear", "linear"),
+    "silu_mul_linear": ("metrale.kernels.triton_linear", "silu_mul_linear"),
     "write_kv": ("metrale.kernels.triton_attention", "write_kv"),
     "paged_attention": ("metrale.kernels.triton_attention", "paged_attention"),
     "rotary_embedding": ("metrale.kernels.triton_rotary", "rotary_embedding"),

@@ -12,7 +12,9 @@ Invariants:
 - `top_k_top_p_sample` takes already processed float logits (penalties, bias, temperature,
   NaN -> -inf) and applies, per row and in this order: top-k (every logit >= the k-th largest
   stays), softmax, min-p (probabilities >= min_p * max), top-p (a token stays while the mass
-  ranked above it, ties ranked by id, is < top_p * the remaining mass), then draws the first
+  ranked above it, ties ranked by id, is < top_p * the remaining mass; masses are summed in
+  float64: over a 152k vocabulary float32 sums in two different orders disagree about which
+  token crosses the bound), then draws the first
   token in id order whose float64 cumulative probability reaches `u * total`. Thresholds are
   found exactly by a 16-way search over the order-preserving integer keys of the float32
   logits (at most 8 passes over the row per threshold), not by sorting.
@@ -177,31 +179,31 @@ def _top_k_top_p_kernel(
     keep_ties = tl.full([], 2147483647, dtype=tl.int64)
     limit_ties = k_b > k_b  # False (a scalar tensor, reassigned below)
     if (top_p < 1.0) & samplable:
-        total_part = tl.zeros([BLOCK], dtype=tl.float32)
+        total_part = tl.zeros([BLOCK], dtype=tl.float64)
         for start in range(0, V, BLOCK):
             cols = start + offs
             x = _load_row(base, cols, V)
             p = tl.exp(x - m) * inv_z
             kept = (_key(x) >= t_k) & (p >= p_floor) & (cols < V)
-            total_part += tl.where(kept, p, 0.0)
-        bound = top_p * tl.sum(total_part, 0)
+            total_part += tl.where(kept, p, 0.0).to(tl.float64)
+        bound = top_p.to(tl.float64) * tl.sum(total_part, 0)
         lo = key_min - 1  # mass(key > lo) = total >= bound
         hi = key_max  # mass(key > hi) = 0 < bound
         while hi - lo > 1:
             piv = _pivots(lo, hi, NP)
-            mass_part = tl.zeros([BLOCK, NP], dtype=tl.float32)
+            mass_part = tl.zeros([BLOCK, NP], dtype=tl.float64)
             for start in range(0, V, BLOCK):
                 cols = start + offs
                 x = _load_row(base, cols, V)
                 key = _key(x)
                 p = tl.exp(x - m) * inv_z
                 w = tl.where((key >= t_k) & (p >= p_floor) & (cols < V), p, 0.0)
-                mass_part += tl.where(key[:, None] > piv[None, :], w[:, None], 0.0)
+                mass_part += tl.where(key[:, None] > piv[None, :], w.to(tl.float64)[:, None], 0.0)
             below = tl.sum(mass_part, 0) < bound
             hi = tl.min(tl.where(below, piv, hi), 0)
             lo = tl.max(tl.where(below, lo, piv), 0)
         k_b = hi
-        above_part = tl.zeros([BLOCK], dtype=tl.float32)
+        above_part = tl.zeros([BLOCK], dtype=tl.float64)
         ties_part = tl.zeros([BLOCK], dtype=tl.int32)
         for start in range(0, V, BLOCK):
             cols = start + offs
@@ -209,11 +211,11 @@ def _top_k_top_p_kernel(
             key = _key(x)
             p = tl.exp(x - m) * inv_z
             w = tl.where((key > k_b) & (key >= t_k) & (p >= p_floor) & (cols < V), p, 0.0)
-            above_part += w
+            above_part += w.to(tl.float64)
             ties_part += ((key == k_b) & (cols < V)).to(tl.int32)
         above = tl.sum(above_part, 0)
         num_ties = tl.sum(ties_part, 0).to(tl.int64)
-        p_b = tl.exp(_unkey(k_b) - m) * inv_z
+        p_b = (tl.exp(_unkey(k_b) - m) * inv_z).to(tl.float64)
         ties = tl.minimum(tl.ceil((bound - above) / p_b), 2147483647.0)
         keep_ties = tl.maximum(ties.to(tl.int64), 1)
         # Only a boundary tie that top-p cuts through needs id-order ranks (a scan).

@@ -61,7 +61,10 @@ class GatedMLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
+        return ops.silu_mul_linear(
+            ops.linear(x, gate_up.weight, gate_up.bias), down.weight, down.bias
+        )
 
 
 class PagedSelfAttention(nn.Module):
@@ -95,7 +98,8 @@ class PagedSelfAttention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -103,7 +107,9 @@ class PagedSelfAttention(nn.Module):
         k_cache, v_cache = kv
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.ops.linear(
+            out.reshape(tokens, self.q_size), self.o_proj.weight, self.o_proj.bias
+        )
 
     def _norm_and_rotate(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -88,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = self.stack_class(cfg, ops, max_positions)
+        self.ops = ops
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -108,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return hidden @ weight.t()
+        return self.ops.linear(hidden, weight)
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config

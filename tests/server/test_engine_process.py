@@ -6,6 +6,7 @@ every open stream with EngineDeadError and turns the server to 503 instead of ha
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -87,7 +88,7 @@ def test_outputs_equal_the_in_process_engine(process: EngineProcess, checkpoint:
     for rid, outputs in got.items():
         assert _fingerprint(outputs[-1]) == expected[rid], rid
         # Cumulative: every output extends the one before, and none changed after it was handed out.
-        for before, after in zip(outputs, outputs[1:]):
+        for before, after in itertools.pairwise(outputs):
             for b, a in zip(before.outputs, after.outputs):
                 assert a.text.startswith(b.text) and a.token_ids[: len(b.token_ids)] == b.token_ids
 
