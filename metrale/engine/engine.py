@@ -1,8 +1,8 @@
 """`Engine`: one step at a time over the scheduler, the model and the sampler.
 
-Owner: engine. `add_request` validates and queues; `step` plans one forward, runs it, samples,
-commits the tokens and returns the outputs of every request that changed; `abort_request`
-ends a request wherever it is.
+Owner: engine. `add_request` validates and queues; `step` plans one forward, launches it and
+its sampler, builds the previous step's outputs while the device computes, then commits this
+step's tokens to the scheduler; `abort_request` ends a request wherever it is.
 
 Invariants:
 - Validation happens entirely before any state changes: a bad request raises a clear error
@@ -14,6 +14,12 @@ Invariants:
 - `sampling_defaults` (the checkpoint's generation_config.json values, empty under
   `--generation-config none`) is read once at start-up; a request queued without
   `SamplingParams` gets `default_sampling_params()`. Explicit `SamplingParams` are used as given.
+- Host work overlaps the device: a step's tokens are committed to the scheduler as soon as they
+  are read back (so EOS, stop tokens and lengths end sequences before the next plan, and
+  seeded draws and penalties see every token), but their text, stop strings and outputs are
+  built during the next step's forward. A sequence a stop string ends has then already been
+  planned once more: that token is dropped, never shown. Outputs therefore trail the device
+  by one step; when nothing more is planned they are emitted at once.
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -22,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,8 +41,8 @@ from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import Model, PrefillSlice
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
 from metrale.sampling.params import SamplingParams, derive_choice_seed
-from metrale.sampling.sampler import Sampler, SamplingRow
-from metrale.scheduler.core import Scheduler, SchedulerConfig
+from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -44,6 +51,15 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-code"
 BUNDLED_MODEL_NAME = "metrale-tiny-code"
+
+
+@dataclass
+class _Pending:
+    """Tokens of the last step, committed to the scheduler but not yet turned into outputs."""
+
+    sampled: list[SchedSequence]
+    out: SamplerOutput
+    committed: list[Committed]
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -114,6 +130,7 @@ class Engine:
         )
         self.vocab_size = model.vocab_size()
         self.num_steps = 0
+        self._pending: _Pending | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -237,19 +254,32 @@ class Engine:
     # -------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
+        """Plan and launch one forward; while the device computes it, turn the previous step's
+        tokens into outputs (detokenize, stop strings); then wait for this step's tokens and
+        commit them to the scheduler. Returns the outputs of every request that changed."""
         plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in plan.finished:
             self._close_choice(seq, touched)
+        launched: SampledBatch | None = None
         if not plan.is_empty():
             self.num_steps += 1
             try:
-                self._run(plan, touched)
+                launched = self._launch(plan)
             except Exception as exc:  # one bad step must not take the engine down
-                logger.exception(
-                    "step failed; ending its %d sequences", len(plan.decode) + len(plan.prefill)
-                )
-                self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
+                self._step_failed(plan, touched, exc)
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._emit(pending, touched)
+        if launched is not None:
+            try:
+                self._pending = self._commit(plan, launched)
+            except Exception as exc:
+                self._step_failed(plan, touched, exc)
+        if self._pending is not None and not self.scheduler.has_unfinished():
+            # Nothing will be launched next: emit now rather than after an idle step.
+            pending, self._pending = self._pending, None
+            self._emit(pending, touched)
         outputs = []
         for rid, state in touched.items():
             outputs.append(state.to_output())
@@ -257,11 +287,22 @@ class Engine:
                 self._retire(rid, state)
         return outputs
 
-    def _run(self, plan: StepPlan, touched: dict[str, RequestState]) -> None:
+    def _step_failed(
+        self, plan: StepPlan, touched: dict[str, RequestState], exc: Exception
+    ) -> None:
+        logger.error(
+            "step failed; ending its %d sequences",
+            len(plan.decode) + len(plan.prefill),
+            exc_info=exc,
+        )
+        self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _launch(self, plan: StepPlan) -> SampledBatch | None:
+        """The forward and the sampler of `plan`, queued on the device (no host sync)."""
         logits = self._forward(plan)
         sampled = plan.sampled
         if not sampled:
-            return
+            return None
         assert logits is not None
         rows = [
             SamplingRow(
@@ -273,11 +314,30 @@ class Engine:
             )
             for s in sampled
         ]
-        out = self.sampler(logits, rows)
+        return self.sampler.sample(logits, rows)
+
+    def _commit(self, plan: StepPlan, batch: SampledBatch) -> _Pending:
+        """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
+        at EOS, stop tokens or their length); their outputs are built by `_emit`."""
+        sampled = plan.sampled  # before the commit: it changes which chunks count as last
+        out = batch.to_host()
         committed = self.scheduler.commit(plan, out.token_ids)
-        unsamplable = {sampled[i].seq_id for i in out.unsamplable_rows}
-        for i, c in enumerate(committed):
-            state, choice = self._choice_of[c.seq.seq_id]
+        return _Pending(sampled, out, committed)
+
+    def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
+        """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
+        out = pending.out
+        unsamplable = {pending.sampled[i].seq_id for i in out.unsamplable_rows}
+        row_of = {id(s): i for i, s in enumerate(pending.sampled)}
+        for c in pending.committed:
+            entry = self._choice_of.get(c.seq.seq_id)
+            if entry is None:  # aborted since the step ran
+                continue
+            state, choice = entry
+            if choice.finish_reason is not None:
+                # Ended (stop string, abort) after this token was already computed: drop it.
+                continue
+            i = row_of[id(c.seq)]
             touched[state.request_id] = state
             if c.seq.seq_id in unsamplable:
                 # Every token was masked or non-finite: end this choice, not the batch.

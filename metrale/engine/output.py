@@ -4,7 +4,8 @@
 Owner: engine. One `RequestState` per request, one `ChoiceState` per choice (`n`).
 
 Invariants:
-- A choice's `text` is what its detokenizer and stop matcher have released; it only grows.
+- A choice's `text` is what its detokenizer and stop matcher have released, and its
+  `token_ids` are exactly the tokens added to it; both only grow.
 - A stop string found in the text ends the choice: the engine finishes its sequence with
   reason "stop" and the string as `stop_reason`; nothing after the string is ever exposed.
 - When a choice finishes for any other reason, text held back (a possible stop-string start,
@@ -32,6 +33,9 @@ class ChoiceState:
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher | None
     text: str = ""
+    #: The tokens whose text was produced (the scheduler may already hold one more: the
+    #: engine commits a step's tokens before it builds their outputs).
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
@@ -121,6 +125,7 @@ class RequestState:
         """Record one sampled token; returns True when a stop string ended the choice."""
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
+        choice.token_ids.append(token)
         choice.cumulative_logprob += logprob
         if choice.logprobs is not None:
             entry: PositionLogprobs = {token: Logprob(logprob, rank, self._piece(token))}
@@ -153,7 +158,7 @@ class RequestState:
             CompletionOutput(
                 index=c.index,
                 text=c.text,
-                token_ids=list(c.seq.output_token_ids),
+                token_ids=list(c.token_ids),
                 cumulative_logprob=c.cumulative_logprob,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=c.finish_reason,
