@@ -285,6 +285,8 @@ class AsyncEngine:
         self._snapshot_lock = threading.Lock()
         self._snapshot = EngineSnapshot()
         self._snapshots = SnapshotTaker(engine)
+        #: Outputs delivered so far (progress, for the stall check).
+        self._delivered = 0
         self._update_snapshot()
         self.info = engine_info(engine)
         self.tokenizer = engine.tokenizer
@@ -426,10 +428,10 @@ class AsyncEngine:
                 return
             stalled = False
             if engine.has_unfinished():
-                steps_before = engine.num_steps
-                outputs = engine.step()
+                steps_before, delivered_before = engine.num_steps, self._delivered
+                outputs = engine.step(on_outputs=self._deliver)
                 self._deliver(outputs)
-                stalled = not outputs and engine.num_steps == steps_before
+                stalled = self._delivered == delivered_before and engine.num_steps == steps_before
             self._update_snapshot()
 
     def _apply(self, command: _Command) -> None:
@@ -472,6 +474,7 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Post a step's outputs: one `call_soon_threadsafe` per event loop."""
+        self._delivered += len(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
         for output in outputs:
             stream = (

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -253,10 +253,16 @@ class Engine:
 
     # -------------------------------------------------------------------- step
 
-    def step(self) -> list[RequestOutput]:
+    def step(
+        self, on_outputs: Callable[[list[RequestOutput]], None] | None = None
+    ) -> list[RequestOutput]:
         """Plan and launch one forward; while the device computes it, turn the previous step's
         tokens into outputs (detokenize, stop strings); then wait for this step's tokens and
-        commit them to the scheduler. Returns the outputs of every request that changed."""
+        commit them to the scheduler. Returns the outputs of every request that changed.
+
+        With `on_outputs`, the outputs built while the device computes are handed to it at
+        once (before the wait), and only the rest are returned: a server can ship them while
+        the forward runs."""
         plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
         for seq in plan.finished:
@@ -271,6 +277,9 @@ class Engine:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self._emit(pending, touched)
+        if on_outputs is not None and touched:
+            on_outputs(self._outputs(touched))
+            touched = {}
         if launched is not None:
             try:
                 self._pending = self._commit(plan, launched)
@@ -280,6 +289,9 @@ class Engine:
             # Nothing will be launched next: emit now rather than after an idle step.
             pending, self._pending = self._pending, None
             self._emit(pending, touched)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for rid, state in touched.items():
             outputs.append(state.to_output())

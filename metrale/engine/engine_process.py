@@ -21,9 +21,10 @@ Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
   if the loop crashes.
 
 Invariants:
-- One "out" message per step carries every request's new tokens as deltas (new text, new
-  token ids, new logprobs), so the bytes sent per step grow with the batch, not with the
-  length of the outputs; the parent rebuilds the cumulative `RequestOutput`s the routes read,
+- "out" messages carry every request's new tokens as deltas (new text, new token ids, new
+  logprobs), so the bytes sent per step grow with the batch, not with the length of the
+  outputs; a step's outputs are sent while the next forward runs (`Engine.step`'s
+  `on_outputs`), at most two messages per step; the parent rebuilds the cumulative `RequestOutput`s the routes read,
   as fresh objects (an output handed to a consumer never changes afterwards).
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
@@ -255,6 +256,8 @@ class _ChildLoop:
         self.encoder = DeltaEncoder()
         self.snapshots = SnapshotTaker(engine)
         self.snapshot_sent_at = float("-inf")
+        #: Outputs sent so far (progress, for the stall check).
+        self.sent = 0
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -269,12 +272,19 @@ class _ChildLoop:
                     return
             stalled = False
             if engine.has_unfinished():
-                steps_before = engine.num_steps
-                outputs = engine.step()
-                deltas = [self.encoder.encode(o) for o in outputs]
-                stalled = not outputs and engine.num_steps == steps_before
+                steps_before, sent_before = engine.num_steps, self.sent
+                # Outputs built during the forward go out during the forward.
+                outputs = engine.step(on_outputs=self._send)
                 idle = not engine.has_unfinished()
-                conn.send(("out", deltas, self._snapshot_if_due(force=idle)))
+                snapshot = self._snapshot_if_due(force=idle)
+                if outputs or snapshot is not None:
+                    self._send(outputs, snapshot)
+                stalled = self.sent == sent_before and engine.num_steps == steps_before
+
+    def _send(self, outputs: list[RequestOutput], snapshot: EngineSnapshot | None = None) -> None:
+        self.sent += len(outputs)
+        deltas = [self.encoder.encode(o) for o in outputs]
+        self.conn.send(("out", deltas, snapshot))
 
     def _snapshot_if_due(self, force: bool) -> EngineSnapshot | None:
         now = time.monotonic()
