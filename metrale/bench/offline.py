@@ -129,7 +129,10 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     for i, (p, m) in enumerate(zip(prompts, outs)):
         engine.add_request(
-            f"tp-{i}", p, SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True)
+            f"tp-{i}",
+            p,
+            SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True),
+            final_only=True,  # as LLM.generate: only finished outputs are read
         )
     produced = 0
     while engine.has_unfinished():

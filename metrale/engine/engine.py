@@ -155,8 +155,12 @@ class Engine:
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         adapter_id: int = 0,
+        final_only: bool = False,
     ) -> None:
-        """Validate and queue a request; raises before changing anything if it is bad."""
+        """Validate and queue a request; raises before changing anything if it is bad.
+
+        `final_only`: `step` returns this request's output once, when it finishes (vLLM's
+        `RequestOutputKind.FINAL_ONLY`: offline callers skip building an output per token)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
@@ -192,6 +196,7 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
             raise
         state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
+        state.final_only = final_only
         self.requests[request_id] = state
         for choice in state.choices:
             self._choice_of[choice.seq.seq_id] = (state, choice)
@@ -294,9 +299,11 @@ class Engine:
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for rid, state in touched.items():
-            outputs.append(state.to_output())
             if state.finished:
+                outputs.append(state.to_output())
                 self._retire(rid, state)
+            elif not state.final_only:
+                outputs.append(state.to_output())
         return outputs
 
     def _step_failed(

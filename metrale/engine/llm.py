@@ -89,7 +89,7 @@ class LLM:
         added: list[str] = []
         try:
             for rid, ((text, token_ids), sp) in zip(ids, work):
-                engine.add_request(rid, text, sp, prompt_token_ids=token_ids)
+                engine.add_request(rid, text, sp, prompt_token_ids=token_ids, final_only=True)
                 added.append(rid)
             finals: dict[str, RequestOutput] = {}
             while len(finals) < len(ids):

@@ -79,6 +79,8 @@ class RequestState:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     error: str | None = None
+    #: Only the finished output is wanted (no per-step outputs).
+    final_only: bool = False
 
     @classmethod
     def create(
