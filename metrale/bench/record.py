@@ -26,6 +26,10 @@ RECORDS_DIR = Path("bench") / "records"
 
 
 def git_commit() -> str:
+    """`$METRALE_COMMIT` when set (a copy of the tree whose .git is stale or absent, as on the
+    device machine), else `git rev-parse HEAD` (+ "-dirty")."""
+    if os.environ.get("METRALE_COMMIT"):
+        return os.environ["METRALE_COMMIT"]
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
@@ -35,7 +39,7 @@ def git_commit() -> str:
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("METRALE_COMMIT", "unknown")
+        return "unknown"
     return sha + ("-dirty" if dirty else "")
 
 

@@ -34,6 +34,7 @@ from metrale.model_engine.gpu_setup import (
     StartupBreakdown,
     cuda_kv_budget,
     profile_activation_peak,
+    warm_forward_shapes,
 )
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
@@ -162,6 +163,9 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     breakdown.kv_bytes = kv_bytes
     if device.type == "cuda" and not config.enforce_eager:
         _capture_graphs(model, config, max_model_len, breakdown, ops.implementations)
+    if device.type == "cuda":
+        warm = warm_forward_shapes(model, config.max_num_seqs)
+        logger.info("prefill and mixed-batch kernels compiled for the common shapes in %.1fs", warm)
     report = LoadReport(
         weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,
         ssm_pool.num_slots if ssm_pool is not None else 0, breakdown,
