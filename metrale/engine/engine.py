@@ -382,6 +382,8 @@ class Engine:
         result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
         blocks = [] if result.decode_logits is None else [result.decode_logits]
         blocks += [p for p in result.prefill_logits if p is not None]
+        if len(blocks) == 1:  # a decode-only step: no copy of [rows, vocab] logits
+            return blocks[0]
         return torch.cat(blocks) if blocks else None
 
     def _fail_plan(self, plan: StepPlan, touched: dict[str, RequestState], message: str) -> None:

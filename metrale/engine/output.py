@@ -114,7 +114,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        choices = self.choices
+        if len(choices) == 1:  # the common case, asked for every request every step
+            return choices[0].finish_reason is not None
+        return all(c.finish_reason is not None for c in choices)
 
     def add_token(
         self,

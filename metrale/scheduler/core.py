@@ -197,15 +197,15 @@ class Scheduler:
         self._expire(plan)
         budget = self.config.max_num_batched_tokens
         self._make_room_for_decode()
-        for seq in self.running:
-            if seq.is_decoding() and budget > 0:
-                plan.decode.append(seq)
-                budget -= 1
-        available = self._available_blocks() - self._decode_need()
+        decoding = [seq for seq in self.running if seq.is_decoding()]
+        plan.decode = decoding[: max(0, budget)]
+        budget -= len(plan.decode)
+        available = self._available_blocks() - self._decode_need(decoding)
+        decoding_ids = {id(seq) for seq in decoding}
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.is_decoding() or seq in plan.decode:
+            if id(seq) in decoding_ids:
                 continue
             work = self._chunk(seq, budget)
             plan.prefill.append(work)
@@ -236,10 +236,11 @@ class Scheduler:
     def _available_blocks(self) -> int:
         return self.model.num_free_blocks() - self._reserved_blocks()
 
-    def _decode_need(self) -> int:
+    def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int:
+        """Blocks the decode rows (`decoding`, default: found in `running`) still need."""
         need = 0
-        for seq in self.running:
-            if seq.is_decoding():
+        for seq in self.running if decoding is None else decoding:
+            if decoding is not None or seq.is_decoding():
                 state = seq.state
                 assert state is not None
                 need += max(0, self.blocks_for(state.seq_len + 1) - len(state.block_table))

@@ -93,4 +93,10 @@ class SchedSequence:
 
     def is_decoding(self) -> bool:
         """One known token left to compute and it is a generated one: a decode row."""
-        return bool(self.output_token_ids) and self.num_known - self.num_computed == 1
+        # num_known - num_computed == 1, spelled out: called for every row several times a step.
+        out = self.output_token_ids
+        state = self.state
+        if not out:
+            return False
+        computed = state.seq_len if state is not None else 0
+        return len(self.prompt_token_ids) + len(out) - computed == 1
