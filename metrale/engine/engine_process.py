@@ -32,6 +32,8 @@ Invariants:
 - The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
   closes, so it never outlives the server.
 - Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
+- Commands are sent from the event loop; the child reads them between steps, so an add whose
+  pickled prompt exceeds the pipe's buffer holds the loop for at most one step.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import copy
 import gc
 import logging
 import multiprocessing
+import pickle
 import signal
 import threading
 import time
@@ -240,8 +243,6 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
 
 def _portable(exc: BaseException) -> BaseException:
     """`exc` if it pickles, else an `EngineDeadError` with its text."""
-    import pickle
-
     try:
         pickle.dumps(exc)
     except Exception:
