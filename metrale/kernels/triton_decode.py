@@ -211,8 +211,8 @@ def decode_attention(
     `seq_lens[r]` cached positions read through `block_tables[r]`; returns `[R, Hq, D]`.
 
     Graph-safe: reads no host data; the launch shape depends on `R`, the heads and
-    `block_tables.shape[1]` only. `num_splits` and `min_split_tokens` override the split
-    count and the shortest split (tests use them to exercise splits on short contexts).
+    `block_tables.shape[1]` only. `num_splits` overrides the split count; `min_split_tokens`
+    (default: one tile) is the least context a non-empty split takes.
     """
     rows, q_heads, head_dim = q.shape
     if out is None:
@@ -268,7 +268,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        MIN_TILES=max(1, (min_split_tokens or MIN_SPLIT_TOKENS) // block_n),
+        MIN_TILES=max(1, (min_split_tokens or block_n) // block_n),
         USE_WINDOW=sliding_window is not None,
         UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32,
