@@ -27,9 +27,9 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
@@ -41,6 +41,8 @@ from metrale.scheduler.core import SchedulerStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: How long the loop waits before retrying when unfinished requests made no progress in a step
 #: (e.g. every waiting request is held back); bounds the spin rate of that rare case.
@@ -262,7 +264,20 @@ class _AbortAll:
 _Command = _Add | _Abort | _AbortAll
 
 
-def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+def post_by_loop(
+    items: Iterable[tuple[asyncio.AbstractEventLoop, T]], apply: Callable[[list[T]], None]
+) -> None:
+    """Hand `items` to their event loops: one `call_soon_threadsafe(apply, group)` per loop
+    (one wakeup of each loop, whatever the number of items)."""
+    groups: dict[asyncio.AbstractEventLoop, list[T]] = {}
+    for loop, item in items:
+        groups.setdefault(loop, []).append(item)
+    for loop, group in groups.items():
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+            loop.call_soon_threadsafe(apply, group)
+
+
+def settle_future(future: asyncio.Future[None], error: BaseException | None) -> None:
     """Resolve `future` (on its loop's thread) unless its waiter already gave up."""
     if future.done():
         return
@@ -452,7 +467,7 @@ class AsyncEngine:
             else:
                 self._streams[command.request_id] = command.stream
             try:
-                command.loop.call_soon_threadsafe(_settle, command.accepted, error)
+                command.loop.call_soon_threadsafe(settle_future, command.accepted, error)
             except RuntimeError:  # the caller's loop is gone: nobody will read this request
                 if error is None:
                     self._abort(command.request_id, None)
@@ -475,7 +490,7 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Post a step's outputs: one `call_soon_threadsafe` per event loop."""
         self._delivered += len(outputs)
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        items = []
         for output in outputs:
             stream = (
                 self._streams.pop(output.request_id, None)
@@ -483,11 +498,8 @@ class AsyncEngine:
                 else self._streams.get(output.request_id)
             )
             if stream is not None:
-                by_loop.setdefault(stream._loop, []).append((stream, output))
-        for loop, items in by_loop.items():
-            # RuntimeError: the event loop is closed, nobody is listening any more.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_put_all, items)
+                items.append((stream._loop, (stream, output)))
+        post_by_loop(items, _put_all)
 
     def _die(self, error: EngineDeadError) -> None:
         with self._cond:
@@ -496,7 +508,9 @@ class AsyncEngine:
         for command in pending:
             if isinstance(command, _Add):
                 with contextlib.suppress(RuntimeError):
-                    command.loop.call_soon_threadsafe(_settle, command.accepted, copy.copy(error))
+                    command.loop.call_soon_threadsafe(
+                        settle_future, command.accepted, copy.copy(error)
+                    )
         for request_id, stream in list(self._streams.items()):
             try:
                 self.engine.abort_request(request_id)

@@ -57,7 +57,6 @@ BUNDLED_MODEL_NAME = "metrale-tiny-code"
 class _Pending:
     """Tokens of the last step, committed to the scheduler but not yet turned into outputs."""
 
-    sampled: list[SchedSequence]
     out: SamplerOutput
     committed: list[Committed]
 
@@ -338,16 +337,13 @@ class Engine:
     def _commit(self, plan: StepPlan, batch: SampledBatch) -> _Pending:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
         at EOS, stop tokens or their length); their outputs are built by `_emit`."""
-        sampled = plan.sampled  # before the commit: it changes which chunks count as last
         out = batch.to_host()
-        committed = self.scheduler.commit(plan, out.token_ids)
-        return _Pending(sampled, out, committed)
+        return _Pending(out, self.scheduler.commit(plan, out.token_ids))
 
     def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
         """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
         out = pending.out
-        unsamplable = {pending.sampled[i].seq_id for i in out.unsamplable_rows}
-        row_of = {id(s): i for i, s in enumerate(pending.sampled)}
+        unsamplable = set(out.unsamplable_rows)
         for c in pending.committed:
             entry = self._choice_of.get(c.seq.seq_id)
             if entry is None:  # aborted since the step ran
@@ -356,9 +352,9 @@ class Engine:
             if choice.finish_reason is not None:
                 # Ended (stop string, abort) after this token was already computed: drop it.
                 continue
-            i = row_of[id(c.seq)]
+            i = c.row
             touched[state.request_id] = state
-            if c.seq.seq_id in unsamplable:
+            if i in unsamplable:
                 # Every token was masked or non-finite: end this choice, not the batch.
                 self.scheduler.finish(c.seq, "error")
                 state.error = "no token could be sampled (all logits masked or not finite)"

@@ -49,7 +49,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -60,6 +60,8 @@ from metrale.engine.async_engine import (
     RequestStream,
     SnapshotTaker,
     engine_info,
+    post_by_loop,
+    settle_future,
 )
 from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from metrale.errors import EngineDeadError, MetraleError
@@ -330,12 +332,6 @@ class _PendingAdd:
     assembly: _Assembly
 
 
-@dataclass
-class _ParentState:
-    streams: dict[str, _Assembly] = field(default_factory=dict)
-    pending: dict[str, _PendingAdd] = field(default_factory=dict)
-
-
 class EngineProcess:
     """The parent's handle on the engine process; `AsyncEngine`'s interface."""
 
@@ -352,8 +348,10 @@ class EngineProcess:
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards _state, _dead, _draining
-        self._state = _ParentState()
+        self._lock = threading.Lock()  # guards _streams, _pending, _dead, _draining
+        #: Accepted requests, and adds the child has not answered yet.
+        self._streams: dict[str, _Assembly] = {}
+        self._pending: dict[str, _PendingAdd] = {}
         self._dead: MetraleError | None = None
         self._draining: MetraleError | None = None
         self._snapshot = EngineSnapshot()
@@ -401,8 +399,8 @@ class EngineProcess:
 
     def abort_all(self, message: str) -> None:
         with self._lock:
-            streams = list(self._state.streams.items())
-            self._state.streams.clear()
+            streams = list(self._streams.items())
+            self._streams.clear()
         for request_id, assembly in streams:
             self._send(("abort", request_id))
             assembly.stream._post(EngineDeadError(message))
@@ -424,7 +422,7 @@ class EngineProcess:
         return self._snapshot
 
     def num_open_requests(self) -> int:
-        return len(self._state.streams)
+        return len(self._streams)
 
     # -------------------------------------------------------------------- intake
 
@@ -449,10 +447,10 @@ class EngineProcess:
         assembly = _Assembly(stream, text, ids or [])
         with self._lock:
             refusal = self._dead or self._draining
-            if refusal is None and request_id in self._state.pending:
+            if refusal is None and request_id in self._pending:
                 refusal = MetraleError(f"request id {request_id!r} is already in use")
             if refusal is None:
-                self._state.pending[request_id] = _PendingAdd(future, loop, assembly)
+                self._pending[request_id] = _PendingAdd(future, loop, assembly)
         if refusal is not None:
             raise copy.copy(refusal)
         self._send(("add", request_id, prompt, params, ids, timeout, adapter_id))
@@ -465,7 +463,7 @@ class EngineProcess:
 
     def _submit_abort(self, request_id: str) -> None:
         with self._lock:
-            self._state.streams.pop(request_id, None)
+            self._streams.pop(request_id, None)
         self._send(("abort", request_id))
 
     def _send(self, message: tuple[Any, ...]) -> None:
@@ -500,61 +498,45 @@ class EngineProcess:
 
     def _settle(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
-            pending = self._state.pending.pop(request_id, None)
+            pending = self._pending.pop(request_id, None)
             if pending is not None and error is None:
-                self._state.streams[request_id] = pending.assembly
+                self._streams[request_id] = pending.assembly
         if pending is None:
             return
-
-        def settle() -> None:
-            if pending.future.done():  # the caller gave up waiting (and sent an abort)
-                return
-            if error is None:
-                pending.future.set_result(None)
-            else:
-                pending.future.set_exception(error)
-
         try:
-            pending.loop.call_soon_threadsafe(settle)
+            pending.loop.call_soon_threadsafe(settle_future, pending.future, error)
         except RuntimeError:  # the caller's loop is gone: nobody will read this request
             if error is None:
                 self._submit_abort(request_id)
 
     def _deliver(self, deltas: list[OutputDelta]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Assembly, OutputDelta]]] = {}
+        items = []
         with self._lock:
             for delta in deltas:
-                streams = self._state.streams
+                streams = self._streams
                 assembly = (
                     streams.pop(delta.request_id, None)
                     if delta.finished
                     else streams.get(delta.request_id)
                 )
                 if assembly is not None:
-                    by_loop.setdefault(assembly.stream._loop, []).append((assembly, delta))
-        for loop, items in by_loop.items():
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
-                loop.call_soon_threadsafe(_put_deltas, items)
+                    items.append((assembly.stream._loop, (assembly, delta)))
+        post_by_loop(items, _put_deltas)
 
     def _die(self, error: EngineDeadError) -> None:
         with self._lock:
             if self._dead is None:
                 self._dead = error
-            streams = list(self._state.streams.values())
-            pending = list(self._state.pending.values())
-            self._state.streams.clear()
-            self._state.pending.clear()
+            streams = list(self._streams.values())
+            pending = list(self._pending.values())
+            self._streams.clear()
+            self._pending.clear()
         self._snapshot = replace(self._snapshot, alive=False)
         for assembly in streams:
             assembly.stream._post(copy.copy(error))
         for item in pending:
-
-            def fail(item: _PendingAdd = item) -> None:
-                if not item.future.done():
-                    item.future.set_exception(copy.copy(error))
-
-            with contextlib.suppress(RuntimeError):
-                item.loop.call_soon_threadsafe(fail)
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
+                item.loop.call_soon_threadsafe(settle_future, item.future, copy.copy(error))
 
 
 def _put_deltas(items: list[tuple[_Assembly, OutputDelta]]) -> None:

@@ -87,6 +87,8 @@ class Committed:
     seq: SchedSequence
     token: int
     finished: bool
+    #: The sequence's row in `plan.sampled` (and in the sampler's output).
+    row: int
 
 
 class Scheduler:
@@ -431,14 +433,14 @@ class Scheduler:
             ):
                 work.seq.prompt_logprobs = list(state.prompt_logprobs)
                 state.collect_prompt_logprobs = None
-        for seq, token in zip(plan.sampled, tokens, strict=True):
+        for row, (seq, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
             if seq.is_finished:
                 continue
             seq.output_token_ids.append(int(token))
             reason, stop_reason = self._stop_condition(seq, int(token))
             if reason is not None:
                 self.finish(seq, reason, stop_reason)
-            out.append(Committed(seq, int(token), reason is not None))
+            out.append(Committed(seq, int(token), reason is not None, row))
         return out
 
     def _stop_condition(self, seq: SchedSequence, token: int) -> tuple[str | None, int | None]:
