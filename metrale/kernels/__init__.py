@@ -34,9 +34,12 @@ class KernelOps:
     silu_mul_linear: Callable = reference.silu_mul_linear
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
-    # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm.
+    # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm; the `_write_kv`
+    # forms also store the rotated k and v in the KV cache (the attention layer's path).
     rotary_embedding: Callable = reference.rotary_embedding
     qk_norm_rotary: Callable = reference.qk_norm_rotary
+    rotary_write_kv: Callable = reference.rotary_write_kv
+    qk_norm_rotary_write_kv: Callable = reference.qk_norm_rotary_write_kv
     # The sampler's hot path (device argmax; top-k/min-p/top-p draw without a full sort).
     argmax: Callable = reference.argmax
     top_k_top_p_sample: Callable = reference.top_k_top_p_sample

@@ -185,6 +185,44 @@ def qk_norm_rotary(
     )
 
 
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`rotary_embedding` of q and k, then `write_kv` of the rotated k and of v; returns the
+    rotated q. The attention layer's rotary step as one op (one kernel on CUDA)."""
+    q, k = rotary_embedding(positions, q, k, cos_sin, rotary_dim)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+def qk_norm_rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """`qk_norm_rotary`, then `write_kv` of the rotated k and of v; returns the rotated q."""
+    q, k = qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos_sin, rotary_dim)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
 def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `[B, V]`: `(index of the largest logit [B] int64, its value [B] float32)`.
 

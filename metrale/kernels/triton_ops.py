@@ -29,6 +29,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "paged_attention": ("metrale.kernels.triton_attention", "paged_attention"),
     "rotary_embedding": ("metrale.kernels.triton_rotary", "rotary_embedding"),
     "qk_norm_rotary": ("metrale.kernels.triton_rotary", "qk_norm_rotary"),
+    "rotary_write_kv": ("metrale.kernels.triton_rotary", "rotary_write_kv"),
+    "qk_norm_rotary_write_kv": ("metrale.kernels.triton_rotary", "qk_norm_rotary_write_kv"),
     "argmax": ("metrale.kernels.triton_sampling", "argmax"),
     "top_k_top_p_sample": ("metrale.kernels.triton_sampling", "top_k_top_p_sample"),
 }

@@ -1,5 +1,6 @@
 """Building blocks shared by the decoder families: RMSNorm, the gated MLP, and the paged
-self-attention block (fused QKV projection, optional q/k norm, rotary, KV write, attention).
+self-attention block (fused QKV projection; optional q/k norm, rotary and the KV write as one
+kernel op; attention).
 
 Owner: layers. Each block calls hot ops only through the `KernelOps` it was built with.
 
@@ -103,27 +104,38 @@ class PagedSelfAttention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = self._norm_and_rotate(positions, q, k)
+        q = self._prepare_q_and_write_kv(positions, q, k, v, kv, meta.slot_mapping)
         k_cache, v_cache = kv
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         return self.ops.linear(
             out.reshape(tokens, self.q_size), self.o_proj.weight, self.o_proj.bias
         )
 
-    def _norm_and_rotate(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Optional per-head q/k RMSNorm, then rotary in one kernel op; without a rotary
-        embedding (a model with no positional encoding, e.g. Nemotron-H) only the norm."""
+    def _prepare_q_and_write_kv(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """Optional per-head q/k RMSNorm and rotary of q and k, with the rotated k and v
+        stored in the cache; returns the query. With a rotary embedding this is one kernel op
+        (rotated k is never materialised); without one (a model with no positional encoding,
+        e.g. Nemotron-H) the norms, then `write_kv`."""
+        k_cache, v_cache = kv
         rotary = self.rotary
         if rotary is None:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            return q, k
+            self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return q
         if self.qk_norm:
-            return self.ops.qk_norm_rotary(
-                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rotary.cos_sin, rotary.rotary_dim,
+            return self.ops.qk_norm_rotary_write_kv(
+                positions, q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache, slot_mapping,
             )  # fmt: skip
-        return self.ops.rotary_embedding(positions, q, k, rotary.cos_sin, rotary.rotary_dim)
+        return self.ops.rotary_write_kv(
+            positions, q, k, v, rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache, slot_mapping
+        )

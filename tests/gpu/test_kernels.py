@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from types import ModuleType
 
 import pytest
 import torch
@@ -277,6 +278,182 @@ def test_write_kv_skips_negative_slots() -> None:
     flat = k_cache.view(-1, 1, 16)
     assert torch.equal(flat[17], k[0]) and torch.equal(flat[0], k[2])
     assert int((flat.abs().sum(dim=(1, 2)) > 0).sum()) == 2
+
+
+# -------------------------------------------------------------------------------------------
+# Rotary (+ q/k norm) fused with the KV write
+# -------------------------------------------------------------------------------------------
+
+FUSED_CASES = [
+    # (query_lens, seq_lens, num_decode, q_heads, kv_heads, head_dim, rotary_dim)
+    ([1], [9], 1, 4, 1, 64, 64),  # batch-1 decode, GQA group 4
+    ([1, 1, 7, 20], [9, 33, 7, 50], 2, 8, 2, 128, 128),  # mixed decode + prefill
+    ([1, 3, 5], [40, 3, 21], 1, 6, 3, 64, 32),  # partial rotary, non-power-of-2 heads
+    ([2, 1, 4], [18, 1, 37], 0, 4, 4, 128, 64),  # partial rotary, no GQA
+]
+
+
+def _unfused(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor] | None,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The two-launch path the fused op replaces: Triton rotary, then Triton `write_kv`."""
+    if weights is None:
+        q_out, k_out = tr.rotary_embedding(positions, q, k, cos_sin, rotary_dim)
+    else:
+        q_out, k_out = tr.qk_norm_rotary(positions, q, k, *weights, 1e-6, cos_sin, rotary_dim)
+    ta.write_kv(k_out, v, k_cache, v_cache, slots)
+    return q_out
+
+
+def _fused(
+    ops: ModuleType,
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor] | None,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`ops.rotary_write_kv` or `ops.qk_norm_rotary_write_kv` (`ops`: `tr` or `reference`)."""
+    cache = (k_cache, v_cache, slots)
+    if weights is None:
+        return ops.rotary_write_kv(positions, q, k, v, cos_sin, rotary_dim, *cache)
+    return ops.qk_norm_rotary_write_kv(
+        positions, q, k, v, *weights, 1e-6, cos_sin, rotary_dim, *cache
+    )
+
+
+def _qkv_views(
+    tokens: int, hq: int, hk: int, d: int, dtype: torch.dtype, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as strided views into one fused projection output, as the layer passes them."""
+    qkv = randn(tokens, (hq + 2 * hk) * d, dtype=dtype, g=g, scale=2.0)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(tokens, hk, d)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("case", range(len(FUSED_CASES)))
+def test_rotary_write_kv(dtype: torch.dtype, norm: bool, case: int) -> None:
+    query_lens, seq_lens, num_decode, hq, hk, d, rd = FUSED_CASES[case]
+    batch = PagedBatch(query_lens, seq_lens, num_decode, 16, hk, d, dtype, seed=20 + case)
+    g = gen(21 + case)
+    tokens = sum(query_lens)
+    q, k, v = _qkv_views(tokens, hq, hk, d, dtype, g)
+    weights = (randn(d, dtype=dtype, g=g), randn(d, dtype=dtype, g=g)) if norm else None
+    positions, slots = batch.meta.positions, batch.meta.slot_mapping
+    cos_sin = _cos_sin(rd, max(seq_lens))
+    before = batch.k_cache.clone(), batch.v_cache.clone()
+
+    # Bit for bit the unfused Triton path (same rounding points, same cache contents).
+    k_unf, v_unf = before[0].clone(), before[1].clone()
+    q_unf = _unfused(positions, q, k, v, weights, cos_sin, rd, k_unf, v_unf, slots)
+    k_cache, v_cache = before[0].clone(), before[1].clone()
+    q_out = _fused(tr, positions, q, k, v, weights, cos_sin, rd, k_cache, v_cache, slots)
+    assert q_out.dtype == dtype and q_out.shape == q.shape
+    assert torch.equal(q_out, q_unf)
+    assert torch.equal(k_cache, k_unf) and torch.equal(v_cache, v_unf)
+
+    # Against the reference in float64: q and the written K rows within the dtype's bound, V
+    # rows exact, every other cache element untouched.
+    cpu64 = [x.cpu().double() for x in (q, k, v)]
+    w64 = None if weights is None else tuple(w.cpu().double() for w in weights)
+    k_ref, v_ref = before[0].cpu().double(), before[1].cpu().double()
+    q_ref = _fused(
+        reference, positions.cpu(), *cpu64, w64, cos_sin.cpu().double(), rd, k_ref, v_ref,
+        slots.cpu(),
+    )  # fmt: skip
+    assert rel_err(q_out, q_ref) < TOL[dtype]
+    flat_slots = slots.cpu()
+    k_rows = k_cache.cpu().view(-1, hk, d)
+    v_rows = v_cache.cpu().view(-1, hk, d)
+    assert rel_err(k_rows[flat_slots], k_ref.view(-1, hk, d)[flat_slots]) < TOL[dtype]
+    assert torch.equal(v_rows[flat_slots], v.cpu())
+    untouched = torch.ones(k_rows.shape[0], dtype=torch.bool)
+    untouched[flat_slots] = False
+    assert torch.equal(k_rows[untouched], before[0].cpu().view(-1, hk, d)[untouched])
+    assert torch.equal(v_rows[untouched], before[1].cpu().view(-1, hk, d)[untouched])
+
+    # The same function as the reference in the input dtype (its rounding points).
+    k_ref, v_ref = before[0].cpu().clone(), before[1].cpu().clone()
+    w_cpu = None if weights is None else tuple(w.cpu() for w in weights)
+    q_ref = _fused(
+        reference, positions.cpu(), q.cpu(), k.cpu(), v.cpu(), w_cpu, cos_sin.cpu(), rd, k_ref,
+        v_ref, slots.cpu(),
+    )  # fmt: skip
+    assert rel_err(q_out, q_ref) < TOL[dtype] / 4
+    assert rel_err(k_cache.cpu().view(-1, hk, d)[flat_slots], k_ref.view(-1, hk, d)[flat_slots]) < (
+        TOL[dtype] / 4
+    )
+    assert torch.equal(v_ref, v_cache.cpu())
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_rotary_write_kv_padding_slots(norm: bool) -> None:
+    """Padded rows as `write_kv` sees them: a slot < 0 writes nothing (q is still written), a
+    padded row on the null block 0 writes there."""
+    g = gen(22)
+    hq, hk, d = 4, 2, 64
+    slots = torch.tensor([-1, 17, 0, -1, 40], dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([0, 3, 0, 0, 9], dtype=torch.int64, device=DEVICE)
+    q, k, v = _qkv_views(5, hq, hk, d, torch.bfloat16, g)
+    weights = (randn(d, dtype=torch.bfloat16, g=g),) * 2 if norm else None
+    cos_sin = _cos_sin(d, 16)
+    cache = randn(2, 4, 16, hk, d, dtype=torch.bfloat16, g=g)
+    k_unf, v_unf = cache[0].clone(), cache[1].clone()
+    q_unf = _unfused(positions, q, k, v, weights, cos_sin, d, k_unf, v_unf, slots)
+    k_cache, v_cache = cache[0].clone(), cache[1].clone()
+    q_out = _fused(tr, positions, q, k, v, weights, cos_sin, d, k_cache, v_cache, slots)
+    assert torch.equal(q_out, q_unf)
+    assert torch.equal(k_cache, k_unf) and torch.equal(v_cache, v_unf)
+    changed = (v_cache != cache[1]).flatten(2).any(-1).flatten()
+    assert changed.nonzero().flatten().tolist() == [0, 17, 40]
+
+
+@pytest.mark.parametrize(
+    ("in_dtype", "weight_dtype", "cache_dtype"),
+    [
+        (torch.bfloat16, torch.bfloat16, torch.float32),  # k rounded to bf16, then widened
+        (torch.float32, torch.float32, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float16),  # fp32 weights promote k to fp32
+    ],
+)
+def test_rotary_write_kv_cache_dtype(
+    in_dtype: torch.dtype, weight_dtype: torch.dtype, cache_dtype: torch.dtype
+) -> None:
+    """A cache dtype other than k's: the fused op rounds k to the unfused op's output dtype
+    before the cache cast, as rotary + `write_kv` do."""
+    g = gen(23)
+    hq, hk, d, rd = 4, 2, 64, 32
+    slots = torch.tensor([5, 17, 2], dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor([7, 3, 1], dtype=torch.int64, device=DEVICE)
+    q, k, v = _qkv_views(3, hq, hk, d, in_dtype, g)
+    weights = (randn(d, dtype=weight_dtype, g=g), randn(d, dtype=weight_dtype, g=g))
+    cos_sin = _cos_sin(rd, 16)
+    for w in (None, weights):
+        cache = randn(2, 2, 16, hk, d, dtype=cache_dtype, g=g)
+        k_unf, v_unf = cache[0].clone(), cache[1].clone()
+        q_unf = _unfused(positions, q, k, v, w, cos_sin, rd, k_unf, v_unf, slots)
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()
+        q_out = _fused(tr, positions, q, k, v, w, cos_sin, rd, k_cache, v_cache, slots)
+        assert q_out.dtype == q_unf.dtype and torch.equal(q_out, q_unf)
+        assert torch.equal(k_cache, k_unf) and torch.equal(v_cache, v_unf)
 
 
 LONG = 300 if INTERPRET else 5000

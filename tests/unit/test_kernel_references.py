@@ -1,6 +1,7 @@
 """The torch references the Triton kernels are checked against compute what the layers and the
-sampler compute: the fused rotary ops equal RMSNorm + `RotaryEmbedding`, and the sampling
-reference equals the sampler's top-k -> softmax -> min-p -> top-p filter chain.
+sampler compute: the fused rotary ops equal RMSNorm + `RotaryEmbedding`, the rotary ops that
+write the KV cache equal rotary + `write_kv`, and the sampling reference equals the sampler's
+top-k -> softmax -> min-p -> top-p filter chain.
 
 CPU only, no triton needed.
 """
@@ -33,6 +34,34 @@ def test_rotary_references_match_the_layer() -> None:
             positions, q, k, qw, kw, 1e-6, rotary.cos_sin, rotary.rotary_dim
         )
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rotary_write_kv_references_compose_rotary_and_write_kv() -> None:
+    g = torch.Generator().manual_seed(2)
+    slots = torch.tensor([3, 40, 17, 0, 62])
+    positions = torch.tensor([0, 3, 77, 127, 9])
+    for partial, dtype in ((1.0, torch.float32), (0.5, torch.bfloat16)):
+        rotary = RotaryEmbedding(RopeConfig(theta=1e6, partial_rotary_factor=partial), 32, 128)
+        qkv = torch.randn(5, 8 * 32, generator=g).to(dtype)
+        q, k, v = (t.view(5, -1, 32) for t in qkv.split([4 * 32, 2 * 32, 2 * 32], dim=-1))
+        qw, kw = torch.randn(32, generator=g).to(dtype), torch.randn(32, generator=g).to(dtype)
+        cache = torch.randn(2, 4, 16, 2, 32, generator=g).to(dtype)
+        table = rotary.cos_sin, rotary.rotary_dim
+        for norm in (False, True):
+            want_k, want_v = cache[0].clone(), cache[1].clone()
+            got_k, got_v = cache[0].clone(), cache[1].clone()
+            if norm:
+                want_q, rot_k = reference.qk_norm_rotary(positions, q, k, qw, kw, 1e-6, *table)
+                got_q = reference.qk_norm_rotary_write_kv(
+                    positions, q, k, v, qw, kw, 1e-6, *table, got_k, got_v, slots
+                )
+            else:
+                want_q, rot_k = reference.rotary_embedding(positions, q, k, *table)
+                got_q = reference.rotary_write_kv(positions, q, k, v, *table, got_k, got_v, slots)
+            reference.write_kv(rot_k, v, want_k, want_v, slots)
+            assert torch.equal(got_q, want_q)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            assert torch.equal(got_k.view(-1, 2, 32)[slots], rot_k)
 
 
 def test_sampling_filter_reference_matches_the_sampler_chain() -> None:
