@@ -37,6 +37,8 @@ FLAG_HELP = {
     "load_format": "auto | dummy (random weights of the config's shapes)",
     "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
     "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
+    "async_scheduling": "launch each plain decode step before the previous one is read back "
+    "(input tokens fed on the device); --no-async-scheduling plans every step after the last",
 }
 
 

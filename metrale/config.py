@@ -62,6 +62,9 @@ class EngineConfig:
     #: "auto": requests that leave temperature, top_p, top_k, min_p or repetition_penalty
     #: unset get the checkpoint's generation_config.json values; "none": the engine's defaults.
     generation_config: str = "auto"
+    #: Launch a plain decode step while the previous one is still on the device, its input
+    #: tokens read there (the device token feed), so host work hides behind the forward.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         self.validate()

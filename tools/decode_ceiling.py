@@ -1,6 +1,7 @@
 """The engine's decode ceiling at C concurrent sequences, without any server: C requests of
 `--isl` random tokens decode `--osl` tokens each; prints steady-state decode tok/s and splits a
-step's wall time into the forward (GPU time by CUDA events), the sampler, and the rest (host).
+step's wall time into the forward + sampler (GPU time by CUDA events) and the host parts.
+Under async scheduling (the default) a step's host work overlaps the previous step's GPU time.
 
 Usage (on a GPU machine, from the repository root):
     PYTHONPATH=. python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128
@@ -27,12 +28,14 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=384)
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="cProfile 50 steady decode steps")
+    parser.add_argument("--no-async-scheduling", action="store_true")
     args = parser.parse_args()
     c = args.concurrency
     engine = Engine(
         EngineConfig(
             model=str(prepare_model_dir(args.config_dir)), load_format="dummy",
             max_model_len=2048, max_num_seqs=c, enable_prefix_caching=False,
+            async_scheduling=not args.no_async_scheduling,
         )
     )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
@@ -41,29 +44,30 @@ def main() -> None:
         engine.add_request(
             f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=args.osl, ignore_eos=True)
         )
-    model_forward = engine._forward
+    model_forward = engine._launch
     sampler = engine.sampler
 
     cuda = engine.model.device.type == "cuda"
 
-    def timed_forward(plan):  # type: ignore[no-untyped-def]
+    def timed_forward(plan, previous):  # type: ignore[no-untyped-def]
         if not cuda:  # CPU smoke run: wall time stands in for device time
             t = time.perf_counter()
-            out = model_forward(plan)
+            out = model_forward(plan, previous)
             timed_forward.events.append(1000 * (time.perf_counter() - t))
             return out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = model_forward(plan)
+        out = model_forward(plan, previous)
         end.record()
         timed_forward.events.append((start, end))
         return out
 
     timed_forward.events = []  # type: ignore[attr-defined]
-    engine._forward = timed_forward  # type: ignore[method-assign]
+    engine._launch = timed_forward  # type: ignore[method-assign]
 
     host_ms: dict[str, list[float]] = {
-        "schedule": [], "forward_call": [], "sample_launch": [], "readback_and_commit": [],
+        "schedule": [], "plan_fed": [], "forward_call": [], "sample_launch": [],
+        "readback_and_commit": [],
     }  # fmt: skip
 
     def timed(name, fn):  # type: ignore[no-untyped-def]
@@ -78,7 +82,9 @@ def main() -> None:
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)  # type: ignore[method-assign]
     engine.sampler.sample = timed("sample_launch", sampler.sample)  # type: ignore[method-assign]
     engine._commit = timed("readback_and_commit", engine._commit)  # type: ignore[method-assign]
+    engine.scheduler.plan_fed_step = timed("plan_fed", engine.scheduler.plan_fed_step)  # type: ignore[method-assign]
     engine._forward = timed("forward_call", engine._forward)  # type: ignore[method-assign]
+    engine.model.decode_batch_fed = timed("forward_call", engine.model.decode_batch_fed)  # type: ignore[method-assign]
     step_ms: list[float] = []
     tokens = 0
     decode_steps = 0
@@ -114,9 +120,11 @@ def main() -> None:
         "concurrency": c,
         "decode_tok_s": tokens / wall if wall else 0.0,
         "step_ms_median": statistics.median(step_ms),
-        "forward_gpu_ms_median": statistics.median(gpu),
+        "launch_gpu_ms_median": statistics.median(gpu),
         "decode_steps": decode_steps,
-        **{f"{k}_ms_median": statistics.median(v[-decode_steps:]) for k, v in host_ms.items()},
+        **{f"{k}_ms_median": statistics.median(v[-decode_steps:]) for k, v in host_ms.items() if v},
+        "fed_steps": engine.fed_steps,
+        "drained_steps": engine.drained_steps,
         "graph_forwards": getattr(getattr(engine.model, "graph_runner", None), "replays", 0),
     }
     print(json.dumps(result, indent=1))

@@ -65,6 +65,9 @@ class EngineSnapshot:
     num_cache_only_blocks: int = 0
     num_total_blocks: int = 0
     num_steps: int = 0
+    #: Steps launched on the device token feed / fed-eligible steps drained first.
+    fed_steps: int = 0
+    drained_steps: int = 0
     alive: bool = True
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     #: The model's prefix-cache counters (`Model.prefix_cache_stats`: evictions, bypasses).
@@ -94,6 +97,8 @@ class SnapshotTaker:
             num_cache_only_blocks=self._cache_only_blocks(idle=not engine.requests),
             num_total_blocks=engine.model.num_total_blocks(),
             num_steps=engine.num_steps,
+            fed_steps=engine.fed_steps,
+            drained_steps=engine.drained_steps,
             alive=alive,
             stats=copy.deepcopy(scheduler.stats),
             prefix_cache=dict(engine.model.prefix_cache_stats()),

@@ -20,6 +20,16 @@ Invariants:
   built during the next step's forward. A sequence a stop string ends has then already been
   planned once more: that token is dropped, never shown. Outputs therefore trail the device
   by one step; when nothing more is planned they are emitted at once.
+- Async scheduling (`EngineConfig.async_scheduling`, on by default where the model has a
+  device token feed): a step whose sampled rows need no host-side token history (no
+  penalties) stays in flight when `step` returns; the next call launches the following plain
+  decode step (`Scheduler.plan_fed_step`) with its input tokens read on the device, and only
+  then reads the previous step back, so the host's planning, input staging, graph launch and
+  output building hide behind the forward. A step that needs anything else (an admission, a
+  prefill chunk, a preemption, a timeout) first reads the in-flight step back ("drained").
+  Tokens, logprobs and finish reasons are those of the synchronous schedule; a row planned
+  for a sequence its previous token ended is computed and dropped. At most one step is ever
+  in flight, so `schedule()` always sees every token committed.
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -38,7 +48,7 @@ from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import RequestOutput
 from metrale.errors import ContextLengthError, InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
-from metrale.model_engine.traits import Model, PrefillSlice
+from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
@@ -55,10 +65,18 @@ BUNDLED_MODEL_NAME = "metrale-tiny-code"
 
 @dataclass
 class _Pending:
-    """Tokens of the last step, committed to the scheduler but not yet turned into outputs."""
+    """Tokens of a step, committed to the scheduler but not yet turned into outputs."""
 
     out: SamplerOutput
     committed: list[Committed]
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens have not been read back (its copy to the host queued)."""
+
+    plan: StepPlan
+    batch: SampledBatch
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -121,7 +139,7 @@ class Engine:
                 max_queue=config.max_queue,
             ),
         )
-        self.sampler = Sampler(seed=config.seed)
+        self.sampler = Sampler(seed=config.seed, ops=getattr(model, "kernel_ops", None))
         self.requests: dict[str, RequestState] = {}
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
@@ -129,7 +147,18 @@ class Engine:
         )
         self.vocab_size = model.vocab_size()
         self.num_steps = 0
-        self._pending: _Pending | None = None
+        #: Steps launched on the device token feed, and fed-eligible steps that had to be read
+        #: back before the next plan (an admission, a prefill, a preemption...): metrics.
+        self.fed_steps = 0
+        self.drained_steps = 0
+        self.async_scheduling = config.async_scheduling and model.supports_device_token_feed()
+        if config.async_scheduling and not self.async_scheduling:
+            logger.warning(
+                "async scheduling is off: the model has no device token feed; every step is "
+                "planned after the previous one is read back"
+            )
+        self._pending: list[_Pending] = []
+        self._inflight: _InFlight | None = None
 
     @property
     def served_model_name(self) -> str:
@@ -253,47 +282,82 @@ class Engine:
         return state.to_output()
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._inflight is not None
 
     # -------------------------------------------------------------------- step
 
     def step(
         self, on_outputs: Callable[[list[RequestOutput]], None] | None = None
     ) -> list[RequestOutput]:
-        """Plan and launch one forward; while the device computes it, turn the previous step's
-        tokens into outputs (detokenize, stop strings); then wait for this step's tokens and
-        commit them to the scheduler. Returns the outputs of every request that changed.
+        """Run one engine step; returns the outputs of every request that changed.
+
+        A step launches one forward and its sampler, then, while the device computes, turns
+        earlier steps' committed tokens into outputs (detokenize, stop strings), then reads
+        back and commits the step before it. Under async scheduling, a plain decode step is
+        launched before the previous step is read back (its input tokens fed on the device)
+        and stays in flight until the next call; any other step drains the pipeline first.
 
         With `on_outputs`, the outputs built while the device computes are handed to it at
         once (before the wait), and only the rest are returned: a server can ship them while
         the forward runs."""
-        plan = self.scheduler.schedule()
         touched: dict[str, RequestState] = {}
-        for seq in plan.finished:
-            self._close_choice(seq, touched)
+        ready, self._pending = self._pending, []
+        previous, self._inflight = self._inflight, None
+        plan: StepPlan | None = None
+        if previous is not None:
+            plan = self.scheduler.plan_fed_step(previous.plan)
+            if plan is None:  # read the step back before planning from the known tokens
+                self.drained_steps += 1
+                self._read_back(previous, ready, touched)
+                previous = None
+        if plan is None:
+            plan = self.scheduler.schedule()
+            for seq in plan.finished:
+                self._close_choice(seq, touched)
         launched: SampledBatch | None = None
         if not plan.is_empty():
             self.num_steps += 1
+            self.fed_steps += plan.feed_rows is not None
             try:
-                launched = self._launch(plan)
+                launched = self._launch(plan, previous)
             except Exception as exc:  # one bad step must not take the engine down
                 self._step_failed(plan, touched, exc)
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
+        for pending in ready:
             self._emit(pending, touched)
         if on_outputs is not None and touched:
             on_outputs(self._outputs(touched))
             touched = {}
+        if previous is not None:
+            self._read_back(previous, self._pending, touched)
         if launched is not None:
-            try:
-                self._pending = self._commit(plan, launched)
-            except Exception as exc:
-                self._step_failed(plan, touched, exc)
-        if self._pending is not None and not self.scheduler.has_unfinished():
+            step = _InFlight(plan, launched)
+            if self._may_feed_after(plan):
+                self._inflight = step
+            else:
+                self._read_back(step, self._pending, touched)
+        if self._pending and self._inflight is None and not self.scheduler.has_unfinished():
             # Nothing will be launched next: emit now rather than after an idle step.
-            pending, self._pending = self._pending, None
-            self._emit(pending, touched)
+            ready, self._pending = self._pending, []
+            for pending in ready:
+                self._emit(pending, touched)
         return self._outputs(touched)
+
+    def _may_feed_after(self, plan: StepPlan) -> bool:
+        """Whether `plan`'s step may stay in flight for a fed step to follow it: async
+        scheduling is on and no sampled row needs its own earlier tokens on the host
+        (penalties read them; the seeded draw and min_tokens only count them)."""
+        if not self.async_scheduling:
+            return False
+        return all(not seq.params.uses_penalties for seq in plan.sampled)
+
+    def _read_back(
+        self, step: _InFlight, into: list[_Pending], touched: dict[str, RequestState]
+    ) -> None:
+        """Wait for a launched step's tokens and commit them (a failure ends its requests)."""
+        try:
+            into.append(self._commit(step.plan, step.batch))
+        except Exception as exc:
+            self._step_failed(step.plan, touched, exc)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
@@ -315,9 +379,21 @@ class Engine:
         )
         self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
 
-    def _launch(self, plan: StepPlan) -> SampledBatch | None:
-        """The forward and the sampler of `plan`, queued on the device (no host sync)."""
-        logits = self._forward(plan)
+    def _launch(self, plan: StepPlan, previous: _InFlight | None) -> SampledBatch | None:
+        """The forward and the sampler of `plan`, queued on the device with the copy of the
+        sampled tokens to the host (no host sync). A fed plan reads its input tokens from
+        `previous`, the step launched before it and not yet read back."""
+        if plan.feed_rows is not None:
+            assert previous is not None
+            logits: torch.Tensor | None = self.model.decode_batch_fed(
+                [FeedSource(from_row=r) for r in plan.feed_rows],
+                [s.state for s in plan.decode],  # type: ignore[misc]
+                feed=previous.batch.token_ids,
+            )
+            pending = 1
+        else:
+            logits = self._forward(plan)
+            pending = 0
         sampled = plan.sampled
         if not sampled:
             return None
@@ -329,10 +405,13 @@ class Engine:
                 prompt_token_ids=s.prompt_token_ids,
                 seed=s.seed,
                 eos_token_ids=s.eos_token_ids,
+                pending=pending,
             )
             for s in sampled
         ]
-        return self.sampler.sample(logits, rows)
+        batch = self.sampler.sample(logits, rows)
+        batch.start_copy()
+        return batch
 
     def _commit(self, plan: StepPlan, batch: SampledBatch) -> _Pending:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences

@@ -12,6 +12,11 @@ Invariants:
 - Block-table columns past a row's current block count are stale but never read: the
   attention kernels stop at `seq_lens`.
 - The attention op must be capturable (no host reads); graphs are refused otherwise.
+- Host inputs travel through two pinned staging buffers used in turn: a step's buffer is
+  rewritten only two steps later, after that step's results were read back, so a step
+  launched while the previous one is still queued (the device token feed) never changes
+  the previous step's inputs under it.
+- A fed replay's input ids are gathered on the device from the previous step's token ids.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        staging = torch.zeros(4, n, dtype=torch.int64)
-        self._staging = staging.pin_memory() if device.type == "cuda" else staging
+        pinned = device.type == "cuda"
+        self._staging = [torch.zeros(4, n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -111,14 +117,23 @@ class DecodeGraphRunner:
         return 0 < rows <= self.max_rows
 
     @torch.inference_mode()
-    def run(self, tokens: np.ndarray, positions: np.ndarray, tables: np.ndarray) -> torch.Tensor:
+    def run(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        tables: np.ndarray,
+        feed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Replay for `len(tokens)` decode rows; returns their `[rows, vocab]` float32 logits.
-        `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded)."""
+        `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded). With `feed` (the
+        previous step's token ids on the device), `tokens` are row indices into it."""
         rows = len(tokens)
         rung = next(r for r in self.rungs if r >= rows)
         bs = self.block_size
         slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
-        stage = self._staging.numpy()
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        stage = staging.numpy()
         stage[0, :rung] = 0
         stage[1, :rung] = 0
         stage[2, :rung] = 0
@@ -127,8 +142,11 @@ class DecodeGraphRunner:
         stage[1, :rows] = positions
         stage[2, :rows] = slots
         stage[3, :rows] = positions + 1
-        staged = self._staging[:, :rung].to(self.device, non_blocking=True)
-        self.input_ids[:rung].copy_(staged[0])
+        staged = staging[:, :rung].to(self.device, non_blocking=True)
+        if feed is None:
+            self.input_ids[:rung].copy_(staged[0])
+        else:  # padding rows read row 0: any token will do for them
+            torch.index_select(feed, 0, staged[0], out=self.input_ids[:rung])
         self.positions[:rung].copy_(staged[1])
         self.slot_mapping[:rung].copy_(staged[2])
         self.seq_lens[:rung].copy_(staged[3])

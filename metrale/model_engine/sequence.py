@@ -151,11 +151,17 @@ class ForwardSelect:
 
 @dataclass
 class FeedSource:
-    """Input id of a fed decode row: the previous step's on-device argmax of `from_row`, or a
-    host token."""
+    """Input id of a fed decode row: the previous step's on-device sampled token of
+    `from_row`, or a host token."""
 
     from_row: int | None = None
     host_token: int | None = None
+
+
+#: What `SequenceState.tokens` holds at a fed row's position until the step that sampled the
+#: token commits and writes the real id there (token ids are never negative, so a prefix
+#: cache can never match it).
+FED_TOKEN = -1
 
 
 class SlotGuardLike(Protocol):

@@ -41,6 +41,7 @@ from metrale.model_engine.protocols import (
 from metrale.model_engine.sequence import (
     DECODE_BATCH_LADDER,
     DETACHED_SLOT,
+    FED_TOKEN,
     BeamReq,
     ChunkedPrefillPageMetadata,
     FeedSource,
@@ -62,6 +63,7 @@ from metrale.model_engine.sequence import (
 __all__ = [
     "DECODE_BATCH_LADDER",
     "DETACHED_SLOT",
+    "FED_TOKEN",
     "BeamReq",
     "ChunkedPrefillPageMetadata",
     "FeedSource",

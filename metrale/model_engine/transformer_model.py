@@ -33,10 +33,13 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.errors import InvalidRequestError, KVCacheExhausted
+from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
+    FED_TOKEN,
+    FeedSource,
     MixedBatchResult,
     Model,
     PrefillSlice,
@@ -84,6 +87,9 @@ class TransformerModel(Model):
         self.eager_forwards = 0
         #: op name -> "torch" | "triton", as the factory selected them.
         self.kernel_implementations: dict[str, str] = {}
+        #: The op set the factory built the layers with (the engine's sampler uses its
+        #: `argmax` / `top_k_top_p_sample`); None when built outside the factory.
+        self.kernel_ops: KernelOps | None = None
         self._last_hidden: torch.Tensor | None = None
         self.prefix_cache: RadixPrefixCache | None = None
         #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
@@ -144,6 +150,8 @@ class TransformerModel(Model):
         if self.prefix_cache is None or not seq.block_table:
             return
         valid = min(seq.kv_valid_tokens, seq.seq_len, len(seq.tokens))
+        while valid and seq.tokens[valid - 1] == FED_TOKEN:  # a fed step's unknown token
+            valid -= 1
         self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
 
     def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
@@ -322,7 +330,7 @@ class TransformerModel(Model):
             return MixedBatchResult(None, [])
         self._check_ssm_states(rows)
         self._allocate_blocks(rows)
-        logits, spans = self._forward(rows, len(decode_seqs))
+        logits, spans = self._forward(rows, len(decode_seqs), None)
         decode_logits = logits[: len(decode_seqs)] if decode_seqs else None
         prefill_logits: list[torch.Tensor | None] = []
         for i, sl in enumerate(prefill_streams):
@@ -332,6 +340,10 @@ class TransformerModel(Model):
             prefill_logits.append(
                 logits[first + count - 1 : first + count] if sl.is_last_chunk else None
             )
+        self._advance(rows)
+        return MixedBatchResult(decode_logits, prefill_logits)
+
+    def _advance(self, rows: list[ForwardRow]) -> None:
         for row in rows:
             row.seq.tokens.extend(row.tokens)
             row.seq.seq_len += len(row.tokens)
@@ -340,7 +352,48 @@ class TransformerModel(Model):
                 slot = row.seq.ssm_slot_idx()
                 assert slot is not None
                 self.ssm_pool.num_tokens[slot] = row.seq.seq_len
-        return MixedBatchResult(decode_logits, prefill_logits)
+
+    # ------------------------------------------------------------ device token feed
+
+    def supports_device_token_feed(self) -> bool:
+        return True
+
+    def decode_batch_fed(
+        self,
+        sources: Sequence[FeedSource],
+        seqs: Sequence[SequenceState],
+        stream: Stream = None,
+        *,
+        feed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """A decode step whose input tokens are read on the device: row `i`'s token is
+        `feed[sources[i].from_row]`, `feed` being the previous step's sampled token ids
+        `[rows]` int64, which the host has not read yet. Returns `[rows, vocab]` logits.
+
+        Unlike the seed (which defers it to the commit), the sequences advance here as after
+        any forward (`seq_len`, `kv_valid_tokens`, a block when one fills); `tokens` records
+        `FED_TOKEN` at the new position until the scheduler's commit of the previous step
+        writes the real id. Every source must be a `from_row` one."""
+        if feed is None:
+            raise ValueError("decode_batch_fed needs `feed`, the previous step's token ids")
+        if len(sources) != len(seqs):
+            raise ValueError("sources and seqs differ in length")
+        if not seqs:
+            raise ValueError("decode_batch_fed needs at least one row")
+        from_rows = []
+        for src in sources:
+            if src.from_row is None or not 0 <= src.from_row < feed.shape[0]:
+                raise ValueError(
+                    f"a fed row must name a row of the previous step's {feed.shape[0]} tokens "
+                    f"(got from_row={src.from_row!r}); host tokens go through decode_batch"
+                )
+            from_rows.append(src.from_row)
+        rows = [ForwardRow(s, [FED_TOKEN], True) for s in seqs]
+        self._check_ssm_states(rows)
+        self._allocate_blocks(rows)
+        logits, _ = self._forward(rows, len(rows), (feed, from_rows))
+        self._advance(rows)
+        return logits
 
     def _check_ssm_states(self, rows: list[ForwardRow]) -> None:
         """On hybrid models, each row's slot state must cover exactly its sequence's tokens."""
@@ -381,13 +434,23 @@ class TransformerModel(Model):
 
     @torch.inference_mode()
     def _forward(
-        self, rows: list[ForwardRow], num_decode: int
+        self,
+        rows: list[ForwardRow],
+        num_decode: int,
+        feed: tuple[torch.Tensor, list[int]] | None,
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """`feed`: (previous step's token ids on the device, source row of each decode row);
+        those rows' input ids are read from it on the device."""
         runner = self.graph_runner
         if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
-            return self._forward_graphed(runner, rows), [(i, 1) for i in range(len(rows))]
+            spans = [(i, 1) for i in range(len(rows))]
+            return self._forward_graphed(runner, rows, feed), spans
         self.eager_forwards += 1
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
+        if feed is not None:
+            tokens, from_rows = feed
+            index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
         if self.ssm_pool is not None:
             hidden = self.module(
                 batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers,
@@ -401,16 +464,24 @@ class TransformerModel(Model):
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
 
-    def _forward_graphed(self, runner: DecodeGraphRunner, rows: list[ForwardRow]) -> torch.Tensor:
+    def _forward_graphed(
+        self,
+        runner: DecodeGraphRunner,
+        rows: list[ForwardRow],
+        feed: tuple[torch.Tensor, list[int]] | None,
+    ) -> torch.Tensor:
         """A decode-only forward replayed from the captured graph of its padded width."""
-        tokens = np.fromiter((r.tokens[0] for r in rows), dtype=np.int64, count=len(rows))
+        if feed is not None:
+            tokens = np.asarray(feed[1], dtype=np.int64)  # source rows, gathered on device
+        else:
+            tokens = np.fromiter((r.tokens[0] for r in rows), dtype=np.int64, count=len(rows))
         positions = np.fromiter((r.seq.seq_len for r in rows), dtype=np.int64, count=len(rows))
         width = max(len(r.seq.block_table) for r in rows)
         tables = np.zeros((len(rows), width), dtype=np.int64)
         for i, r in enumerate(rows):
             tables[i, : len(r.seq.block_table)] = r.seq.block_table
         self._last_hidden = None
-        return runner.run(tokens, positions, tables)
+        return runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
 
     def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
         """Append one PromptTokenLogprob per chunk position that has a next prompt token."""

@@ -25,6 +25,10 @@ Invariants:
   state exactly once, after offering its written KV to the prefix cache.
 - A non-final prefill chunk ends on a KV block boundary whenever the budget reaches one; a
   budget smaller than the distance to the next boundary still makes progress.
+- `schedule()` runs only when no launched step is unread; `plan_fed_step` plans the next
+  decode step while one is (the device token feed) and never admits, prefills, preempts or
+  expires anything. `commit` writes each token over the `FED_TOKEN` a fed step recorded at its
+  position, before the sequence can end and offer its KV to the prefix cache.
 - Hybrid models: admission also needs a free SSM slot (`num_free_slots`), `max_num_seqs` may
   not exceed the slot pool, and decode rows are ordered by SSM slot. A recompute preemption
   frees the slot, so the resumed sequence restarts its recurrent state from zero; a swap
@@ -41,7 +45,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from metrale.errors import CapacityError, KVCacheExhausted, QueueFullError
-from metrale.model_engine.traits import Model
+from metrale.model_engine.traits import FED_TOKEN, Model
 from metrale.scheduler.plan import PrefillWork, StepPlan
 from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
 
@@ -216,6 +220,45 @@ class Scheduler:
         if self.model.num_total_slots() is not None:
             plan.decode.sort(key=_ssm_slot_key)
         return plan
+
+    def plan_fed_step(self, prev: StepPlan) -> StepPlan | None:
+        """The decode step after `prev`, planned while `prev`'s tokens are still on the device
+        (the device token feed): every sequence `prev` sampled decodes once more, its input
+        token read there (`feed_rows`). A sequence `prev` ends by length is left out; one it
+        may end by EOS or a stop token is planned, and that row is dropped at commit.
+
+        None when the next step needs what a fed step cannot do (an admission, a prefill
+        chunk, a preemption, a timeout) or has no row: the engine then reads `prev` back and
+        calls `schedule()`. Call only with `prev` launched and not yet committed."""
+        if self.swapped or (self.waiting and len(self.running) < self.config.max_num_seqs):
+            return None
+        now = self.clock()
+        decode: list[SchedSequence] = []
+        feed_rows: list[int] = []
+        live = need = 0
+        for row, seq in enumerate(prev.sampled):
+            if seq.status is not Status.RUNNING:
+                if seq.is_finished:  # aborted or stopped since `prev` was planned
+                    continue
+                return None
+            live += 1
+            if seq.deadline is not None and now >= seq.deadline:
+                return None
+            n_out = len(seq.output_token_ids) + 1  # with the token `prev` is sampling
+            if n_out >= seq.max_tokens or seq.prompt_len + n_out >= self.config.max_model_len:
+                continue
+            state = seq.state
+            assert state is not None
+            need += max(0, self.blocks_for(state.seq_len + 1) - len(state.block_table))
+            decode.append(seq)
+            feed_rows.append(row)
+        if live != len(self.running) or not decode or need > self.model.num_free_blocks():
+            return None  # a sequence mid-prefill, nothing to run, or a preemption ahead
+        if self.model.num_total_slots() is not None:
+            order = sorted(range(len(decode)), key=lambda i: _ssm_slot_key(decode[i]))
+            decode = [decode[i] for i in order]
+            feed_rows = [feed_rows[i] for i in order]
+        return StepPlan(decode=decode, feed_rows=feed_rows)
 
     def _expire(self, plan: StepPlan) -> None:
         now = self.clock()
@@ -437,6 +480,12 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.output_token_ids.append(int(token))
+            state = seq.state
+            if state is not None:
+                # A fed step launched after this one recorded the token as FED_TOKEN.
+                pos = seq.num_known - 1
+                if pos < len(state.tokens) and state.tokens[pos] == FED_TOKEN:
+                    state.tokens[pos] = int(token)
             reason, stop_reason = self._stop_condition(seq, int(token))
             if reason is not None:
                 self.finish(seq, reason, stop_reason)

@@ -8,6 +8,9 @@ Invariants:
 - Decode rows carry one token each; prefill chunks never exceed the sequence's known tokens.
 - `sampled` lists, in row order, the sequences whose row produces a new token this step:
   every decode row, then every prefill chunk that completes its sequence's known tokens.
+- A fed plan (`feed_rows` set, from `Scheduler.plan_fed_step`) has decode rows only; decode
+  row `i`'s input token is row `feed_rows[i]` of the previous step's sampled tokens, read on
+  the device, because that step has not been read back when this one is launched.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class StepPlan:
     prefill: list[PrefillWork] = field(default_factory=list)
     #: Sequences that ended before running (timeouts) or were refused this step.
     finished: list[SchedSequence] = field(default_factory=list)
+    #: Fed plans only: per decode row, its row in the previous step's sampled tokens.
+    feed_rows: list[int] | None = None
 
     @property
     def sampled(self) -> list[SchedSequence]:

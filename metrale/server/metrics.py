@@ -85,6 +85,17 @@ class _EngineCollector(Collector):
             cached / prompt if prompt else 0.0,
         )
         yield counter("metrale_engine_steps", "engine steps run", snap.num_steps)
+        yield counter(
+            "metrale_engine_fed_steps",
+            "decode steps launched before the previous step was read back (device token feed)",
+            snap.fed_steps,
+        )
+        yield counter(
+            "metrale_engine_drained_steps",
+            "steps that waited for the previous step's tokens before planning (async "
+            "scheduling fell back to a synchronous plan: admission, prefill, preemption)",
+            snap.drained_steps,
+        )
         preempt = CounterMetricFamily(
             "metrale_preemptions", "sequences preempted, by mode", labels=["mode"]
         )

@@ -9,6 +9,7 @@ import functools
 import pytest
 
 from metrale import LLM, Engine, EngineConfig, SamplingParams
+from metrale.scheduler.plan import StepPlan
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import mixed_prompts
@@ -65,16 +66,19 @@ def test_arrivals_while_others_decode_share_forwards() -> None:
                 finals[out.request_id] = out.outputs[0].token_ids
     for i in range(4, 8):
         engine.add_request(f"r{i}", prompts[i], GREEDY)
+    schedule = engine.scheduler.schedule
+
+    def counting_schedule() -> StepPlan:
+        nonlocal mixed_steps
+        plan = schedule()
+        mixed_steps += bool(plan.decode and plan.prefill)
+        return plan
+
+    engine.scheduler.schedule = counting_schedule  # type: ignore[method-assign]
     while engine.has_unfinished():
-        plan_before = engine.scheduler.running and any(
-            s.is_decoding() for s in engine.scheduler.running
-        )
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out.outputs[0].token_ids
-        mixed_steps += bool(
-            plan_before and any(not s.is_decoding() for s in engine.scheduler.running)
-        )
     assert mixed_steps > 0, "no step mixed decode rows with prefill chunks"
     assert tuple(tuple(finals[f"r{i}"]) for i in range(8)) == solo_tokens()
     assert_no_leaks(engine)

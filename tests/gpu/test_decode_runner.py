@@ -42,3 +42,4 @@ def test_runner_tokens_equal_the_reference_path() -> None:
         want = [o.outputs[0].token_ids for o in ref.generate(batch, params)]
         assert got == want
     assert model.eager_forwards == 2, "only the two prefill steps should run eagerly"
+    assert llm.engine.fed_steps > 0, "no replay read its input tokens on the device"
