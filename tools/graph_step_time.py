@@ -1,5 +1,6 @@
-"""GPU time of one captured decode graph replay (no host work between replays), with the
-projections on the GEMV kernel and on cuBLAS, plus the kernel breakdown of one eager step.
+"""GPU time of one captured decode graph replay (no host work between replays): the decode-path
+kernels launched as programmatic dependents (PDL, the default on sm_90+) and not, and the
+projections on cuBLAS; plus the kernel breakdown of one eager step.
 
 Usage (GPU): PYTHONPATH=. python3 tools/graph_step_time.py bench/configs/qwen3-8b [--rows 1]
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import numpy as np
 import torch
@@ -49,7 +51,8 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = str(prepare_model_dir(args.config_dir))
     result = {}
-    for variant in ("gemv", "cublas"):
+    for variant in ("gemv_pdl", "gemv", "cublas"):
+        os.environ["METRALE_PDL"] = "1" if variant == "gemv_pdl" else "0"
         if variant == "cublas":  # this run only: keep the projections on torch
             for name in ("linear", "silu_mul_linear"):
                 triton_ops.TRITON_OPS.pop(name, None)
@@ -61,7 +64,7 @@ def main() -> None:
         )  # fmt: skip
         result[f"{variant}_replay_ms"] = replay_ms(engine, args.rows, args.context)
         print(variant, result[f"{variant}_replay_ms"], flush=True)
-        if variant == "gemv":
+        if variant == "gemv_pdl":
             runner = engine.model.graph_runner
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):

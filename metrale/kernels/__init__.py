@@ -13,6 +13,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -55,15 +56,24 @@ class KernelOps:
     implementations: dict[str, str] = field(default_factory=dict)
 
 
-def kernels_for(device: torch.device, use_triton: bool = True) -> KernelOps:
-    """The op set for a device. CUDA gets Triton kernels when they are importable."""
+def kernels_for(
+    device: torch.device, use_triton: bool = True, pdl: bool | None = None
+) -> KernelOps:
+    """The op set for a device. CUDA gets Triton kernels when they are importable. `pdl`:
+    launch the decode-path kernels as programmatic dependents; None: on where supported
+    (sm_90+), unless the environment sets `METRALE_PDL=0`."""
     if device.type == "cuda" and use_triton:
         try:
+            from metrale.kernels.triton_attention_common import pdl_supported
             from metrale.kernels.triton_ops import triton_kernel_ops
         except ImportError as exc:  # pragma: no cover - depends on the machine
             logger.warning("Triton kernels unavailable (%s); using torch reference ops", exc)
         else:
-            ops = triton_kernel_ops()
+            if pdl is None:
+                pdl = pdl_supported(device) and os.environ.get("METRALE_PDL", "1") != "0"
+                if not pdl:
+                    logger.info("programmatic dependent launch off (unsupported or METRALE_PDL=0)")
+            ops = triton_kernel_ops(pdl=pdl)
             logger.info("kernels: %s", ops.implementations)
             return ops
     names = [f.name for f in fields(KernelOps) if f.name != "implementations"]

@@ -119,6 +119,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`.
 
@@ -140,6 +142,7 @@ def paged_attention(
             scale,
             sliding_window,
             out=out[:num_decode],
+            pdl=pdl,
         )
     if meta.seq_lens.shape[0] > num_decode:
         prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, num_decode)

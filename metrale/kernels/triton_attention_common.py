@@ -1,7 +1,15 @@
-"""Shared pieces of the paged-attention Triton kernels: device queries, split constants and
-the device helpers (`_dot`, `_attend_tile`) both the decode and the prefill kernels inline.
+"""Shared pieces of the Triton kernels: device queries, split constants, programmatic
+dependent launch (PDL) helpers, and the device helpers (`_dot`, `_attend_tile`) both the decode
+and the prefill kernels inline.
 
 Owner: kernels. See `triton_attention` for the invariants the kernels keep together.
+
+PDL (sm_90+): a kernel launched with `pdl_options(True)` may start while the kernel before it
+on the stream is finishing; it must call `gdc_wait()` before touching any global memory (its
+inputs may still be being written, its outputs still being read), and may call
+`gdc_launch_dependents()` to let the next kernel launch early in turn. `gdc_wait` returns
+only once the previous kernel has completed and its writes are visible, so a chain of PDL
+kernels keeps stream order for every memory access.
 """
 
 from __future__ import annotations
@@ -11,6 +19,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_options", "pdl_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -29,6 +40,19 @@ def interpreting() -> bool:
     from triton import knobs
 
     return bool(knobs.runtime.interpret)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch (sm_90+, compiled)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """Launch keywords for a kernel call: `launch_pdl` only when on (the interpreter and older
+    parts never see it)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @functools.lru_cache(maxsize=8)

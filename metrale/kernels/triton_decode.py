@@ -18,8 +18,11 @@ from metrale.kernels.triton_attention_common import (
     MIN_SPLIT_TOKENS,
     _attend_tile,
     _check_cache_pair,
+    gdc_launch_dependents,
+    gdc_wait,
     interpreting,
     multiprocessor_count,
+    pdl_options,
 )
 
 
@@ -56,7 +59,11 @@ def _decode_kernel(
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: see triton_attention_common
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -143,7 +150,11 @@ def _decode_combine_kernel(
     NUM_SPLITS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -206,13 +217,15 @@ def decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Attention of one query token per row, `q` `[R, Hq, D]`, over row r's first
     `seq_lens[r]` cached positions read through `block_tables[r]`; returns `[R, Hq, D]`.
 
     Graph-safe: reads no host data; the launch shape depends on `R`, the heads and
     `block_tables.shape[1]` only. `num_splits` overrides the split count; `min_split_tokens`
-    (default: one tile) is the least context a non-empty split takes.
+    (default: one tile) is the least context a non-empty split takes. `pdl`: launch as
+    programmatic dependents of the previous kernel (sm_90+).
     """
     rows, q_heads, head_dim = q.shape
     if out is None:
@@ -272,8 +285,10 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_options(pdl),
     )
     if num_splits > 1:
         _decode_combine_kernel[(rows, q_heads)](
@@ -286,7 +301,9 @@ def decode_attention(
             NUM_SPLITS=num_splits,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            PDL=pdl,
             num_warps=4 if head_dim * num_splits >= 2048 else 1,
+            **pdl_options(pdl),
         )
     return out
 

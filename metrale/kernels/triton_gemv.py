@@ -49,7 +49,12 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import multiprocessor_count
+from metrale.kernels.triton_attention_common import (
+    gdc_launch_dependents,
+    gdc_wait,
+    multiprocessor_count,
+    pdl_options,
+)
 
 #: Most rows of x one call takes (each row is a separate accumulator in every program).
 MAX_M = 8
@@ -224,6 +229,7 @@ def _gemv_kernel(
     HAS_BIAS: tl.constexpr,
     PARTIAL: tl.constexpr,
     ACT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid `(cdiv(N, BLOCK_N), split_k)`: rows `[pid_n * BLOCK_N, +BLOCK_N)` of W over the
     K range `[pid_k * k_per_split, +k_per_split)` (`k_per_split` a multiple of BLOCK_K).
@@ -233,7 +239,12 @@ def _gemv_kernel(
     the cross-thread reduction runs once, at the end. STAGES == 1: a plain loop, x loaded
     in W's layout (a broadcast the compiler folds to one load per thread); STAGES > 1: the
     loop is software-pipelined, STAGES - 1 tiles of W (and x) in flight through shared
-    memory (cp.async)."""
+    memory (cp.async).
+
+    PDL (programmatic dependent launch): wait for the previous kernel before the first load,
+    and let the next kernel launch once this program's loads are done."""
+    if PDL:
+        gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -282,6 +293,8 @@ def _gemv_kernel(
             acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if PDL:
+        gdc_launch_dependents()
     out_ptr += pid_k.to(tl.int64) * stride_split
     _store_row(out_ptr, b_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
     if M > 1:
@@ -346,6 +359,7 @@ def _launch(
     k: int,
     act: bool,
     config: GemvConfig | None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
@@ -399,8 +413,10 @@ def _launch(
         HAS_BIAS=bias is not None and not partial,
         PARTIAL=partial,
         ACT=act,
+        PDL=pdl and not partial,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_options(pdl and not partial),
     )
     if partial:
         block = min(1024, triton.next_power_of_2(n))
@@ -426,10 +442,12 @@ def gemv(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x [M, K]` (1 <= M <= 8) and `weight [N, K]`, float32
-    accumulation, result `[M, N]` in x's dtype. `config` overrides `default_config`."""
-    return _launch(x, weight, bias, x.shape[-1], False, config)
+    accumulation, result `[M, N]` in x's dtype. `config` overrides `default_config`; `pdl`
+    launches it as a programmatic dependent of the previous kernel (sm_90+)."""
+    return _launch(x, weight, bias, x.shape[-1], False, config, pdl)
 
 
 def gemv_silu_mul(
@@ -438,9 +456,10 @@ def gemv_silu_mul(
     bias: torch.Tensor | None = None,
     *,
     config: GemvConfig | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`gemv(silu_and_mul(gate_up), weight, bias)` for `gate_up [M, 2I]` (gate then up) and
     `weight [N, I]`, the activation computed while loading x (never written to memory)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gemv_silu_mul: odd gate/up width {gate_up.shape[-1]}")
-    return _launch(gate_up, weight, bias, gate_up.shape[-1] // 2, True, config)
+    return _launch(gate_up, weight, bias, gate_up.shape[-1] // 2, True, config, pdl)

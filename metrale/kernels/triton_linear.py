@@ -7,6 +7,8 @@ Invariants:
 - A call with at most `GEMV_MAX_ROWS` rows (2-D x, x and W of one dtype) goes to
   `triton_gemv`; everything else to `torch.nn.functional.linear` (cuBLAS). The choice depends
   only on shapes and dtypes, so a captured decode graph always holds the same kernels.
+- `pdl=True` launches the GEMV as a programmatic dependent (see `triton_attention_common`);
+  cuBLAS calls ignore it.
 - At batch 1 a decode step is bound by reading the weights; cuBLAS reached about 87% of the
   H200's copy bandwidth there, which is why few rows take the GEMV (see
   `tools/bench_gemv.py` and the `gemv` record under bench/records/).
@@ -29,15 +31,21 @@ def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == weight.dtype
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pdl: bool = False
+) -> torch.Tensor:
     if _gemv_fits(x, weight):
-        return gemv(x, weight, bias)
+        return gemv(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
 def silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     if _gemv_fits(gate_up, weight):
-        return gemv_silu_mul(gate_up, weight, bias)
+        return gemv_silu_mul(gate_up, weight, bias, pdl=pdl)
     return F.linear(silu_and_mul(gate_up), weight, bias)

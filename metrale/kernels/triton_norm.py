@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.triton_attention_common import gdc_launch_dependents, gdc_wait, pdl_options
+
 
 def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """`(x', inner_rows, stride_outer, stride_inner)` addressing every row of the last dim of
@@ -50,7 +52,11 @@ def _rms_norm_kernel(
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     x_off = (row // inner_rows).to(tl.int64) * stride_xo + (row % inner_rows).to(
         tl.int64
@@ -67,8 +73,11 @@ def _rms_norm_kernel(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of `x` (any leading shape); same as `reference.rms_norm`."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
+) -> torch.Tensor:
+    """RMSNorm over the last dim of `x` (any leading shape); same as `reference.rms_norm`.
+    `pdl`: launch as a programmatic dependent of the previous kernel (sm_90+)."""
     n = x.shape[-1]
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rows = x.numel() // n if n else 0
@@ -86,7 +95,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps,
         N=n,
         BLOCK=block,
+        PDL=pdl,
         num_warps=_norm_warps(block),
+        **pdl_options(pdl),
     )
     return out
 
@@ -103,7 +114,11 @@ def _add_rms_norm_kernel(
     eps,
     N: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -119,7 +134,7 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, pdl: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual' = residual + x`; returns `(rms_norm(residual'), residual')` in one pass."""
     n = x.shape[-1]
@@ -147,7 +162,9 @@ def add_rms_norm(
         eps,
         N=n,
         BLOCK=block,
+        PDL=pdl,
         num_warps=_norm_warps(block),
+        **pdl_options(pdl),
     )
     return out, summed
 

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import fields
 
@@ -36,12 +37,25 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 }
 
 
-def triton_kernel_ops() -> KernelOps:
-    """`KernelOps` with every registered Triton kernel bound, references elsewhere."""
+#: Ops of the decode path whose Triton kernels take `pdl=True` (programmatic dependent launch:
+#: each waits for the previous kernel on entry, so it may be launched while that one drains).
+PDL_OPS = frozenset(
+    {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "paged_attention",
+     "rotary_write_kv", "qk_norm_rotary_write_kv"}
+)  # fmt: skip
+
+
+def triton_kernel_ops(pdl: bool = False) -> KernelOps:
+    """`KernelOps` with every registered Triton kernel bound, references elsewhere; with
+    `pdl`, the `PDL_OPS` launch as programmatic dependents (reported as "triton+pdl")."""
     names = {f.name for f in fields(KernelOps)} - {"implementations"}
     chosen = {}
     for name, (module, function) in TRITON_OPS.items():
         if name in names:
-            chosen[name] = getattr(importlib.import_module(module), function)
-    implementations = {name: "triton" if name in chosen else "torch" for name in sorted(names)}
+            fn = getattr(importlib.import_module(module), function)
+            chosen[name] = functools.partial(fn, pdl=True) if pdl and name in PDL_OPS else fn
+    implementations = {
+        name: ("triton+pdl" if pdl and name in PDL_OPS else "triton") if name in chosen else "torch"
+        for name in sorted(names)
+    }
     return KernelOps(**chosen, implementations=implementations)

@@ -28,7 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import _check_cache_pair
+from metrale.kernels.triton_attention_common import (
+    _check_cache_pair,
+    gdc_launch_dependents,
+    gdc_wait,
+    pdl_options,
+)
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -156,7 +161,11 @@ def _rotary_kernel(
     NORM: tl.constexpr,
     WRITE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: see triton_attention_common
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -201,6 +210,7 @@ def _launch(
     weights: tuple[torch.Tensor, torch.Tensor] | None,
     eps: float,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q and k; without `cache` return `(q_out, k_out)`, with `cache` =
     `(v, k_cache, v_cache, slot_mapping)` write rotated k and v there and return
@@ -282,7 +292,9 @@ def _launch(
         NORM=weights is not None,
         WRITE_KV=cache is not None,
         BLOCK_SIZE=block_size,
+        PDL=pdl,
         num_warps=max(1, min(8, block_heads * head_dim // 512)),
+        **pdl_options(pdl),
     )
     return q_out, k_out
 
@@ -328,12 +340,14 @@ def rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`rotary_embedding`, then `write_kv` of the rotated k and of v `[T, Hk, D]` into the
     `[NB, BS, Hk, D]` caches, in one launch; returns the rotated q. Same as
     `reference.rotary_write_kv`; slots < 0 are skipped, as `triton_attention.write_kv` does."""
     cache = (v, k_cache, v_cache, slot_mapping)
-    return _launch(positions, q, k, cos_sin, rotary_dim, None, 0.0, cache)[0]
+    return _launch(positions, q, k, cos_sin, rotary_dim, None, 0.0, cache, pdl)[0]
 
 
 def qk_norm_rotary_write_kv(
@@ -349,8 +363,10 @@ def qk_norm_rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`qk_norm_rotary`, then `write_kv` of the rotated k and of v, in one launch; returns the
     rotated q. Same as `reference.qk_norm_rotary_write_kv`; slots < 0 are skipped."""
     cache = (v, k_cache, v_cache, slot_mapping)
-    return _launch(positions, q, k, cos_sin, rotary_dim, (q_weight, k_weight), eps, cache)[0]
+    return _launch(positions, q, k, cos_sin, rotary_dim, (q_weight, k_weight), eps, cache, pdl)[0]

@@ -75,3 +75,30 @@ def test_graphed_decode_equals_eager() -> None:
     for batch in (prompts[:1], prompts[:3], prompts):
         assert _tokens(graphed.generate(batch, params)) == _tokens(eager.generate(batch, params))
     assert graphed.engine.model.graph_runner.replays > 0
+
+
+def test_pdl_and_async_scheduling_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch changes only when kernels start, and async scheduling
+    only when the host plans: graphed bf16 decode gives bit-identical tokens and logprobs
+    with both on and with both off."""
+    variant = VARIANTS[1]
+    prompts = mixed_prompts(5)
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("METRALE_PDL", flag)
+        llm = LLM(
+            str(build(variant)), device="cuda", dtype="bfloat16", num_kv_blocks=300,
+            max_num_seqs=8, async_scheduling=flag == "1",
+        )  # fmt: skip
+        impl = llm.engine.model.kernel_implementations["linear"]
+        assert impl == ("triton+pdl" if flag == "1" else "triton")
+        outs = llm.generate(prompts, PARAMS)
+        got[flag] = [
+            (o.outputs[0].token_ids, [sorted(p.items()) for p in o.outputs[0].logprobs or []])
+            for o in outs
+        ]
+        if flag == "1":
+            assert llm.engine.fed_steps > 0
+        del llm
+        torch.cuda.empty_cache()
+    assert got["1"] == got["0"]
