@@ -6,7 +6,7 @@
 # Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
-#        ceiling gemv serveab  (diagnostics: engine-only decode ceiling at C=128, the GEMV
+#        ceiling gemv serveab graphtime  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
 OUT=${OUT:-/tmp/metrale-gpu}
@@ -67,6 +67,12 @@ for part in $PARTS; do
         --out "$OUT/ceiling$c.json" >"$OUT/ceiling$c.log" 2>&1
       echo "rc=$?"; tail -14 "$OUT/ceiling$c.log"
     done
+    ;;
+  graphtime)
+    stamp graph replay time qwen3-8b, PDL on/off, cuBLAS
+    timeout 240 python3 tools/graph_step_time.py bench/configs/qwen3-8b --out "$OUT/graphtime.json" \
+      >"$OUT/graphtime.log" 2>&1
+    echo "rc=$?"; grep -E "^(gemv|cublas)|_replay_ms" "$OUT/graphtime.log" | head -8
     ;;
   gemv)
     stamp gemv bench
