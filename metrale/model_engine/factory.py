@@ -157,6 +157,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
         module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool
     )
     model.kernel_implementations = dict(ops.implementations)
+    model.kernel_ops = ops
     kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
         module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )

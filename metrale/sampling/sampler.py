@@ -8,10 +8,22 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    tokens), then logit_bias, then min_tokens masking (EOS and stop_token_ids at -inf while
    fewer than `min_tokens` tokens were generated) — for greedy rows too;
 2. greedy rows (temperature < 1e-5): argmax of the processed logits (ties: lowest id);
-3. other rows: divide by temperature, top-k, softmax, min-p, top-p, then an inverse-CDF draw:
-   one uniform `u` in (0, 1) per row, the token is the first whose float64 cumulative
-   probability (in token-id order) reaches `u * total`, i.e. token i with probability
-   `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
+3. other rows: divide by temperature, top-k (every logit >= the k-th largest stays, ties
+   included), softmax, min-p, top-p (a token stays while the float64 mass ranked above it,
+   by descending probability with ties ranked by token id, is < top_p * the row's mass), then
+   an inverse-CDF draw: one uniform `u` in (0, 1) per row, the token is the first whose
+   float64 cumulative probability (in token-id order) reaches `u * total`, i.e. token i with
+   probability `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
+   This is `metrale.kernels.reference.top_k_top_p_sample`'s definition, stage for stage.
+
+Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), greedy
+rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS` non-greedy rows takes
+`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; smaller batches keep the
+torch path. Both paths compute the function above, so which one a batch took does not change
+a seeded row's token (up to the floating-point reductions noted below: the kernel sums in
+another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
+one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the
+two differ only for a row holding both values.
 
 Invariants:
 - Logprobs, ranks and top alternatives describe the model's RAW distribution:
@@ -43,6 +55,7 @@ import array
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -54,11 +67,13 @@ from metrale.sampling.logits_processors import (
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
-    apply_top_p,
     mask_tokens,
     token_counts,
 )
 from metrale.sampling.params import SamplingParams, mix_seed
+
+if TYPE_CHECKING:
+    from metrale.kernels import KernelOps
 
 __all__ = [
     "SampledBatch",
@@ -71,6 +86,14 @@ __all__ = [
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+#: Fewest non-greedy rows for which `Sampler` calls `ops.top_k_top_p_sample` rather than the
+#: torch path. The kernel runs one program per row (one SM each), so its time barely grows
+#: with the rows until the SMs are full, while the torch path's top-k/sort/cumsum launches
+#: scale with rows x vocabulary; for one row, though, the kernel's ~20 sequential threshold-
+#: search passes over the vocabulary on a single SM likely cost more than the torch path's
+#: few wide launches (an estimate: not yet measured on a GPU; tune with a benchmark). Both
+#: paths draw the same token, so the threshold is a speed choice only.
+KERNEL_MIN_ROWS = 8
 
 
 @dataclass
@@ -213,9 +236,11 @@ def _gather_logprobs(
 class Sampler:
     """Samples one token per logits row; see the module docstring for the pipeline."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, ops: KernelOps | None = None) -> None:
         #: Source of unseeded rows' uniforms; None seeds it from OS entropy.
         self._rng = random.Random(None if seed is None else mix_seed(seed))
+        #: The device's sampling ops (`argmax`, `top_k_top_p_sample`); None: torch path only.
+        self._ops = ops
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
@@ -252,7 +277,7 @@ class Sampler:
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled:
-            token_ids, samplable = _greedy(x)
+            token_ids, samplable = _greedy(x, self._ops)
         elif not greedy:
             token_ids, samplable = self._draw(x, rows)
         else:
@@ -260,7 +285,7 @@ class Sampler:
             samplable = torch.empty(batch, dtype=torch.bool, device=device)
             greedy_index = _to_device(greedy, torch.int64, device)
             sampled_index = _to_device(sampled, torch.int64, device)
-            greedy_ids, greedy_ok = _greedy(x.index_select(0, greedy_index))
+            greedy_ids, greedy_ok = _greedy(x.index_select(0, greedy_index), self._ops)
             drawn_ids, drawn_ok = self._draw(
                 x.index_select(0, sampled_index), [rows[i] for i in sampled]
             )
@@ -335,6 +360,8 @@ class Sampler:
         if any(t != 1.0 for t in temperatures):
             x = x / _to_device(temperatures, torch.float32, device).unsqueeze(1)
         x = _sanitize(x)
+        if self._ops is not None and len(rows) >= KERNEL_MIN_ROWS:
+            return self._draw_with_kernel(x, rows)
 
         top_k_rows = [j for j, row in enumerate(rows) if 0 < row.params.top_k < vocab]
         max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
@@ -354,16 +381,37 @@ class Sampler:
         top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
         if top_p_rows:
             top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
-            # Rows whose top-k already ran hold at most k candidates: sort only those.
+            # Rows whose top-k already ran hold about k candidates: sort only those.
             candidates = None
             if all(0 < rows[j].params.top_k < vocab for j in top_p_rows):
                 candidates = max(rows[j].params.top_k for j in top_p_rows)
-            probs = _apply_to_rows(
-                probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
-            )
+            probs = _apply_to_rows(probs, top_p_rows, lambda sub: _top_p(sub, top_ps, candidates))
 
         uniforms = [self._uniform(row) for row in rows]
         token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, device))
+        return token_ids, samplable
+
+    def _draw_with_kernel(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
+        """`_draw` after the temperature, through `ops.top_k_top_p_sample` (same function).
+
+        `x` is tempered and sanitized (NaN -> -inf, +inf -> float32 max, as the torch path
+        reads them). Per-row parameters map one to one: top_k <= 0 or >= V, top_p >= 1 and
+        min_p <= 0 mean "off" to the kernel as to `SamplingParams`. The uniforms are drawn in
+        row order, as in the torch path, so unseeded rows consume the same host random stream.
+        """
+        assert self._ops is not None
+        device = x.device
+        uniforms = [self._uniform(row) for row in rows]
+        min_p = None
+        if any(row.params.min_p_enabled for row in rows):
+            min_p = _to_device([row.params.min_p for row in rows], torch.float32, device)
+        token_ids, samplable = self._ops.top_k_top_p_sample(
+            x,
+            _to_device([row.params.top_k for row in rows], torch.int64, device),
+            _to_device([row.params.top_p for row in rows], torch.float32, device),
+            _to_device(uniforms, torch.float64, device),
+            min_p,
+        )
         return token_ids, samplable
 
     def _uniform(self, row: SamplingRow) -> float:
@@ -393,10 +441,59 @@ def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
-def _greedy(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Argmax (ties: lowest id) and whether the row had a finite logit."""
+def _greedy(x: Tensor, ops: KernelOps | None = None) -> tuple[Tensor, Tensor]:
+    """Argmax (ties: lowest id; NaN reads as -inf) and whether the row had a finite logit.
+
+    With `ops`, one `ops.argmax` launch, which reads NaN as -inf and breaks ties by the lowest
+    id too; a row without a finite logit gets value -inf, so it is not samplable either way.
+    (It ranks +inf above float32 max, where `_sanitize` makes them equal; see the module
+    docstring.)
+    """
+    if ops is not None:
+        token_ids, values = ops.argmax(x)
+        return token_ids, values > _NEG_INF
     values, token_ids = _sanitize(x).max(dim=-1)
     return token_ids, values > _NEG_INF
+
+
+def _top_p(probs: Tensor, top_p: Tensor, candidates: int | None) -> Tensor:
+    """Top-p over `probs` `[N, V]` (non-negative, unnormalised) as
+    `reference.top_k_top_p_filter` and the Triton kernel define it: a token stays while the
+    mass ranked above it (descending, ties ranked by token id) is < `top_p * total`, masses
+    summed in float64 (float32 sums in different orders disagree about the token that crosses
+    the bound); `top_p` `[N]` float32.
+
+    `candidates`, when given, says each row passed a top-k of at most that k: only the
+    `candidates` largest probabilities are sorted. More tokens than that survive top-k when
+    some tie with the k-th largest logit; those all share the smallest candidate probability,
+    so the boundary is found on the sorted candidates and the tokens tied with it are then
+    kept in id order as many as the mass allows (as the kernel does) - the same kept set.
+    """
+    vocab = probs.shape[-1]
+    p = top_p.to(device=probs.device, dtype=torch.float32).unsqueeze(1)
+    bound_scale = p.double()
+    if candidates is None or candidates >= vocab:
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        wide = sorted_probs.double()
+        mass_above = wide.cumsum(dim=-1) - wide
+        total = wide.sum(dim=-1, keepdim=True)
+        keep_sorted = (mass_above < total * bound_scale) | (p >= 1.0)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        return probs.masked_fill(~keep, 0.0)
+    sorted_probs = probs.topk(max(1, candidates), dim=-1, sorted=True).values
+    wide = sorted_probs.double()
+    bound = probs.double().sum(dim=-1, keepdim=True) * bound_scale
+    kept = ((wide.cumsum(dim=-1) - wide) < bound).sum(dim=-1, keepdim=True)
+    # The smallest kept probability (the top one is always kept; a NaN row keeps nothing).
+    boundary = sorted_probs.gather(-1, (kept - 1).clamp(min=0))
+    above = probs > boundary
+    mass_above = torch.where(above, probs, 0.0).double().sum(dim=-1, keepdim=True)
+    ties = probs == boundary
+    tie_rank = ties.cumsum(dim=-1) - 1  # rank among the boundary ties, in token-id order
+    # The i-th tie (0-based) has mass_above + i * boundary ranked above it.
+    keep_ties = ((bound - mass_above) / boundary.double()).ceil().clamp(min=1.0)
+    keep = above | (ties & (tie_rank < keep_ties)) | (p >= 1.0)
+    return probs.masked_fill(~keep, 0.0)
 
 
 def _to_device(
