@@ -52,7 +52,7 @@ class KernelOps:
     gated_delta_chunk_varlen: Callable = ssm_reference.gated_delta_chunk_varlen
     gated_delta_update: Callable = ssm_reference.gated_delta_update
     moe_experts: Callable = ssm_reference.moe_experts
-    #: op name -> "torch" | "triton", for logs, metrics and benchmark records.
+    #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 
 

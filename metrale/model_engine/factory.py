@@ -194,7 +194,7 @@ def _capture_graphs(
     kernels: dict[str, str],
 ) -> None:
     """Capture decode graphs when every op on the decode path is capturable."""
-    if model.ssm_pool is not None or kernels.get("paged_attention") != "triton":
+    if model.ssm_pool is not None or not kernels.get("paged_attention", "").startswith("triton"):
         logger.warning(
             "CUDA graphs disabled: %s; decode runs eagerly (slower)",
             "recurrent layers use reference ops" if model.ssm_pool is not None

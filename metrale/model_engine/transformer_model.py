@@ -85,7 +85,7 @@ class TransformerModel(Model):
         self.graph_runner: DecodeGraphRunner | None = None
         #: Forwards run eagerly (prefills, mixed steps, and decode when no graph applies).
         self.eager_forwards = 0
-        #: op name -> "torch" | "triton", as the factory selected them.
+        #: op name -> "torch" | "triton" | "triton+pdl", as the factory selected them.
         self.kernel_implementations: dict[str, str] = {}
         #: The op set the factory built the layers with (the engine's sampler uses its
         #: `argmax` / `top_k_top_p_sample`); None when built outside the factory.

@@ -44,8 +44,9 @@ Invariants:
   error. Other NaN / +inf logits are read as -inf / the largest float.
 - The caller's logits tensor is never written.
 - `sample()` issues no host<->device synchronisation: host data (parameters, token ids) goes
-  to the device through pinned memory, non-blocking; `SampledBatch.to_host()` is the single
-  synchronising copy (one packed tensor).
+  to the device through pinned memory, non-blocking. `SampledBatch.start_copy()` queues the
+  one copy back (a packed tensor into pinned memory, marked by an event), so later work on
+  the stream does not delay it; `SampledBatch.to_host()` waits for that event only.
 - A `Sampler` is used by one thread (the engine loop); it is not thread-safe.
 """
 
@@ -111,6 +112,11 @@ class SamplingRow:
     #: The model's EOS ids: masked, with `params.stop_token_ids`, until min_tokens is reached
     #: (whatever `ignore_eos` says: that only decides whether EOS finishes the sequence).
     eos_token_ids: frozenset[int] = frozenset()
+    #: Tokens sampled for this sequence but not yet in `output_token_ids` (0, or 1 for a row
+    #: of a step launched on the device token feed before the previous step was read back).
+    #: They count for the seeded draw's counter and for min_tokens; rows with penalties,
+    #: which need the tokens themselves, are never fed.
+    pending: int = 0
 
     @property
     def effective_seed(self) -> int | None:
@@ -119,7 +125,7 @@ class SamplingRow:
     @property
     def step(self) -> int:
         """Index of the token being sampled within the output (the seeded draw's counter)."""
-        return len(self.output_token_ids)
+        return len(self.output_token_ids) + self.pending
 
 
 @dataclass
@@ -150,8 +156,11 @@ class SampledBatch:
     top_logprobs: Tensor | None  # [B, K] float32
     #: Per row, how many of the K alternatives it asked for.
     top_counts: list[int]
+    #: The packed host copy started by `start_copy` and the event that marks it done.
+    _host: Tensor | None = None
+    _copied: torch.cuda.Event | None = None
 
-    def to_host(self) -> SamplerOutput:
+    def _packed(self) -> Tensor:
         columns = [
             self.token_ids.unsqueeze(1),
             self.logprobs.unsqueeze(1),
@@ -160,8 +169,32 @@ class SampledBatch:
         ]
         if self.top_token_ids is not None and self.top_logprobs is not None:
             columns += [self.top_token_ids, self.top_logprobs]
-        # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy, one sync.
-        packed = torch.cat([c.to(torch.float64) for c in columns], dim=1).cpu().tolist()
+        # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy.
+        return torch.cat([c.to(torch.float64) for c in columns], dim=1)
+
+    def start_copy(self) -> None:
+        """Queue the device-to-host copy of the results now (pinned, non-blocking), so work
+        queued on the stream after this call does not delay `to_host`. No sync."""
+        if self._host is not None:
+            return
+        packed = self._packed()
+        if packed.device.type != "cuda":
+            self._host = packed
+            return
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._host, self._copied = host, event
+
+    def to_host(self) -> SamplerOutput:
+        """The results on the host: waits for the copy (started here if `start_copy` was
+        not called); the step's one synchronisation."""
+        self.start_copy()
+        assert self._host is not None
+        if self._copied is not None:
+            self._copied.synchronize()
+        packed = self._host.tolist()
         width = 0 if self.top_token_ids is None else self.top_token_ids.shape[1]
         token_ids: list[int] = []
         logprobs: list[float] = []
@@ -330,7 +363,7 @@ class Sampler:
                         bias_rows.append(i)
                         bias_tokens.append(token)
                         bias_values.append(bias)
-            if len(row.output_token_ids) < params.min_tokens:
+            if row.step < params.min_tokens:
                 banned = set(row.eos_token_ids)
                 banned.update(params.stop_token_ids)
                 for token in sorted(banned):
