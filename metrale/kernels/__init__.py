@@ -43,6 +43,8 @@ class KernelOps:
     qk_norm_rotary_write_kv: Callable = reference.qk_norm_rotary_write_kv
     # The sampler's hot path (device argmax; top-k/min-p/top-p draw without a full sort).
     argmax: Callable = reference.argmax
+    # Greedy rows of unprocessed logits: token, raw logprob, rank and samplable in one pass.
+    greedy_logprobs: Callable = reference.greedy_logprobs
     top_k_top_p_sample: Callable = reference.top_k_top_p_sample
     # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
     causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen

@@ -223,6 +223,28 @@ def qk_norm_rotary_write_kv(
     return q
 
 
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's whole result for rows that take the argmax of unprocessed logits.
+
+    Per row of `[B, V]` logits, read as float32 with NaN as -inf and +inf as the float32 max:
+    `(token_ids [B] int64, packed [B, 4] float64)`, the token the largest logit's (ties: the
+    lowest id; a row without a finite logit: 0) and `packed` its (token id, raw logprob =
+    logit - logsumexp of the row (-inf for a row without a finite logit), rank = 1 (nothing
+    is larger than the argmax), samplable = 1.0 if the row has a finite logit else 0.0)."""
+    f32 = torch.finfo(torch.float32)
+    raw = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=f32.max, neginf=float("-inf"))
+    values, ids = raw.max(dim=-1)
+    lse = torch.logsumexp(raw, dim=-1)
+    logprobs = values - lse
+    logprobs = torch.where(torch.isnan(logprobs), float("-inf"), logprobs)
+    samplable = values > float("-inf")
+    packed = torch.stack(
+        [ids.double(), logprobs.double(), torch.ones_like(logprobs).double(), samplable.double()],
+        dim=1,
+    )
+    return ids, packed
+
+
 def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `[B, V]`: `(index of the largest logit [B] int64, its value [B] float32)`.
 

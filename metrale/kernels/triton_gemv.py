@@ -185,6 +185,41 @@ def _fma_row(acc, w, ptrs, mask, half, EVEN_K: tl.constexpr, ACT: tl.constexpr, 
 
 
 @triton.jit
+def _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K: tl.constexpr):
+    """The `[BLOCK_N, BLOCK_K]` W tile at K offset `k`, as float32 (streamed: evict-first)."""
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        k_mask = (k + offs_k) < k_hi
+        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _apply_tile(
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half,
+    M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr,
+):  # fmt: skip
+    """One W tile applied to each of the M rows of x (accumulators past M untouched)."""
+    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 1:
+        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 2:
+        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 3:
+        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 4:
+        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 5:
+        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 6:
+        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    if M > 7:
+        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
 def _store_row(
     out_ptr,
     b_ptr,
@@ -241,10 +276,9 @@ def _gemv_kernel(
     loop is software-pipelined, STAGES - 1 tiles of W (and x) in flight through shared
     memory (cp.async).
 
-    PDL (programmatic dependent launch): wait for the previous kernel before the first load,
-    and let the next kernel launch once this program's loads are done."""
-    if PDL:
-        gdc_wait()
+    PDL (programmatic dependent launch): the first W tile is loaded, then the program waits
+    for the previous kernel before its first x load, and lets the next kernel launch once its
+    loads are done."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -268,29 +302,23 @@ def _gemv_kernel(
     acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        x_mask = (k + x_offs) < k_hi
-        if EVEN_K:
-            w = tl.load(w_ptrs, eviction_policy="evict_first")
-        else:
-            k_mask = (k + offs_k) < k_hi
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        w = w.to(tl.float32)
-        acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 1:
-            acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 2:
-            acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 3:
-            acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 4:
-            acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 5:
-            acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 6:
-            acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
-        if M > 7:
-            acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+    # The first W tile is peeled off the loop and loaded before waiting on the previous
+    # kernel (PDL): W does not depend on it, so its latency hides behind that kernel's tail.
+    w = _load_w(w_ptrs, k_lo, offs_k, k_hi, EVEN_K)
+    if PDL:
+        gdc_wait()
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k_lo + x_offs) < k_hi,
+        stride_xm, half, M, EVEN_K, ACT, X2D,
+    )  # fmt: skip
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + x_offs) < k_hi,
+            stride_xm, half, M, EVEN_K, ACT, X2D,
+        )  # fmt: skip
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if PDL:

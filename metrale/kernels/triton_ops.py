@@ -33,6 +33,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "rotary_write_kv": ("metrale.kernels.triton_rotary", "rotary_write_kv"),
     "qk_norm_rotary_write_kv": ("metrale.kernels.triton_rotary", "qk_norm_rotary_write_kv"),
     "argmax": ("metrale.kernels.triton_sampling", "argmax"),
+    "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
     "top_k_top_p_sample": ("metrale.kernels.triton_sampling", "top_k_top_p_sample"),
 }
 

@@ -9,6 +9,9 @@ Invariants:
 - No host synchronisation; one program per row; every output element is written.
 - `argmax`: NaN reads as -inf; ties go to the lowest index (torch.argmax); a row of -inf gives
   index 0 and value -inf.
+- `greedy_logprobs`: the argmax (as `argmax`, +inf read as the float32 max) with its raw
+  logprob from an online logsumexp, packed as the sampler reads it back; equal to the
+  reference up to float32 summation order in the logsumexp.
 - `top_k_top_p_sample` takes already processed float logits (penalties, bias, temperature,
   NaN -> -inf) and applies, per row and in this order: top-k (every logit >= the k-th largest
   stays), softmax, min-p (probabilities >= min_p * max), top-p (a token stays while the mass
@@ -69,6 +72,56 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_warps=8 if block >= 2048 else 4,
     )
     return ids, values
+
+
+@triton.jit
+def _greedy_logprobs_kernel(x_ptr, ids_ptr, packed_ptr, stride_x, V, BLOCK: tl.constexpr):
+    """One pass over a row: running max, its first index, and the sum of exp(x - max)
+    rescaled as the max grows (online logsumexp)."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_id = tl.full([], 0, dtype=tl.int64)
+    total = tl.full([], 0.0, dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.minimum(x, 3.4028234663852886e38)  # +inf reads as the float32 max
+        chunk_max = tl.max(x, 0)
+        chunk_id = tl.min(tl.where(x == chunk_max, cols, V), 0).to(tl.int64)
+        better = chunk_max > best
+        new_best = tl.maximum(best, chunk_max)
+        if new_best > float("-inf"):
+            total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), 0)
+        best_id = tl.where(better, chunk_id, best_id)
+        best = new_best
+    finite = best > float("-inf")
+    lse = best + tl.log(total)
+    logprob = tl.where(finite, best - lse, float("-inf"))
+    tl.store(ids_ptr + row, best_id)
+    out = packed_ptr + row.to(tl.int64) * 4
+    tl.store(out, best_id.to(tl.float64))
+    tl.store(out + 1, logprob.to(tl.float64))
+    tl.store(out + 2, tl.full([], 1.0, dtype=tl.float64))
+    tl.store(out + 3, tl.where(finite, 1.0, 0.0).to(tl.float64))
+
+
+def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.greedy_logprobs` in one launch: one program per row, one pass over it."""
+    batch, vocab = logits.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    packed = torch.empty((batch, 4), dtype=torch.float64, device=logits.device)
+    if batch == 0:
+        return ids, packed
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block = min(4096, triton.next_power_of_2(vocab))
+    _greedy_logprobs_kernel[(batch,)](
+        logits, ids, packed, logits.stride(0), vocab, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return ids, packed
 
 
 # -------------------------------------------------------------------------------------------

@@ -16,8 +16,10 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    probability `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
    This is `metrale.kernels.reference.top_k_top_p_sample`'s definition, stage for stage.
 
-Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), greedy
-rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS` non-greedy rows takes
+Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
+of greedy rows that nothing processes and that want no alternatives takes one
+`ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
+torch's); otherwise greedy rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS` non-greedy rows takes
 `ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; smaller batches keep the
 torch path. Both paths compute the function above, so which one a batch took does not change
 a seeded row's token (up to the floating-point reductions noted below: the kernel sums in
@@ -156,11 +158,16 @@ class SampledBatch:
     top_logprobs: Tensor | None  # [B, K] float32
     #: Per row, how many of the K alternatives it asked for.
     top_counts: list[int]
+    #: The results already packed on the device (`[B, 4 + 2K]` float64), when one kernel
+    #: produced them (`KernelOps.greedy_logprobs`); else packed from the fields above.
+    packed: Tensor | None = None
     #: The packed host copy started by `start_copy` and the event that marks it done.
     _host: Tensor | None = None
     _copied: torch.cuda.Event | None = None
 
     def _packed(self) -> Tensor:
+        if self.packed is not None:
+            return self.packed
         columns = [
             self.token_ids.unsqueeze(1),
             self.logprobs.unsqueeze(1),
@@ -304,6 +311,20 @@ class Sampler:
                 top_counts=[],
             )
 
+        if self._ops is not None and max_top == 0 and all(map(_plain_greedy, rows)):
+            # The decode common case: one kernel gives the token, its raw logprob, its rank
+            # (1: nothing beats the argmax of unprocessed logits) and samplable, packed.
+            token_ids, packed = self._ops.greedy_logprobs(logits)
+            return SampledBatch(
+                token_ids=token_ids,
+                logprobs=packed[:, 1],
+                ranks=packed[:, 2],
+                samplable=packed[:, 3],
+                top_token_ids=None,
+                top_logprobs=None,
+                top_counts=[0] * batch,
+                packed=packed,
+            )
         raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
         x = self._process_logits(raw, rows)
 
@@ -472,6 +493,19 @@ def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
     target = uniforms.to(torch.float64).unsqueeze(1) * cdf[:, -1:]
     token_ids = torch.searchsorted(cdf, target, right=False).squeeze(1)
     return token_ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """A greedy row whose logits nothing changes first (no penalty, bias or min_tokens mask)
+    and that wants no alternatives: its token is the argmax of the raw logits."""
+    params = row.params
+    return (
+        params.is_greedy
+        and not params.uses_penalties
+        and not params.logit_bias
+        and row.step >= params.min_tokens
+        and not params.logprobs
+    )
 
 
 def _greedy(x: Tensor, ops: KernelOps | None = None) -> tuple[Tensor, Tensor]:

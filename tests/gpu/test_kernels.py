@@ -612,6 +612,29 @@ def test_argmax(dtype: torch.dtype) -> None:
     assert ids.tolist()[1] == 10 and ids.tolist()[2] == 0 and ids.tolist()[4] == vocab - 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_logprobs(dtype: torch.dtype) -> None:
+    g = gen(52)
+    vocab = 5000 if INTERPRET else 151_936
+    x = randn(7, vocab, dtype=dtype, g=g) * 4
+    x[1, 10] = x[1, 4000] = 50.0  # a tie: the lower index wins
+    x[2] = float("-inf")  # no finite logit: token 0, logprob -inf, not samplable
+    x[3, :100] = float("nan")  # NaN reads as -inf
+    x[4, vocab - 1] = 60.0  # the last (partial) chunk
+    x[5, 7] = float("inf")  # +inf reads as the float32 max: that token, logprob 0
+    x[6, 100:] = float("-inf")  # most of the row masked
+    ids, packed = ts.greedy_logprobs(x)
+    ref_ids, ref_packed = reference.greedy_logprobs(x.cpu())
+    assert torch.equal(ids.cpu(), ref_ids)
+    got = packed.cpu()
+    assert torch.equal(got[:, [0, 2, 3]], ref_packed[:, [0, 2, 3]])
+    assert got[2, 1] == float("-inf") and got[2, 3] == 0.0
+    finite = ref_packed[:, 1].isfinite()
+    # float32 logsumexp in another order: a few ulps of the row's largest logit
+    torch.testing.assert_close(got[finite, 1], ref_packed[finite, 1], rtol=0, atol=2e-5)
+    assert ids.tolist()[1] == 10 and ids.tolist()[4] == vocab - 1 and ids.tolist()[5] == 7
+
+
 def _sampling_rows(batch: int, vocab: int, seed: int, ties: bool) -> torch.Tensor:
     g = gen(seed)
     x = torch.randn(batch, vocab, generator=g) * 2.0
