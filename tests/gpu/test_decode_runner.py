@@ -36,10 +36,11 @@ def test_runner_tokens_equal_the_reference_path() -> None:
     if device == "cuda":
         runner.capture()
     model.graph_runner = runner
+    eager_before = model.eager_forwards  # start-up shape warm-up forwards (CUDA) count too
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     for batch in (mixed_prompts(5)[:1], mixed_prompts(5)):  # rungs 1 and 8 (5 padded)
         got = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
         want = [o.outputs[0].token_ids for o in ref.generate(batch, params)]
         assert got == want
-    assert model.eager_forwards == 2, "only the two prefill steps should run eagerly"
+    assert model.eager_forwards - eager_before == 2, "only the two prefills should run eagerly"
     assert llm.engine.fed_steps > 0, "no replay read its input tokens on the device"
