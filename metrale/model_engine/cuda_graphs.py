@@ -12,10 +12,12 @@ Invariants:
 - Block-table columns past a row's current block count are stale but never read: the
   attention kernels stop at `seq_lens`.
 - The attention op must be capturable (no host reads); graphs are refused otherwise.
-- Host inputs travel through two pinned staging buffers used in turn: a step's buffer is
-  rewritten only two steps later, after that step's results were read back, so a step
-  launched while the previous one is still queued (the device token feed) never changes
-  the previous step's inputs under it.
+- Host inputs travel through two pinned staging buffers used in turn, one contiguous copy
+  per step: a step's buffer is rewritten only two steps later, after that step's results
+  were read back, so a step launched while the previous one is still queued (the device
+  token feed) never changes the previous step's inputs under it.
+- The block table is sent only when it differs from the one the device buffer last received
+  for the same rung (stream order makes the buffer hold it when the replay runs).
 - A fed replay's input ids are gathered on the device from the previous step's token ids.
 """
 
@@ -58,8 +60,11 @@ class DecodeGraphRunner:
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         pinned = device.type == "cuda"
-        self._staging = [torch.zeros(4, n, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        size = 4 * n + n * width  # ids, positions, slots, lengths, then the block table
+        self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
+        #: The block table (and rung) the device buffer holds, to skip re-sending it.
+        self._sent_tables: tuple[int, np.ndarray] | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -134,28 +139,41 @@ class DecodeGraphRunner:
         staging = self._staging[self._turn]
         self._turn ^= 1
         stage = staging.numpy()
-        stage[0, :rung] = 0
-        stage[1, :rung] = 0
-        stage[2, :rung] = 0
-        stage[3, :rung] = 1
-        stage[0, :rows] = tokens
-        stage[1, :rows] = positions
-        stage[2, :rows] = slots
-        stage[3, :rows] = positions + 1
-        staged = staging[:, :rung].to(self.device, non_blocking=True)
-        if feed is None:
-            self.input_ids[:rung].copy_(staged[0])
-        else:  # padding rows read row 0: any token will do for them
-            torch.index_select(feed, 0, staged[0], out=self.input_ids[:rung])
-        self.positions[:rung].copy_(staged[1])
-        self.slot_mapping[:rung].copy_(staged[2])
-        self.seq_lens[:rung].copy_(staged[3])
-        width = tables.shape[1]
-        self.block_tables[:rows, :width].copy_(
-            torch.from_numpy(tables.astype(np.int32)).to(self.device, non_blocking=True)
+        cols = stage[: 4 * rung].reshape(4, rung)
+        cols[:, rows:] = 0
+        cols[3, rows:] = 1
+        cols[0, :rows] = tokens
+        cols[1, :rows] = positions
+        cols[2, :rows] = slots
+        cols[3, :rows] = positions + 1
+        # The block table changes only when a row gains a block: most steps skip it.
+        sent = self._sent_tables
+        send_tables = not (
+            sent is not None
+            and sent[0] == rung
+            and sent[1].shape == tables.shape
+            and np.array_equal(sent[1], tables)
         )
-        if rung > rows:
-            self.block_tables[rows:rung, 0].zero_()
+        end = 4 * rung
+        width = tables.shape[1]
+        if send_tables:
+            end += rows * width
+            stage[4 * rung : end] = tables.reshape(-1)
+            self._sent_tables = (rung, tables.copy())
+        # One pinned host-to-device copy of a contiguous prefix, then device-side copies.
+        staged = staging[:end].to(self.device, non_blocking=True)
+        ids = staged[:rung]
+        if feed is None:
+            self.input_ids[:rung].copy_(ids)
+        else:  # padding rows read row 0: any token will do for them
+            torch.index_select(feed, 0, ids, out=self.input_ids[:rung])
+        self.positions[:rung].copy_(staged[rung : 2 * rung])
+        self.slot_mapping[:rung].copy_(staged[2 * rung : 3 * rung])
+        self.seq_lens[:rung].copy_(staged[3 * rung : 4 * rung])
+        if send_tables:
+            self.block_tables[:rows, :width].copy_(staged[4 * rung :].view(rows, width))
+            if rung > rows:
+                self.block_tables[rows:rung, 0].zero_()
         if self.graphs:
             self.graphs[rung].replay()
             self.replays += 1
