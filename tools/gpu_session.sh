@@ -6,6 +6,7 @@
 # Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
+#        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        ceiling gemv serveab graphtime  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -47,6 +48,13 @@ for part in $PARTS; do
     timeout 180 python3 -m metrale.cli bench latency --config-dir bench/configs/qwen3-8b \
       --max-model-len 2048 --tokens 256 --max-num-seqs 8 --out-dir "$OUT" >"$OUT/latency8b.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/latency8b.log"; grep -iE "startup|Error" "$OUT/latency8b.log" | tail -3
+    ;;
+  latency8bcompiled)
+    stamp latency qwen3-8b, HF peer with static cache + torch.compile
+    timeout 480 python3 -m metrale.cli bench latency --config-dir bench/configs/qwen3-8b \
+      --max-model-len 2048 --tokens 256 --max-num-seqs 8 --peer-compile --out-dir "$OUT" \
+      >"$OUT/latency8bcompiled.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/latency8bcompiled.log"; grep -iE "compile failed|Error" "$OUT/latency8bcompiled.log" | tail -3
     ;;
   latency06b)
     stamp latency qwen3-0.6b
