@@ -60,6 +60,7 @@ def hf_generate_tok_s(
     device: str = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     try_compile: bool = False,
+    compile_modes: tuple[str, ...] = ("reduce-overhead", "default"),
 ) -> dict[str, Any]:
     """Output tokens per second of `generate(do_sample=False)` on `batch` random prompts."""
     if device == "auto":
@@ -79,7 +80,7 @@ def hf_generate_tok_s(
         # as a new graph step, as torch asks when a static cache is updated in place), else
         # the default mode; the first configuration that runs is timed.
         failures = []
-        for mode in ("reduce-overhead", "default"):
+        for mode in compile_modes:
             try:
                 model.generation_config.cache_implementation = "static"
                 model.forward = _compiled_forward(model.forward, mode)

@@ -106,6 +106,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         peer = hf_generate_tok_s(
             args.config_dir, 1, args.prompt_len, args.peer_tokens, device=args.device,
             dtype=getattr(torch, _dtype_name(args)), try_compile=args.peer_compile,
+            compile_modes=tuple(args.peer_compile_modes.split(",")),
         )  # fmt: skip
         figures["vs_peer"] = figures["tok_s"] / peer["tok_s"]
     path = write_record(
@@ -229,6 +230,11 @@ def add_latency(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--peer-tokens", type=int, default=32)
     parser.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument(
+        "--peer-compile-modes",
+        default="reduce-overhead,default",
+        help="torch.compile modes the peer tries in order (the first that runs is timed)",
+    )
 
 
 def add_throughput(parser: argparse.ArgumentParser) -> None:
