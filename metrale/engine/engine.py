@@ -21,8 +21,7 @@ Invariants:
   planned once more: that token is dropped, never shown. Outputs therefore trail the device
   by one step; when nothing more is planned they are emitted at once.
 - Async scheduling (`EngineConfig.async_scheduling`, on by default where the model has a
-  device token feed): a step whose sampled rows need no host-side token history (no
-  penalties) stays in flight when `step` returns; the next call launches the following plain
+  device token feed): a launched step stays in flight when `step` returns; the next call launches the following plain
   decode step (`Scheduler.plan_fed_step`) with its input tokens read on the device, and only
   then reads the previous step back, so the host's planning, input staging, graph launch and
   output building hide behind the forward. A step that needs anything else (an admission, a
@@ -343,12 +342,10 @@ class Engine:
         return self._outputs(touched)
 
     def _may_feed_after(self, plan: StepPlan) -> bool:
-        """Whether `plan`'s step may stay in flight for a fed step to follow it: async
-        scheduling is on and no sampled row needs its own earlier tokens on the host
-        (penalties read them; the seeded draw and min_tokens only count them)."""
-        if not self.async_scheduling:
-            return False
-        return all(not seq.params.uses_penalties for seq in plan.sampled)
+        """Whether `plan`'s step may stay in flight for a fed step to follow it (async
+        scheduling is on; the seeded draw and min_tokens count a fed row's pending token,
+        penalties read it on the device)."""
+        return self.async_scheduling
 
     def _read_back(
         self, step: _InFlight, into: list[_Pending], touched: dict[str, RequestState]
@@ -383,14 +380,19 @@ class Engine:
         """The forward and the sampler of `plan`, queued on the device with the copy of the
         sampled tokens to the host (no host sync). A fed plan reads its input tokens from
         `previous`, the step launched before it and not yet read back."""
+        pending_tokens: torch.Tensor | None = None
         if plan.feed_rows is not None:
             assert previous is not None
+            feed = previous.batch.token_ids
             logits: torch.Tensor | None = self.model.decode_batch_fed(
                 [FeedSource(from_row=r) for r in plan.feed_rows],
                 [s.state for s in plan.decode],  # type: ignore[misc]
-                feed=previous.batch.token_ids,
+                feed=feed,
             )
             pending = 1
+            if any(s.params.uses_penalties for s in plan.decode):  # they count that token
+                index = torch.tensor(plan.feed_rows, dtype=torch.int64)
+                pending_tokens = feed.index_select(0, index.to(feed.device, non_blocking=True))
         else:
             logits = self._forward(plan)
             pending = 0
@@ -409,7 +411,7 @@ class Engine:
             )
             for s in sampled
         ]
-        batch = self.sampler.sample(logits, rows)
+        batch = self.sampler.sample(logits, rows, pending_tokens)
         batch.start_copy()
         return batch
 

@@ -116,8 +116,8 @@ class SamplingRow:
     eos_token_ids: frozenset[int] = frozenset()
     #: Tokens sampled for this sequence but not yet in `output_token_ids` (0, or 1 for a row
     #: of a step launched on the device token feed before the previous step was read back).
-    #: They count for the seeded draw's counter and for min_tokens; rows with penalties,
-    #: which need the tokens themselves, are never fed.
+    #: They count for the seeded draw's counter and for min_tokens; penalties read the token
+    #: itself from `Sampler.sample`'s `pending_tokens` (on the device).
     pending: int = 0
 
     @property
@@ -289,8 +289,15 @@ class Sampler:
     # Sampling
     # ---------------------------------------------------------------------------------------
 
-    def sample(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SampledBatch:
-        """Sample every row without synchronising with the device."""
+    def sample(
+        self,
+        logits: Tensor,
+        rows: Sequence[SamplingRow],
+        pending_tokens: Tensor | None = None,
+    ) -> SampledBatch:
+        """Sample every row without synchronising with the device. `pending_tokens` (`[B]`
+        int64 on the device): each row's token not yet in `output_token_ids` (rows with
+        `pending`, i.e. fed steps); penalties count it. Required when such a row has one."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise MetraleError(
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
@@ -326,7 +333,7 @@ class Sampler:
                 packed=packed,
             )
         raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
-        x = self._process_logits(raw, rows)
+        x = self._process_logits(raw, rows, pending_tokens)
 
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -361,14 +368,27 @@ class Sampler:
             top_counts=[min(count, max_top) for count in top_counts],
         )
 
-    def _process_logits(self, x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    def _process_logits(
+        self, x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tensor | None
+    ) -> Tensor:
         """Penalties, logit bias and min_tokens masks (stage 1), for every row."""
         vocab = x.shape[1]
         device = x.device
         penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
         if penalised:
+            pending = None
+            if any(rows[i].pending for i in penalised):
+                if pending_tokens is None:
+                    raise MetraleError(
+                        "a row with penalties and a pending token needs `pending_tokens`"
+                    )
+                pending = pending_tokens
+                if len(penalised) < len(rows):
+                    pending = pending.index_select(0, _to_device(penalised, torch.int64, device))
             x = _apply_to_rows(
-                x, penalised, lambda sub: _apply_penalties(sub, [rows[i] for i in penalised])
+                x,
+                penalised,
+                lambda sub: _apply_penalties(sub, [rows[i] for i in penalised], pending),
             )
 
         bias_rows: list[int] = []
@@ -603,11 +623,20 @@ def _flatten_ids(sequences: Sequence[Sequence[int]], device: torch.device) -> tu
     return _to_device(row_ids, torch.int64, device), _to_device(token_ids, torch.int64, device)
 
 
-def _apply_penalties(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Repetition then frequency/presence penalties on `x` (one row per entry of `rows`)."""
+def _apply_penalties(
+    x: Tensor, rows: Sequence[SamplingRow], pending: Tensor | None = None
+) -> Tensor:
+    """Repetition then frequency/presence penalties on `x` (one row per entry of `rows`);
+    `pending` (`[len(rows)]`, on the device) adds one output token per row whose `pending`
+    is set (a fed row's token that the host has not read yet)."""
     count, vocab = x.shape
     device = x.device
     row_ids, token_ids = _flatten_ids([row.output_token_ids for row in rows], device)
+    if pending is not None:
+        fed = [i for i, row in enumerate(rows) if row.pending]
+        fed_index = _to_device(fed, torch.int64, device)
+        row_ids = torch.cat([row_ids, fed_index])
+        token_ids = torch.cat([token_ids, pending.index_select(0, fed_index)])
     output_counts = token_counts(row_ids, token_ids, count, vocab, x.dtype)
 
     repetition = [row.params.repetition_penalty for row in rows]
