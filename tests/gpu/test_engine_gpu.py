@@ -82,7 +82,15 @@ def test_pdl_and_async_scheduling_change_nothing(monkeypatch: pytest.MonkeyPatch
     only when the host plans: graphed bf16 decode gives bit-identical tokens and logprobs
     with both on and with both off."""
     variant = VARIANTS[1]
-    prompts = mixed_prompts(5)
+    prompts = mixed_prompts(6)
+    # Plain greedy rows (the one-kernel sampler), rows with logprobs, and penalised rows
+    # (their pending token counted on the device under async scheduling).
+    plain = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+    penalised = SamplingParams(
+        temperature=0, max_tokens=NEW, min_tokens=NEW, repetition_penalty=1.3,
+        frequency_penalty=0.5,
+    )  # fmt: skip
+    params = [PARAMS, PARAMS, plain, plain, penalised, penalised]
     got = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("METRALE_PDL", flag)
@@ -92,7 +100,7 @@ def test_pdl_and_async_scheduling_change_nothing(monkeypatch: pytest.MonkeyPatch
         )  # fmt: skip
         impl = llm.engine.model.kernel_implementations["linear"]
         assert impl == ("triton+pdl" if flag == "1" else "triton")
-        outs = llm.generate(prompts, PARAMS)
+        outs = llm.generate(prompts, params)
         got[flag] = [
             (o.outputs[0].token_ids, [sorted(p.items()) for p in o.outputs[0].logprobs or []])
             for o in outs
