@@ -21,14 +21,16 @@ Invariants:
   planned once more: that token is dropped, never shown. Outputs therefore trail the device
   by one step; when nothing more is planned they are emitted at once.
 - Async scheduling (`EngineConfig.async_scheduling`, on by default where the model has a
-  device token feed): a launched step stays in flight when `step` returns; the next call launches the following plain
-  decode step (`Scheduler.plan_fed_step`) with its input tokens read on the device, and only
-  then reads the previous step back, so the host's planning, input staging, graph launch and
-  output building hide behind the forward. A step that needs anything else (an admission, a
-  prefill chunk, a preemption, a timeout) first reads the in-flight step back ("drained").
-  Tokens, logprobs and finish reasons are those of the synchronous schedule; a row planned
-  for a sequence its previous token ended is computed and dropped. At most one step is ever
-  in flight, so `schedule()` always sees every token committed.
+  device token feed): a launched step stays in flight when `step` returns; the next call
+  launches the following plain decode step (`Scheduler.plan_fed_step`) with its input tokens
+  read on the device, and only then reads the previous step back, so the host's planning,
+  input staging, graph launch and output building hide behind the forward. Seeded draws and
+  min_tokens count the in-flight token; penalties read it on the device. A step that needs
+  anything else (an admission, a prefill chunk, a preemption, a timeout) first reads the
+  in-flight step back ("drained"). Tokens, logprobs and finish reasons are those of the
+  synchronous schedule; a row planned for a sequence its previous token ended is computed
+  and dropped. At most one step is ever in flight, so `schedule()` always sees every token
+  committed.
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -330,7 +332,7 @@ class Engine:
             self._read_back(previous, self._pending, touched)
         if launched is not None:
             step = _InFlight(plan, launched)
-            if self._may_feed_after(plan):
+            if self.async_scheduling:  # the next call may launch a fed step before reading it
                 self._inflight = step
             else:
                 self._read_back(step, self._pending, touched)
@@ -340,12 +342,6 @@ class Engine:
             for pending in ready:
                 self._emit(pending, touched)
         return self._outputs(touched)
-
-    def _may_feed_after(self, plan: StepPlan) -> bool:
-        """Whether `plan`'s step may stay in flight for a fed step to follow it (async
-        scheduling is on; the seeded draw and min_tokens count a fed row's pending token,
-        penalties read it on the device)."""
-        return self.async_scheduling
 
     def _read_back(
         self, step: _InFlight, into: list[_Pending], touched: dict[str, RequestState]

@@ -12,6 +12,9 @@ Invariants:
 - `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
   refs, its slots) and leaves it empty, so a second call releases nothing.
 - Logits rows are float32 `[rows, vocab_size]`.
+- A fed decode step (`decode_batch_fed`, the device token feed) advances its sequences like
+  any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
+  of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
