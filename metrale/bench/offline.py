@@ -186,6 +186,9 @@ def _engine_info(engine: Engine) -> dict[str, Any]:
         "kv_blocks": model.num_total_blocks(),
         "kernels": dict(getattr(model, "kernel_implementations", {})),
         "cuda_graphs": getattr(model, "graph_runner", None) is not None,
+        "async_scheduling": engine.async_scheduling,
+        "fed_steps": engine.fed_steps,
+        "drained_steps": engine.drained_steps,
     }
     breakdown = getattr(engine, "startup_breakdown", None) or getattr(
         engine.load_report, "breakdown", None
