@@ -126,24 +126,44 @@ def apply_min_p(probs: Tensor, min_p: float | Tensor) -> Tensor:
 
 
 def apply_top_p(probs: Tensor, top_p: float | Tensor, max_candidates: int | None = None) -> Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches `top_p` of the row's.
+    """Top-p over `probs` `[N, V]` (non-negative, unnormalised) as
+    `reference.top_k_top_p_filter` and the Triton kernel define it: a token stays while the
+    mass ranked above it (descending, ties ranked by token id) is < `top_p * total`, masses
+    summed in float64 (float32 sums in different orders disagree about the token that crosses
+    the bound); `top_p` a float or `[N]`. The top token is always kept.
 
-    `probs` may be unnormalised (earlier filters zeroed some entries): the nucleus is taken
-    relative to the row's total mass. A token is kept when the mass of the tokens ranked above
-    it is below `top_p * total`, so the top token is always kept. Ties are ranked by token id.
-
-    `max_candidates`, when given, promises that each row has at most that many non-zero
-    entries (a top-k already ran): then only those are sorted (`topk`) instead of the vocab.
+    `max_candidates`, when given, says each row passed a top-k of at most that k: only the
+    `candidates` largest probabilities are sorted. More tokens than that survive top-k when
+    some tie with the k-th largest logit; those all share the smallest candidate probability,
+    so the boundary is found on the sorted candidates and the tokens tied with it are then
+    kept in id order as many as the mass allows (as the kernel does) - the same kept set.
     """
     vocab = probs.shape[-1]
-    if max_candidates is not None and max_candidates < vocab:
-        sorted_probs, order = probs.topk(max(1, max_candidates), dim=-1, sorted=True)
+    candidates = max_candidates
+    if isinstance(top_p, Tensor):
+        p = top_p.to(device=probs.device, dtype=torch.float32).unsqueeze(1)
     else:
+        p = torch.full((probs.shape[0], 1), float(top_p), device=probs.device)
+    bound_scale = p.double()
+    if candidates is None or candidates >= vocab:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    cumulative = sorted_probs.cumsum(dim=-1)
-    total = probs.sum(dim=-1, keepdim=True)
-    mass_above = cumulative - sorted_probs
-    p = _per_row(top_p, probs)
-    keep_sorted = (mass_above < total * p) | (p >= 1.0)
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
+        wide = sorted_probs.double()
+        mass_above = wide.cumsum(dim=-1) - wide
+        total = wide.sum(dim=-1, keepdim=True)
+        keep_sorted = (mass_above < total * bound_scale) | (p >= 1.0)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        return probs.masked_fill(~keep, 0.0)
+    sorted_probs = probs.topk(max(1, candidates), dim=-1, sorted=True).values
+    wide = sorted_probs.double()
+    bound = probs.double().sum(dim=-1, keepdim=True) * bound_scale
+    kept = ((wide.cumsum(dim=-1) - wide) < bound).sum(dim=-1, keepdim=True)
+    # The smallest kept probability (the top one is always kept; a NaN row keeps nothing).
+    boundary = sorted_probs.gather(-1, (kept - 1).clamp(min=0))
+    above = probs > boundary
+    mass_above = torch.where(above, probs, 0.0).double().sum(dim=-1, keepdim=True)
+    ties = probs == boundary
+    tie_rank = ties.cumsum(dim=-1) - 1  # rank among the boundary ties, in token-id order
+    # The i-th tie (0-based) has mass_above + i * boundary ranked above it.
+    keep_ties = ((bound - mass_above) / boundary.double()).ceil().clamp(min=1.0)
+    keep = above | (ties & (tie_rank < keep_ties)) | (p >= 1.0)
     return probs.masked_fill(~keep, 0.0)

@@ -1,7 +1,9 @@
 """The batched sampler: one token per logits row, with its logprob, rank and top alternatives.
 
 Owner: sampling. The engine hands the sampler the model's logits `[B, V]` and one
-`SamplingRow` per logits row; the sampler returns the chosen token ids and their logprobs.
+`SamplingRow` per logits row; the sampler returns the chosen token ids and their logprobs
+(`metrale.sampling.result`: on the device, and the one copy back). The filters themselves
+live in `logits_processors`.
 
 Pipeline, per row (each stage is one batched tensor op over the rows that need it):
 1. repetition penalty (prompt + output tokens), then frequency/presence penalties (output
@@ -57,7 +59,7 @@ from __future__ import annotations
 import array
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,10 +72,12 @@ from metrale.sampling.logits_processors import (
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k,
+    apply_top_p,
     mask_tokens,
     token_counts,
 )
 from metrale.sampling.params import SamplingParams, mix_seed
+from metrale.sampling.result import SampledBatch, SamplerOutput
 
 if TYPE_CHECKING:
     from metrale.kernels import KernelOps
@@ -128,104 +132,6 @@ class SamplingRow:
     def step(self) -> int:
         """Index of the token being sampled within the output (the seeded draw's counter)."""
         return len(self.output_token_ids) + self.pending
-
-
-@dataclass
-class SamplerOutput:
-    """Host-side result of one sampler call; lists are indexed like the logits rows."""
-
-    token_ids: list[int]
-    #: Raw logprob of the chosen token.
-    logprobs: list[float]
-    #: 1-based rank of the chosen token under the raw logits.
-    ranks: list[int]
-    #: Per row, best first, `params.logprobs` (token id, raw logprob) pairs; an empty list for
-    #: rows that asked for none. None when no row of the batch asked for alternatives.
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    #: Rows that had no samplable token; their token is a fallback (see the module docstring).
-    unsamplable_rows: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SampledBatch:
-    """Device-side result of `Sampler.sample`; `to_host()` copies it back in one transfer."""
-
-    token_ids: Tensor  # [B] int64
-    logprobs: Tensor  # [B] float32
-    ranks: Tensor  # [B] int64
-    samplable: Tensor  # [B] bool
-    top_token_ids: Tensor | None  # [B, K] int64, K = the batch's largest params.logprobs
-    top_logprobs: Tensor | None  # [B, K] float32
-    #: Per row, how many of the K alternatives it asked for.
-    top_counts: list[int]
-    #: The results already packed on the device (`[B, 4 + 2K]` float64), when one kernel
-    #: produced them (`KernelOps.greedy_logprobs`); else packed from the fields above.
-    packed: Tensor | None = None
-    #: The packed host copy started by `start_copy` and the event that marks it done.
-    _host: Tensor | None = None
-    _copied: torch.cuda.Event | None = None
-
-    def _packed(self) -> Tensor:
-        if self.packed is not None:
-            return self.packed
-        columns = [
-            self.token_ids.unsqueeze(1),
-            self.logprobs.unsqueeze(1),
-            self.ranks.unsqueeze(1),
-            self.samplable.unsqueeze(1),
-        ]
-        if self.top_token_ids is not None and self.top_logprobs is not None:
-            columns += [self.top_token_ids, self.top_logprobs]
-        # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy.
-        return torch.cat([c.to(torch.float64) for c in columns], dim=1)
-
-    def start_copy(self) -> None:
-        """Queue the device-to-host copy of the results now (pinned, non-blocking), so work
-        queued on the stream after this call does not delay `to_host`. No sync."""
-        if self._host is not None:
-            return
-        packed = self._packed()
-        if packed.device.type != "cuda":
-            self._host = packed
-            return
-        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-        host.copy_(packed, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._host, self._copied = host, event
-
-    def to_host(self) -> SamplerOutput:
-        """The results on the host: waits for the copy (started here if `start_copy` was
-        not called); the step's one synchronisation."""
-        self.start_copy()
-        assert self._host is not None
-        if self._copied is not None:
-            self._copied.synchronize()
-        packed = self._host.tolist()
-        width = 0 if self.top_token_ids is None else self.top_token_ids.shape[1]
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        ranks: list[int] = []
-        unsamplable: list[int] = []
-        tops: list[list[tuple[int, float]]] = []
-        for i, values in enumerate(packed):
-            token_ids.append(int(values[0]))
-            logprobs.append(values[1])
-            ranks.append(int(values[2]))
-            if not values[3]:
-                unsamplable.append(i)
-            if width:
-                count = self.top_counts[i]
-                ids = values[4 : 4 + count]
-                lps = values[4 + width : 4 + width + count]
-                tops.append([(int(t), lp) for t, lp in zip(ids, lps)])
-        return SamplerOutput(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            ranks=ranks,
-            top_logprobs=tops if width else None,
-            unsamplable_rows=unsamplable,
-        )
 
 
 def row_uniform(seed: int, step: int) -> float:
@@ -459,7 +365,9 @@ class Sampler:
             candidates = None
             if all(0 < rows[j].params.top_k < vocab for j in top_p_rows):
                 candidates = max(rows[j].params.top_k for j in top_p_rows)
-            probs = _apply_to_rows(probs, top_p_rows, lambda sub: _top_p(sub, top_ps, candidates))
+            probs = _apply_to_rows(
+                probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
+            )
 
         uniforms = [self._uniform(row) for row in rows]
         token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, device))
@@ -541,46 +449,6 @@ def _greedy(x: Tensor, ops: KernelOps | None = None) -> tuple[Tensor, Tensor]:
         return token_ids, values > _NEG_INF
     values, token_ids = _sanitize(x).max(dim=-1)
     return token_ids, values > _NEG_INF
-
-
-def _top_p(probs: Tensor, top_p: Tensor, candidates: int | None) -> Tensor:
-    """Top-p over `probs` `[N, V]` (non-negative, unnormalised) as
-    `reference.top_k_top_p_filter` and the Triton kernel define it: a token stays while the
-    mass ranked above it (descending, ties ranked by token id) is < `top_p * total`, masses
-    summed in float64 (float32 sums in different orders disagree about the token that crosses
-    the bound); `top_p` `[N]` float32.
-
-    `candidates`, when given, says each row passed a top-k of at most that k: only the
-    `candidates` largest probabilities are sorted. More tokens than that survive top-k when
-    some tie with the k-th largest logit; those all share the smallest candidate probability,
-    so the boundary is found on the sorted candidates and the tokens tied with it are then
-    kept in id order as many as the mass allows (as the kernel does) - the same kept set.
-    """
-    vocab = probs.shape[-1]
-    p = top_p.to(device=probs.device, dtype=torch.float32).unsqueeze(1)
-    bound_scale = p.double()
-    if candidates is None or candidates >= vocab:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        wide = sorted_probs.double()
-        mass_above = wide.cumsum(dim=-1) - wide
-        total = wide.sum(dim=-1, keepdim=True)
-        keep_sorted = (mass_above < total * bound_scale) | (p >= 1.0)
-        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-        return probs.masked_fill(~keep, 0.0)
-    sorted_probs = probs.topk(max(1, candidates), dim=-1, sorted=True).values
-    wide = sorted_probs.double()
-    bound = probs.double().sum(dim=-1, keepdim=True) * bound_scale
-    kept = ((wide.cumsum(dim=-1) - wide) < bound).sum(dim=-1, keepdim=True)
-    # The smallest kept probability (the top one is always kept; a NaN row keeps nothing).
-    boundary = sorted_probs.gather(-1, (kept - 1).clamp(min=0))
-    above = probs > boundary
-    mass_above = torch.where(above, probs, 0.0).double().sum(dim=-1, keepdim=True)
-    ties = probs == boundary
-    tie_rank = ties.cumsum(dim=-1) - 1  # rank among the boundary ties, in token-id order
-    # The i-th tie (0-based) has mass_above + i * boundary ranked above it.
-    keep_ties = ((bound - mass_above) / boundary.double()).ceil().clamp(min=1.0)
-    keep = above | (ties & (tie_rank < keep_ties)) | (p >= 1.0)
-    return probs.masked_fill(~keep, 0.0)
 
 
 def _to_device(

@@ -16,12 +16,12 @@ import torch
 
 from metrale.kernels import KernelOps, reference
 from metrale.sampling import SamplingParams
+from metrale.sampling.logits_processors import apply_top_p
 from metrale.sampling.sampler import (
     KERNEL_MIN_ROWS,
     Sampler,
     SamplerOutput,
     SamplingRow,
-    _top_p,
 )
 
 NEG_INF = float("-inf")
@@ -152,7 +152,7 @@ def test_seeded_row_token_does_not_depend_on_the_path() -> None:
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("top_k", [0, 1, 5, 40])
 def test_top_p_keeps_the_reference_set(top_k: int, ties: bool) -> None:
-    """`_top_p` (full sort, or sorting only top-k candidates) keeps exactly the tokens
+    """`apply_top_p` (full sort, or sorting only top-k candidates) keeps exactly the tokens
     `reference.top_k_top_p_filter` keeps: float64 masses, ties ranked by id, and every token
     tied with the k-th largest logit competing (more than k candidates)."""
     rows, vocab = 64, 200
@@ -167,6 +167,6 @@ def test_top_p_keeps_the_reference_set(top_k: int, ties: bool) -> None:
     want, _ = reference.top_k_top_p_filter(x, ks, ps)
     no_top_p, _ = reference.top_k_top_p_filter(x, ks, torch.ones(rows))
     candidates = top_k if top_k > 0 else None
-    got = _top_p(no_top_p, ps, candidates)
+    got = apply_top_p(no_top_p, ps, candidates)
     assert torch.equal(got > 0, want > 0)
     assert torch.equal(got, want)
