@@ -8,13 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+import torch
+
 from metrale import Engine, EngineConfig, SamplingParams
 from metrale.engine.request import RequestOutput
-from metrale.model_engine.traits import FED_TOKEN
+from metrale.model_engine.traits import FED_TOKEN, FeedSource
 from metrale.scheduler.core import Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
-from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.checkpoints import DENSE_VARIANTS, HYBRID_VARIANTS, build
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import mixed_prompts
 
@@ -241,3 +244,43 @@ def test_plan_fed_step_rules() -> None:
     scheduler.config.max_num_seqs = 3  # no room to admit: keep feeding
     assert scheduler.plan_fed_step(prev) is not None
     assert scheduler.plan_fed_step(StepPlan(decode=[a, c])) is None  # b is running, unplanned
+
+
+@pytest.mark.parametrize("name", ["bamba", "qwen3next"])
+def test_hybrid_models_fed_steps_change_no_output(name: str) -> None:
+    """Recurrent (SSM / gated-delta) state advances once per fed step, rows in slot order."""
+    variant = next(v for v in HYBRID_VARIANTS if v.name == name)
+
+    def engine(async_scheduling: bool) -> Engine:
+        return Engine(
+            EngineConfig(
+                model=str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=160,
+                max_num_seqs=4, async_scheduling=async_scheduling,
+            )
+        )  # fmt: skip
+
+    prompts = mixed_prompts(5)
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=1)
+    early = [(f"r{i}", p, params) for i, p in enumerate(prompts[:3])]
+    late = [("late", prompts[3], SamplingParams(temperature=0.9, seed=4, max_tokens=7))]
+    expected = run(engine(False), early, late)
+    fed = engine(True)
+    assert_same(run(fed, early, late), expected)
+    assert fed.fed_steps > 0 and fed.drained_steps > 0
+    assert_no_leaks(fed)
+
+
+def test_decode_batch_fed_refuses_bad_sources() -> None:
+    engine = new_engine(True)
+    model = engine.model
+    seq = model.alloc_sequence()
+    feed = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="needs `feed`"):
+        model.decode_batch_fed([FeedSource(from_row=0)], [seq])
+    with pytest.raises(ValueError, match="row of the previous step's 2 tokens"):
+        model.decode_batch_fed([FeedSource(from_row=5)], [seq], feed=feed)
+    with pytest.raises(ValueError, match="host tokens go through decode_batch"):
+        model.decode_batch_fed([FeedSource(host_token=3)], [seq], feed=feed)
+    with pytest.raises(ValueError, match="differ in length"):
+        model.decode_batch_fed([FeedSource(from_row=0)], [], feed=feed)
+    model.free_sequence(seq)
