@@ -7,8 +7,9 @@ Invariants:
 - A graph is replayed only for a forward whose rows are all single-token decode rows and whose
   count fits a captured rung; everything else runs eagerly.
 - Inputs reach the graph only through the persistent buffers; rows past the real batch are
-  padding: token 0 at position 0, writing its K/V to slot 0 of the null block, attending to
-  that slot alone, and its logits row is never read.
+  padding: token 0 (a fed replay: the previous step's row-0 token) at position 0, writing
+  its K/V to slot 0 of the null block, attending to that slot alone, and its logits row is
+  never read.
 - Block-table columns past a row's current block count are stale but never read: the
   attention kernels stop at `seq_lens`.
 - The attention op must be capturable (no host reads); graphs are refused otherwise.
@@ -17,7 +18,7 @@ Invariants:
   were read back, so a step launched while the previous one is still queued (the device
   token feed) never changes the previous step's inputs under it.
 - The block table is sent only when it differs from the one the device buffer last received
-  for the same rung (stream order makes the buffer hold it when the replay runs).
+  (stream order makes the buffer hold it when the replay runs).
 - A fed replay's input ids are gathered on the device from the previous step's token ids.
 """
 
@@ -63,8 +64,9 @@ class DecodeGraphRunner:
         size = 4 * n + n * width  # ids, positions, slots, lengths, then the block table
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
-        #: The block table (and rung) the device buffer holds, to skip re-sending it.
-        self._sent_tables: tuple[int, np.ndarray] | None = None
+        #: The block table last sent to the device buffer, to skip re-sending it (its row
+        #: count fixes the rung, so an equal table means an equal buffer).
+        self._sent_tables: np.ndarray | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -149,17 +151,14 @@ class DecodeGraphRunner:
         # The block table changes only when a row gains a block: most steps skip it.
         sent = self._sent_tables
         send_tables = not (
-            sent is not None
-            and sent[0] == rung
-            and sent[1].shape == tables.shape
-            and np.array_equal(sent[1], tables)
+            sent is not None and sent.shape == tables.shape and np.array_equal(sent, tables)
         )
         end = 4 * rung
         width = tables.shape[1]
         if send_tables:
             end += rows * width
             stage[4 * rung : end] = tables.reshape(-1)
-            self._sent_tables = (rung, tables.copy())
+            self._sent_tables = tables.copy()
         # One pinned host-to-device copy of a contiguous prefix, then device-side copies.
         staged = staging[:end].to(self.device, non_blocking=True)
         ids = staged[:rung]
