@@ -7,6 +7,7 @@
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
+#        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration)
 #        ceiling gemv serveab graphtime  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -109,10 +110,12 @@ for part in $PARTS; do
     stamp serve qwen3-8b
     rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
     python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
-    timeout 150 python3 -c "
+    timeout ${PEER_TIMEOUT:-150} python3 -c "
 import json, torch
 from metrale.bench.hf_peer import hf_generate_tok_s
-peer = {f'C={b}': hf_generate_tok_s('bench/configs/qwen3-8b', b, 128, 16) for b in (1, 128)}
+compiled = '${PEER_COMPILE:-0}' == '1'
+peer = {f'C={b}': hf_generate_tok_s('bench/configs/qwen3-8b', b, 128, 16, try_compile=compiled)
+        for b in (1, 128)}
 json.dump(peer, open('$OUT/serve_peer.json', 'w'), indent=1)
 print(peer)" >"$OUT/serve_peer.log" 2>&1
     echo "peer rc=$?"; tail -3 "$OUT/serve_peer.log"
