@@ -21,9 +21,9 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS` non-greedy rows takes
-`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; smaller batches keep the
-torch path. Both paths compute the function above, so which one a batch took does not change
+torch's); otherwise greedy rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS`
+non-greedy rows takes `ops.top_k_top_p_sample` (no vocabulary sort) after the temperature;
+smaller batches keep the torch path. Both paths compute the function above, so which one a batch took does not change
 a seeded row's token (up to the floating-point reductions noted below: the kernel sums in
 another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
 one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the

@@ -235,7 +235,7 @@ class Scheduler:
         now = self.clock()
         decode: list[SchedSequence] = []
         feed_rows: list[int] = []
-        live = need = 0
+        live = 0
         for row, seq in enumerate(prev.sampled):
             if seq.status is not Status.RUNNING:
                 if seq.is_finished:  # aborted or stopped since `prev` was planned
@@ -244,16 +244,15 @@ class Scheduler:
             live += 1
             if seq.deadline is not None and now >= seq.deadline:
                 return None
-            n_out = len(seq.output_token_ids) + 1  # with the token `prev` is sampling
-            if n_out >= seq.max_tokens or seq.prompt_len + n_out >= self.config.max_model_len:
+            # With the token `prev` is sampling: a sequence that ends by length there is done.
+            if self._ends_by_length(seq, len(seq.output_token_ids) + 1):
                 continue
-            state = seq.state
-            assert state is not None
-            need += max(0, self.blocks_for(state.seq_len + 1) - len(state.block_table))
             decode.append(seq)
             feed_rows.append(row)
-        if live != len(self.running) or not decode or need > self.model.num_free_blocks():
-            return None  # a sequence mid-prefill, nothing to run, or a preemption ahead
+        if live != len(self.running) or not decode:
+            return None  # a sequence mid-prefill, or nothing to run
+        if self._decode_need(decode) > self.model.num_free_blocks():
+            return None  # a preemption may be ahead
         if self.model.num_total_slots() is not None:
             order = sorted(range(len(decode)), key=lambda i: _ssm_slot_key(decode[i]))
             decode = [decode[i] for i in order]
@@ -500,9 +499,13 @@ class Scheduler:
                 return "stop", token
             if not params.ignore_eos and token in seq.eos_token_ids:
                 return "stop", None
-        if n_out >= seq.max_tokens or seq.num_known >= self.config.max_model_len:
+        if self._ends_by_length(seq, n_out):
             return "length", None
         return None, None
+
+    def _ends_by_length(self, seq: SchedSequence, n_out: int) -> bool:
+        """Whether `n_out` generated tokens end `seq` by length (its budget or the context)."""
+        return n_out >= seq.max_tokens or seq.prompt_len + n_out >= self.config.max_model_len
 
 
 def _ssm_slot_key(seq: SchedSequence) -> int:
