@@ -8,7 +8,7 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration)
-#        ceiling gemv serveab graphtime  (diagnostics: engine-only decode ceiling at C=128, the GEMV
+#        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
 OUT=${OUT:-/tmp/metrale-gpu}
@@ -82,6 +82,11 @@ for part in $PARTS; do
     timeout 240 python3 tools/graph_step_time.py bench/configs/qwen3-8b --out "$OUT/graphtime.json" \
       >"$OUT/graphtime.log" 2>&1
     echo "rc=$?"; grep -E "^(gemv|cublas)|_replay_ms" "$OUT/graphtime.log" | head -8
+    ;;
+  sampler)
+    stamp sampler torch path vs kernel by batch
+    timeout 150 python3 tools/bench_sampler.py --out "$OUT/sampler.json" >"$OUT/sampler.log" 2>&1
+    echo "rc=$?"; tail -24 "$OUT/sampler.log"
     ;;
   gemv)
     stamp gemv bench

@@ -74,6 +74,18 @@ def main() -> None:
                 sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
             )
             print(table)
+            # The same step as captured: CUPTI attributes the kernels inside graph replays.
+            rung = next(r for r in runner.rungs if r >= args.rows)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    runner.graphs[rung].replay()
+                torch.cuda.synchronize()
+            print("graph replay kernels (5 replays):")
+            print(
+                prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
+                )
+            )
         del engine
         torch.cuda.empty_cache()
     print(json.dumps(result, indent=1))

@@ -21,11 +21,12 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`, and a batch of at least `KERNEL_MIN_ROWS`
-non-greedy rows takes `ops.top_k_top_p_sample` (no vocabulary sort) after the temperature;
-smaller batches keep the torch path. Both paths compute the function above, so which one a batch took does not change
-a seeded row's token (up to the floating-point reductions noted below: the kernel sums in
-another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
+torch's); otherwise greedy rows take `ops.argmax`. Non-greedy rows keep the torch path unless
+the sampler is built with `kernel_min_rows`: then a batch of at least that many takes
+`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature (off by default: slower
+on the H200, see `KERNEL_MIN_ROWS`). Both paths compute the function above, so which one a
+batch took does not change a seeded row's token (up to the floating-point reductions noted
+below: the kernel sums in another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
 one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the
 two differ only for a row holding both values.
 
@@ -94,13 +95,13 @@ __all__ = [
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 #: Fewest non-greedy rows for which `Sampler` calls `ops.top_k_top_p_sample` rather than the
-#: torch path. The kernel runs one program per row (one SM each), so its time barely grows
-#: with the rows until the SMs are full, while the torch path's top-k/sort/cumsum launches
-#: scale with rows x vocabulary; for one row, though, the kernel's ~20 sequential threshold-
-#: search passes over the vocabulary on a single SM likely cost more than the torch path's
-#: few wide launches (an estimate: not yet measured on a GPU; tune with a benchmark). Both
-#: paths draw the same token, so the threshold is a speed choice only.
-KERNEL_MIN_ROWS = 8
+#: torch path; None: never. Measured on the H200 (`tools/bench_sampler.py`,
+#: bench/records/20261129T222030-sampler-qwen3-vocab.json, vocabulary 152k): the kernel runs one
+#: program per row, and its threshold searches over the row on one SM cost more than torch's
+#: wide launches at every batch up to 64 rows (top-k 50 + top-p 0.9 at 1 row: 3.4 ms against
+#: 0.33 ms of GPU time; at 64 rows 4.5 ms against 2.5 ms), and at 128 rows it wins only
+#: without top-k. So the sampler keeps the torch path; pass `kernel_min_rows` to use the kernel.
+KERNEL_MIN_ROWS: int | None = None
 
 
 @dataclass
@@ -182,11 +183,19 @@ def _gather_logprobs(
 class Sampler:
     """Samples one token per logits row; see the module docstring for the pipeline."""
 
-    def __init__(self, seed: int | None = None, ops: KernelOps | None = None) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        ops: KernelOps | None = None,
+        kernel_min_rows: int | None = KERNEL_MIN_ROWS,
+    ) -> None:
         #: Source of unseeded rows' uniforms; None seeds it from OS entropy.
         self._rng = random.Random(None if seed is None else mix_seed(seed))
         #: The device's sampling ops (`argmax`, `top_k_top_p_sample`); None: torch path only.
         self._ops = ops
+        #: Fewest non-greedy rows that take `ops.top_k_top_p_sample`; None: never (see
+        #: `KERNEL_MIN_ROWS`).
+        self._kernel_min_rows = kernel_min_rows
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
@@ -340,7 +349,8 @@ class Sampler:
         if any(t != 1.0 for t in temperatures):
             x = x / _to_device(temperatures, torch.float32, device).unsqueeze(1)
         x = _sanitize(x)
-        if self._ops is not None and len(rows) >= KERNEL_MIN_ROWS:
+        min_rows = self._kernel_min_rows
+        if self._ops is not None and min_rows is not None and len(rows) >= min_rows:
             return self._draw_with_kernel(x, rows)
 
         top_k_rows = [j for j, row in enumerate(rows) if 0 < row.params.top_k < vocab]

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from metrale.kernels import KernelOps
 from metrale.kernels import triton_sampling as ts
 from metrale.sampling import SamplingParams
-from metrale.sampling.sampler import KERNEL_MIN_ROWS, Sampler, SamplingRow
+from metrale.sampling.sampler import Sampler, SamplingRow
 
 INTERPRET = os.environ.get("METRALE_TRITON_INTERPRET") == "1"
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
@@ -41,7 +41,7 @@ KINDS = [
 @pytest.mark.parametrize("ties", [False, True])
 def test_sampler_with_triton_ops_draws_the_torch_path_tokens(ties: bool) -> None:
     vocab = 600 if INTERPRET else 151_936
-    size = KERNEL_MIN_ROWS + 4 if INTERPRET else 64
+    size = 12 if INTERPRET else 64
     steps = 2 if INTERPRET else 6
     ops = KernelOps(argmax=ts.argmax, top_k_top_p_sample=ts.top_k_top_p_sample)
     g = torch.Generator().manual_seed(5 + ties)
@@ -56,7 +56,7 @@ def test_sampler_with_triton_ops_draws_the_torch_path_tokens(ties: bool) -> None
             SamplingRow(KINDS[i % len(KINDS)], output_token_ids=[0] * (step + i % 3))
             for i in range(size)
         ]
-        kernel = Sampler(ops=ops)(logits.to(DEVICE), rows)
+        kernel = Sampler(ops=ops, kernel_min_rows=1)(logits.to(DEVICE), rows)
         torch_path = Sampler()(logits.to(DEVICE), rows)
         assert kernel.token_ids == torch_path.token_ids
         assert kernel.unsamplable_rows == torch_path.unsamplable_rows == [1]

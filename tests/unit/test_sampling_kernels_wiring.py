@@ -17,14 +17,11 @@ import torch
 from metrale.kernels import KernelOps, reference
 from metrale.sampling import SamplingParams
 from metrale.sampling.logits_processors import apply_top_p
-from metrale.sampling.sampler import (
-    KERNEL_MIN_ROWS,
-    Sampler,
-    SamplerOutput,
-    SamplingRow,
-)
+from metrale.sampling.sampler import KERNEL_MIN_ROWS, Sampler, SamplerOutput, SamplingRow
 
 NEG_INF = float("-inf")
+#: The kernel threshold these tests build their samplers with (the default is off).
+MIN_ROWS = 8
 
 
 class _Counting:
@@ -92,11 +89,11 @@ def _assert_same(got: SamplerOutput, want: SamplerOutput) -> None:
 
 
 @pytest.mark.parametrize("ties", [False, True])
-@pytest.mark.parametrize("size", [3, KERNEL_MIN_ROWS + 1, 40])
+@pytest.mark.parametrize("size", [3, MIN_ROWS + 1, 40])
 def test_reference_ops_give_the_torch_path_results(size: int, ties: bool) -> None:
     vocab = 300
     ops, argmax, draw = _ops()
-    with_ops, without = Sampler(seed=4, ops=ops), Sampler(seed=4)
+    with_ops, without = Sampler(seed=4, ops=ops, kernel_min_rows=MIN_ROWS), Sampler(seed=4)
     argmax_calls = draw_calls = 0
     for step in range(6):
         logits, rows = _batch(size, vocab, seed=100 * size + step, ties=ties)
@@ -108,25 +105,38 @@ def test_reference_ops_give_the_torch_path_results(size: int, ties: bool) -> Non
         _assert_same(with_ops(logits, rows), without(logits, rows))
         greedy = sum(row.params.is_greedy for row in rows)
         argmax_calls += greedy > 0
-        draw_calls += size - greedy >= KERNEL_MIN_ROWS
+        draw_calls += size - greedy >= MIN_ROWS
     assert (argmax.calls, draw.calls) == (argmax_calls, draw_calls)
-    assert argmax_calls > 0 and (draw_calls > 0) == (size > KERNEL_MIN_ROWS)
+    assert argmax_calls > 0 and (draw_calls > 0) == (size > MIN_ROWS)
+
+
+def test_the_default_sampler_keeps_the_torch_draw_at_any_batch() -> None:
+    """KERNEL_MIN_ROWS is None (the kernel measured slower): no batch size takes it."""
+    assert KERNEL_MIN_ROWS is None
+    ops, argmax, draw = _ops()
+    sampler = Sampler(seed=0, ops=ops)
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
+    rows = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(64)]
+    sampler(logits, rows)
+    assert draw.calls == 0
+    sampler(logits[:2], [rows[0], SamplingRow(SamplingParams(temperature=0.0))])
+    assert (draw.calls, argmax.calls) == (0, 1)
 
 
 def test_small_batch_keeps_the_torch_draw_and_large_batch_calls_the_kernel() -> None:
     ops, argmax, draw = _ops()
-    sampler = Sampler(seed=0, ops=ops)
+    sampler = Sampler(seed=0, ops=ops, kernel_min_rows=MIN_ROWS)
     vocab = 50
-    logits = torch.randn(KERNEL_MIN_ROWS, vocab, generator=torch.Generator().manual_seed(1))
-    rows = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(KERNEL_MIN_ROWS)]
+    logits = torch.randn(MIN_ROWS, vocab, generator=torch.Generator().manual_seed(1))
+    rows = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(MIN_ROWS)]
     sampler(logits[:-1], rows[:-1])
     assert (draw.calls, argmax.calls) == (0, 0)
     sampler(logits, rows)
-    assert (draw.calls, draw.rows) == (1, KERNEL_MIN_ROWS)
+    assert (draw.calls, draw.rows) == (1, MIN_ROWS)
     # Greedy rows beside them go through ops.argmax, the sampled ones through the kernel.
     greedy = SamplingRow(SamplingParams(temperature=0.0))
     sampler(torch.cat([logits, logits[:2]]), [*rows, greedy, greedy])
-    assert (draw.calls, draw.rows) == (2, 2 * KERNEL_MIN_ROWS)
+    assert (draw.calls, draw.rows) == (2, 2 * MIN_ROWS)
     assert (argmax.calls, argmax.rows) == (1, 2)
 
 
@@ -143,7 +153,9 @@ def test_seeded_row_token_does_not_depend_on_the_path() -> None:
         row = SamplingRow(params, output_token_ids=[0] * step)
         alone += Sampler(ops=ops)(row_logits, [row]).token_ids
         batch = torch.cat([torch.randn(15, vocab, generator=g), row_logits])
-        batched.append(Sampler(ops=ops)(batch, [*neighbours, row]).token_ids[-1])
+        batched.append(
+            Sampler(ops=ops, kernel_min_rows=MIN_ROWS)(batch, [*neighbours, row]).token_ids[-1]
+        )
     assert draw.calls == steps
     assert alone == batched
     assert len(set(alone)) > 3
