@@ -14,9 +14,6 @@ Invariants:
 - `slot_mapping[t]` is the flat cache slot (`block * block_size + offset`) of row t's new K/V;
   padded rows point at the null block 0.
 - Host lists mirror the tensors so CPU references and the scheduler never read the device.
-- `decode_semaphores`, when set, is an int32 zero buffer of at least `num_decode x KV heads`
-  elements that the decode attention kernel borrows for its split counters and leaves zero
-  (the graph runner's, reused by every layer and replay); None: the kernel zeroes its own.
 - Hybrid models: `ssm_slots[b]` is sequence b's SSM pool slot; `ssm_has_initial_state[b]` is
   False when its rows start at position 0, so recurrent layers start it from a zero state
   whatever the slot held. Both are None for models without recurrent layers.
@@ -45,7 +42,6 @@ class AttentionMetadata:
     ssm_slots_host: list[int] | None = None
     ssm_has_initial_state: list[bool] | None = None
     query_start_loc_host: list[int] = field(default_factory=list)
-    decode_semaphores: torch.Tensor | None = None  # [>= num_decode * kv_heads] int32 zeros
 
     @property
     def num_seqs(self) -> int:

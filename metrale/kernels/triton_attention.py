@@ -13,9 +13,6 @@ Invariants:
   count and `block_tables.shape[1]`, and each program reads its sequence length from device
   memory and derives its share of the context from it. A row with `seq_len == 0` writes
   zeros; every row writes every element of its output (no NaN, no unwritten memory).
-- Decode splits are combined inside the same launch by the last split of each (row, KV head),
-  counted in `meta.decode_semaphores` (int32 zeros, left zero by every launch) or, without
-  one, in a zeroed buffer allocated per call.
 - One program handles all query heads of one KV head (GQA), so K/V are read once per KV head;
   scores, softmax and the output accumulator are float32 whatever the input dtype.
 - The prefill kernel may take the host `max_query_len` for its grid (prefill is not graphed).
@@ -146,7 +143,6 @@ def paged_attention(
             sliding_window,
             out=out[:num_decode],
             pdl=pdl,
-            semaphores=meta.decode_semaphores,
         )
     if meta.seq_lens.shape[0] > num_decode:
         prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, num_decode)

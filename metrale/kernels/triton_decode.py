@@ -36,12 +36,10 @@ def _decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_lse_ptr,
-    sem_ptr,
     scale_log2,
     window,
     max_blocks,
     num_q_heads,
-    num_kv_heads,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -135,49 +133,49 @@ def _decode_kernel(
         )
     else:
         # Partials [rows, Hq, NUM_SPLITS, HEAD_DIM] (normalised) and lse [rows, Hq, NUM_SPLITS].
-        first = (row.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS
-        base = first + split
+        base = (row.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=h_mask)
-        # The last split of (row, kv_head) to finish combines all of them (no second launch).
-        # The barrier orders every thread's partial stores before the (single-thread) acq_rel
-        # atomic, which publishes them and, for the last split, makes the others' visible; the
-        # last split then resets the counter to 0 for the next launch.
-        sem = sem_ptr + row * num_kv_heads + kv_head
-        tl.debug_barrier()
-        done = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if done == NUM_SPLITS - 1:
-            offs_s = tl.arange(0, NUM_SPLITS)
-            lses = tl.load(
-                part_lse_ptr + first[:, None] + offs_s[None, :],
-                mask=h_mask[:, None],
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            top = tl.max(lses, 1)
-            weights = tl.exp2(lses - tl.where(top == float("-inf"), 0.0, top)[:, None])
-            total = tl.sum(weights, 1)
-            acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-            for s in tl.static_range(NUM_SPLITS):
-                part = tl.load(
-                    part_acc_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=store_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                w_s = tl.sum(tl.where(offs_s[None, :] == s, weights, 0.0), 1)
-                acc += part * w_s[:, None]
-            combined = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-            tl.store(
-                out_ptr
-                + row.to(tl.int64) * stride_ot
-                + heads[:, None] * stride_oh
-                + offs_d[None, :],
-                combined.to(out_ptr.dtype.element_ty),
-                mask=store_mask,
-            )
-            tl.atomic_xchg(sem, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_acc_ptr,
+    part_lse_ptr,
+    out_ptr,
+    num_q_heads,
+    stride_ot,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    base = (row.to(tl.int64) * num_q_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s)
+    m = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    total = tl.sum(weight, 0)
+    part = tl.load(
+        part_acc_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 def decode_num_splits(
@@ -220,7 +218,6 @@ def decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
     pdl: bool = False,
-    semaphores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row, `q` `[R, Hq, D]`, over row r's first
     `seq_lens[r]` cached positions read through `block_tables[r]`; returns `[R, Hq, D]`.
@@ -229,11 +226,6 @@ def decode_attention(
     `block_tables.shape[1]` only. `num_splits` overrides the split count; `min_split_tokens`
     (default: one tile) is the least context a non-empty split takes. `pdl`: launch as
     programmatic dependents of the previous kernel (sm_90+).
-
-    With more than one split, the last split of each (row, KV head) to finish combines them
-    (log-sum-exp weights), counting finished splits in `semaphores`: int32 zeros with at least
-    `R * kv_heads` elements, left zero by every launch (so one buffer serves every layer and
-    every graph replay; launches sharing it must not overlap). None: a zeroed buffer per call.
     """
     rows, q_heads, head_dim = q.shape
     if out is None:
@@ -259,16 +251,8 @@ def decode_attention(
             (rows, q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty((rows, q_heads, num_splits), dtype=torch.float32, device=q.device)
-        if semaphores is None:
-            semaphores = torch.zeros(rows * kv_heads, dtype=torch.int32, device=q.device)
-        elif semaphores.dtype != torch.int32 or semaphores.numel() < rows * kv_heads:
-            raise ValueError(
-                f"decode semaphores must be int32 with at least {rows * kv_heads} elements, "
-                f"got {semaphores.dtype} with {semaphores.numel()}"
-            )
     else:
         part_acc = part_lse = out  # unused
-        semaphores = seq_lens  # unused
     _decode_kernel[(rows, kv_heads, num_splits)](
         q,
         k_cache,
@@ -278,12 +262,10 @@ def decode_attention(
         out,
         part_acc,
         part_lse,
-        semaphores,
         scale * _LOG2E,
         sliding_window or 0,
         max_blocks,
         q_heads,
-        kv_heads,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -308,6 +290,21 @@ def decode_attention(
         num_stages=num_stages,
         **pdl_options(pdl),
     )
+    if num_splits > 1:
+        _decode_combine_kernel[(rows, q_heads)](
+            part_acc,
+            part_lse,
+            out,
+            q_heads,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            PDL=pdl,
+            num_warps=4 if head_dim * num_splits >= 2048 else 1,
+            **pdl_options(pdl),
+        )
     return out
 
 

@@ -60,11 +60,6 @@ class DecodeGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        # Split counters of the decode attention kernel: zero, and left zero by every launch.
-        kv_heads = max((k.shape[2] for k, _ in kv_layers), default=0)
-        self.decode_semaphores = (
-            torch.zeros(n * kv_heads, dtype=torch.int32, device=device) if kv_heads else None
-        )
         pinned = device.type == "cuda"
         size = 4 * n + n * width  # ids, positions, slots, lengths, then the block table
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
@@ -92,7 +87,6 @@ class DecodeGraphRunner:
             seq_lens_host=[],  # not available inside a graph: kernels must not read it
             max_query_len=1,
             max_seq_len=self.block_tables.shape[1] * self.block_size,
-            decode_semaphores=self.decode_semaphores,
         )
 
     def _body(self, rows: int) -> torch.Tensor:
