@@ -6,6 +6,7 @@
 # Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
+#        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
@@ -32,6 +33,12 @@ for part in $PARTS; do
     timeout 120 python3 -m pytest tests/gpu/test_decode_runner.py tests/gpu/test_engine_gpu.py -q \
       -p no:cacheprovider --timeout 100 >"$OUT/gpu_engine_tests.log" 2>&1
     echo "rc=$?"; tail -6 "$OUT/gpu_engine_tests.log"
+    ;;
+  alltests)
+    stamp every gpu-marked test
+    timeout 560 python3 -m pytest tests/gpu tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py -m gpu -q -p no:cacheprovider --timeout 300 \
+      >"$OUT/gpu_all_tests.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/gpu_all_tests.log"
     ;;
   kerneltests)
     stamp kernel tests
