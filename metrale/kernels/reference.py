@@ -299,11 +299,16 @@ def top_k_top_p_sample(
     top_p: torch.Tensor,
     uniforms: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    *,
+    has_top_k: bool = True,
+    has_top_p: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row: `top_k_top_p_filter`, then the first token in id order whose
     float64 cumulative probability reaches `uniforms * total` (`uniforms` in (0, 1)); the
     definition the Triton kernel matches. Returns `(token_ids [B] int64, samplable [B]
     bool)`; a row without a finite logit gets token 0 and samplable False.
+    `has_top_k` / `has_top_p` are the kernel's launch hints (False: no row has that filter
+    on); they never change the result, and the reference does not need them.
     """
     probs, samplable = top_k_top_p_filter(logits, top_k, top_p, min_p)
     cdf = probs.to(torch.float64).cumsum(dim=-1)

@@ -397,12 +397,15 @@ class Sampler:
         min_p = None
         if any(row.params.min_p_enabled for row in rows):
             min_p = _to_device([row.params.min_p for row in rows], torch.float32, device)
+        vocab = x.shape[1]
         token_ids, samplable = self._ops.top_k_top_p_sample(
             x,
             _to_device([row.params.top_k for row in rows], torch.int64, device),
             _to_device([row.params.top_p for row in rows], torch.float32, device),
             _to_device(uniforms, torch.float64, device),
             min_p,
+            has_top_k=any(0 < row.params.top_k < vocab for row in rows),
+            has_top_p=any(row.params.top_p_enabled for row in rows),
         )
         return token_ids, samplable
 

@@ -654,9 +654,12 @@ SAMPLING_CASES = {
 }
 
 
+@pytest.mark.parametrize("slices", [None, 3])
 @pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_k_top_p_sample(case: str, ties: bool) -> None:
+def test_top_k_top_p_sample(case: str, ties: bool, slices: int | None) -> None:
+    """Against the full-sort reference, with the rows split over the default number of
+    programs and over 3 (tied logits then straddle slice boundaries)."""
     top_k, top_p, min_p = SAMPLING_CASES[case]
     vocab = 700 if INTERPRET else 151_936
     batch = 4 if INTERPRET else 16
@@ -672,20 +675,30 @@ def test_top_k_top_p_sample(case: str, ties: bool) -> None:
     mps = torch.full((rows,), min_p, dtype=torch.float32)
     ref_ids, ref_ok = reference.top_k_top_p_sample(logits, ks, ps, u, mps)
     ids, ok = ts.top_k_top_p_sample(
-        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), u.to(DEVICE), mps.to(DEVICE)
-    )
+        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), u.to(DEVICE), mps.to(DEVICE),
+        slices=slices,
+    )  # fmt: skip
     assert torch.equal(ok.cpu(), ref_ok)
     assert torch.equal(ids.cpu(), ref_ids)
+    # The launch hints, given truthfully, skip the unused searches and change nothing.
+    hinted, _ = ts.top_k_top_p_sample(
+        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), u.to(DEVICE), mps.to(DEVICE),
+        has_top_k=0 < top_k < vocab, has_top_p=top_p < 1.0, slices=slices,
+    )  # fmt: skip
+    assert torch.equal(hinted.cpu(), ref_ids)
     # The exact surviving set and its probabilities.
-    ref_probs, _ = reference.top_k_top_p_filter(x, ks[:batch], ps[:batch], mps[:batch])
-    probs, _ = ts.top_k_top_p_filter(
-        x.to(DEVICE), ks[:batch].to(DEVICE), ps[:batch].to(DEVICE), mps[:batch].to(DEVICE)
-    )
+    ref_probs, ref_ok_f = reference.top_k_top_p_filter(x, ks[:batch], ps[:batch], mps[:batch])
+    probs, ok_f = ts.top_k_top_p_filter(
+        x.to(DEVICE), ks[:batch].to(DEVICE), ps[:batch].to(DEVICE), mps[:batch].to(DEVICE),
+        slices=slices,
+    )  # fmt: skip
+    assert torch.equal(ok_f.cpu(), ref_ok_f)
     assert torch.equal(probs.cpu() > 0, ref_probs > 0)
     assert rel_err(probs, ref_probs) < 1e-5
 
 
-def test_top_k_top_p_sample_mixed_rows() -> None:
+@pytest.mark.parametrize("slices", [None, 2])
+def test_top_k_top_p_sample_mixed_rows(slices: int | None) -> None:
     """Per-row parameters differ within one launch (the sampler's batches)."""
     vocab = 600 if INTERPRET else 32_000
     logits = _sampling_rows(6, vocab, 70, ties=False)
@@ -695,13 +708,14 @@ def test_top_k_top_p_sample_mixed_rows() -> None:
     u = torch.tensor([0.01, 0.5, 0.99, 0.3, 0.999999, 0.75], dtype=torch.float64)
     ref_ids, _ = reference.top_k_top_p_sample(logits, ks, ps, u, mps)
     ids, ok = ts.top_k_top_p_sample(
-        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), u.to(DEVICE), mps.to(DEVICE)
-    )
+        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), u.to(DEVICE), mps.to(DEVICE),
+        slices=slices,
+    )  # fmt: skip
     assert ok.all()
     assert torch.equal(ids.cpu(), ref_ids)
     ref_probs, _ = reference.top_k_top_p_filter(logits, ks, ps, mps)
     probs, _ = ts.top_k_top_p_filter(
-        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), mps.to(DEVICE)
+        logits.to(DEVICE), ks.to(DEVICE), ps.to(DEVICE), mps.to(DEVICE), slices=slices
     )
     assert torch.equal(probs.cpu() > 0, ref_probs > 0)
     assert rel_err(probs, ref_probs) < 1e-5

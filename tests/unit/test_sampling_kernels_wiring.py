@@ -32,10 +32,10 @@ class _Counting:
         self.calls = 0
         self.rows = 0
 
-    def __call__(self, logits: torch.Tensor, *args: object) -> object:
+    def __call__(self, logits: torch.Tensor, *args: object, **kwargs: object) -> object:
         self.calls += 1
         self.rows += logits.shape[0]
-        return self.fn(logits, *args)
+        return self.fn(logits, *args, **kwargs)
 
 
 def _ops() -> tuple[KernelOps, _Counting, _Counting]:
