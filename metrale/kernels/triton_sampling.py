@@ -180,7 +180,8 @@ _PASSES = 8
 _MAX_SLICES = 256
 #: Columns of the per-row scalars one kernel hands the next: the top-k threshold key and the
 #: top-p boundary key.
-_T_K, _K_B = 0, 1
+_T_K = tl.constexpr(0)
+_K_B = tl.constexpr(1)
 
 
 @triton.jit
