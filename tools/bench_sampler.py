@@ -1,6 +1,7 @@
 """Where the sampler should switch from its torch path to the sort-free Triton kernel: time
 `Sampler.sample` (the whole call, as the engine makes it) for batches of non-greedy rows with
-`kernel_min_rows` 1 (always the kernel) and 2**30 (always torch).
+`kernel_min_rows=1, kernel_for_full_sort_only=False` (always the kernel) and
+`kernel_min_rows=None` (always torch).
 
 Usage (GPU): PYTHONPATH=. python3 tools/bench_sampler.py [--out result.json]
 The result decides `metrale.sampling.sampler.KERNEL_MIN_ROWS`: the smallest batch from which
@@ -47,8 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     ops = triton_kernel_ops()
-    samplers = {"kernel": Sampler(seed=0, ops=ops, kernel_min_rows=1),
-                "torch": Sampler(seed=0, ops=ops, kernel_min_rows=1 << 30)}  # fmt: skip
+    samplers = {
+        "kernel": Sampler(seed=0, ops=ops, kernel_min_rows=1, kernel_for_full_sort_only=False),
+        "torch": Sampler(seed=0, ops=ops, kernel_min_rows=None),
+    }
     g = torch.Generator(device=device).manual_seed(0)
     result: dict[str, dict[str, dict[str, float]]] = {}
     if args.profile:

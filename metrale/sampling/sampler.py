@@ -21,12 +21,12 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`. Non-greedy rows keep the torch path unless
-the sampler is built with `kernel_min_rows`: then a batch of at least that many takes
-`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature (off by default: slower
-on the H200, see `KERNEL_MIN_ROWS`). Both paths compute the function above, so which one a
-batch took does not change a seeded row's token (up to the floating-point reductions noted
-below: the kernel sums in another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
+torch's); otherwise greedy rows take `ops.argmax`. A batch of at least `KERNEL_MIN_ROWS`
+non-greedy rows that the torch path would fully sort (a top-p row without top-k) takes
+`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; other batches keep the
+torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
+compute the function above, so which one a batch took does not change a seeded row's token
+(up to the floating-point reductions noted below: the kernel sums in another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
 one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the
 two differ only for a row holding both values.
 
@@ -95,13 +95,14 @@ __all__ = [
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 #: Fewest non-greedy rows for which `Sampler` calls `ops.top_k_top_p_sample` rather than the
-#: torch path; None: never. Measured on the H200 (`tools/bench_sampler.py`,
-#: bench/records/20261129T222030-sampler-qwen3-vocab.json, vocabulary 152k): the kernel runs one
-#: program per row, and its threshold searches over the row on one SM cost more than torch's
-#: wide launches at every batch up to 64 rows (top-k 50 + top-p 0.9 at 1 row: 3.4 ms against
-#: 0.33 ms of GPU time; at 64 rows 4.5 ms against 2.5 ms), and at 128 rows it wins only
-#: without top-k. So the sampler keeps the torch path; pass `kernel_min_rows` to use the kernel.
-KERNEL_MIN_ROWS: int | None = None
+#: torch path, by default only for a batch the torch path would fully sort (a top-p row
+#: without top-k). Measured on the H200 (`tools/bench_sampler.py`, vocabulary 152k, whole
+#: `sample()` calls; bench/records/20261129T230000-sampler-qwen3-vocab.json): with top-p 0.95
+#: alone the split-row kernel takes 0.96 / 1.08 / 1.69 / 3.15 ms at 16 / 32 / 64 / 128 rows
+#: against torch's 1.21 / 1.60 / 2.26 / 4.30, and loses at 8 rows and fewer (1.09 vs 1.00);
+#: with top-k 50 as well torch sorts only the k candidates and wins from 64 rows on, and
+#: temperature alone is 5-40% faster on torch at every batch.
+KERNEL_MIN_ROWS: int | None = 16
 
 
 @dataclass
@@ -188,6 +189,7 @@ class Sampler:
         seed: int | None = None,
         ops: KernelOps | None = None,
         kernel_min_rows: int | None = KERNEL_MIN_ROWS,
+        kernel_for_full_sort_only: bool = True,
     ) -> None:
         #: Source of unseeded rows' uniforms; None seeds it from OS entropy.
         self._rng = random.Random(None if seed is None else mix_seed(seed))
@@ -196,6 +198,9 @@ class Sampler:
         #: Fewest non-greedy rows that take `ops.top_k_top_p_sample`; None: never (see
         #: `KERNEL_MIN_ROWS`).
         self._kernel_min_rows = kernel_min_rows
+        #: Whether the kernel takes only batches the torch path would fully sort (False:
+        #: every batch of `kernel_min_rows` or more; tests and the benchmark).
+        self._kernel_for_full_sort_only = kernel_for_full_sort_only
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
@@ -349,8 +354,7 @@ class Sampler:
         if any(t != 1.0 for t in temperatures):
             x = x / _to_device(temperatures, torch.float32, device).unsqueeze(1)
         x = _sanitize(x)
-        min_rows = self._kernel_min_rows
-        if self._ops is not None and min_rows is not None and len(rows) >= min_rows:
+        if self._takes_kernel(rows, vocab):
             return self._draw_with_kernel(x, rows)
 
         top_k_rows = [j for j, row in enumerate(rows) if 0 < row.params.top_k < vocab]
@@ -382,6 +386,17 @@ class Sampler:
         uniforms = [self._uniform(row) for row in rows]
         token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, device))
         return token_ids, samplable
+
+    def _takes_kernel(self, rows: Sequence[SamplingRow], vocab: int) -> bool:
+        """Whether these non-greedy rows go to `ops.top_k_top_p_sample` (see
+        `KERNEL_MIN_ROWS`): enough of them, and, by default, a top-p row without top-k among
+        them (the torch path would sort the whole vocabulary)."""
+        min_rows = self._kernel_min_rows
+        if self._ops is None or min_rows is None or len(rows) < min_rows:
+            return False
+        if not self._kernel_for_full_sort_only:
+            return True
+        return any(row.params.top_p_enabled and not 0 < row.params.top_k < vocab for row in rows)
 
     def _draw_with_kernel(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """`_draw` after the temperature, through `ops.top_k_top_p_sample` (same function).

@@ -20,8 +20,13 @@ from metrale.sampling.logits_processors import apply_top_p
 from metrale.sampling.sampler import KERNEL_MIN_ROWS, Sampler, SamplerOutput, SamplingRow
 
 NEG_INF = float("-inf")
-#: The kernel threshold these tests build their samplers with (the default is off).
+#: The kernel threshold these tests build their samplers with (every batch that size or
+#: larger takes the kernel: `kernel_for_full_sort_only=False`).
 MIN_ROWS = 8
+
+
+def _forced(ops: KernelOps, seed: int | None = None) -> Sampler:
+    return Sampler(seed=seed, ops=ops, kernel_min_rows=MIN_ROWS, kernel_for_full_sort_only=False)
 
 
 class _Counting:
@@ -93,7 +98,7 @@ def _assert_same(got: SamplerOutput, want: SamplerOutput) -> None:
 def test_reference_ops_give_the_torch_path_results(size: int, ties: bool) -> None:
     vocab = 300
     ops, argmax, draw = _ops()
-    with_ops, without = Sampler(seed=4, ops=ops, kernel_min_rows=MIN_ROWS), Sampler(seed=4)
+    with_ops, without = _forced(ops, seed=4), Sampler(seed=4)
     argmax_calls = draw_calls = 0
     for step in range(6):
         logits, rows = _batch(size, vocab, seed=100 * size + step, ties=ties)
@@ -110,22 +115,34 @@ def test_reference_ops_give_the_torch_path_results(size: int, ties: bool) -> Non
     assert argmax_calls > 0 and (draw_calls > 0) == (size > MIN_ROWS)
 
 
-def test_the_default_sampler_keeps_the_torch_draw_at_any_batch() -> None:
-    """KERNEL_MIN_ROWS is None (the kernel measured slower): no batch size takes it."""
-    assert KERNEL_MIN_ROWS is None
+def test_the_default_sampler_takes_the_kernel_only_where_torch_would_sort_the_vocabulary() -> None:
+    """KERNEL_MIN_ROWS rows or more with a top-p row lacking top-k take the kernel; smaller
+    batches, and batches whose top-p rows all have top-k (or have no top-p), keep torch."""
+    assert KERNEL_MIN_ROWS is not None
+    n = KERNEL_MIN_ROWS
     ops, argmax, draw = _ops()
     sampler = Sampler(seed=0, ops=ops)
-    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
-    rows = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(64)]
-    sampler(logits, rows)
+    logits = torch.randn(n + 4, 50, generator=torch.Generator().manual_seed(1))
+    top_p = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(n + 4)]
+    sampler(logits[: n - 1], top_p[: n - 1])
     assert draw.calls == 0
-    sampler(logits[:2], [rows[0], SamplingRow(SamplingParams(temperature=0.0))])
-    assert (draw.calls, argmax.calls) == (0, 1)
+    sampler(logits[:n], top_p[:n])
+    assert (draw.calls, draw.rows) == (1, n)
+    with_k = [SamplingRow(SamplingParams(seed=i, top_p=0.9, top_k=5)) for i in range(n)]
+    plain = [SamplingRow(SamplingParams(seed=i, temperature=0.7)) for i in range(n)]
+    sampler(logits[:n], with_k)
+    sampler(logits[:n], plain)
+    assert draw.calls == 1
+    # One row that torch would sort fully sends the whole batch to the kernel.
+    sampler(logits[: n + 1], [*with_k, top_p[0]])
+    assert (draw.calls, draw.rows) == (2, 2 * n + 1)
+    sampler(logits[:2], [top_p[0], SamplingRow(SamplingParams(temperature=0.0))])
+    assert (draw.calls, argmax.calls) == (2, 1)
 
 
 def test_small_batch_keeps_the_torch_draw_and_large_batch_calls_the_kernel() -> None:
     ops, argmax, draw = _ops()
-    sampler = Sampler(seed=0, ops=ops, kernel_min_rows=MIN_ROWS)
+    sampler = _forced(ops, seed=0)
     vocab = 50
     logits = torch.randn(MIN_ROWS, vocab, generator=torch.Generator().manual_seed(1))
     rows = [SamplingRow(SamplingParams(seed=i, top_p=0.9)) for i in range(MIN_ROWS)]
@@ -153,9 +170,7 @@ def test_seeded_row_token_does_not_depend_on_the_path() -> None:
         row = SamplingRow(params, output_token_ids=[0] * step)
         alone += Sampler(ops=ops)(row_logits, [row]).token_ids
         batch = torch.cat([torch.randn(15, vocab, generator=g), row_logits])
-        batched.append(
-            Sampler(ops=ops, kernel_min_rows=MIN_ROWS)(batch, [*neighbours, row]).token_ids[-1]
-        )
+        batched.append(_forced(ops)(batch, [*neighbours, row]).token_ids[-1])
     assert draw.calls == steps
     assert alone == batched
     assert len(set(alone)) > 3
