@@ -389,11 +389,14 @@ class Sampler:
 
     def _takes_kernel(self, rows: Sequence[SamplingRow], vocab: int) -> bool:
         """Whether these non-greedy rows go to `ops.top_k_top_p_sample` (see
-        `KERNEL_MIN_ROWS`): enough of them, and, by default, a top-p row without top-k among
-        them (the torch path would sort the whole vocabulary)."""
+        `KERNEL_MIN_ROWS`): the op is a kernel (not the reference the CPU op set holds),
+        enough rows, and, by default, a top-p row without top-k among them (the torch path
+        would sort the whole vocabulary)."""
         min_rows = self._kernel_min_rows
         if self._ops is None or min_rows is None or len(rows) < min_rows:
             return False
+        if self._ops.implementations.get("top_k_top_p_sample") == "torch":
+            return False  # the op set's reference (CPU): it sorts more than the torch path
         if not self._kernel_for_full_sort_only:
             return True
         return any(row.params.top_p_enabled and not 0 < row.params.top_k < vocab for row in rows)

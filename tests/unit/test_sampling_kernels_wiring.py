@@ -138,6 +138,10 @@ def test_the_default_sampler_takes_the_kernel_only_where_torch_would_sort_the_vo
     assert (draw.calls, draw.rows) == (2, 2 * n + 1)
     sampler(logits[:2], [top_p[0], SamplingRow(SamplingParams(temperature=0.0))])
     assert (draw.calls, argmax.calls) == (2, 1)
+    # An op set that labels the op "torch" (the CPU's references) keeps the torch path.
+    cpu_ops = KernelOps(top_k_top_p_sample=draw, implementations={"top_k_top_p_sample": "torch"})
+    Sampler(seed=0, ops=cpu_ops)(logits[:n], top_p[:n])
+    assert draw.calls == 2
 
 
 def test_small_batch_keeps_the_torch_draw_and_large_batch_calls_the_kernel() -> None:
