@@ -4,8 +4,9 @@
 `kernel_min_rows=None` (always torch).
 
 Usage (GPU): PYTHONPATH=. python3 tools/bench_sampler.py [--out result.json]
-The result decides `metrale.sampling.sampler.KERNEL_MIN_ROWS`: the smallest batch from which
-the kernel is at least as fast at every larger batch.
+The result decides the sampler's routing (`metrale.sampling.sampler.KERNEL_MIN_ROWS` and the
+full-sort rule): per setting, the smallest batch from which the kernel is at least as fast at
+every larger batch. `--profile` prints torch.profiler tables of one-row calls instead.
 """
 
 from __future__ import annotations
