@@ -34,7 +34,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "qk_norm_rotary_write_kv": ("metrale.kernels.triton_rotary", "qk_norm_rotary_write_kv"),
     "argmax": ("metrale.kernels.triton_sampling", "argmax"),
     "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
-    "top_k_top_p_sample": ("metrale.kernels.triton_sampling", "top_k_top_p_sample"),
+    "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
 }
 
 
