@@ -35,24 +35,16 @@ import triton
 import triton.language as tl
 
 from metrale.kernels.triton_attention_common import multiprocessor_count
-
-#: Pivots per search pass: each pass narrows the threshold's key range about 17-fold.
-_PIVOTS = 16
-
-
-@triton.jit
-def _key(x):
-    """Order-preserving int32 key of float32 `x` (no NaN): a < b <=> key(a) < key(b)."""
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 and +0.0 are the same logit
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _unkey(key):
-    """The float32 whose `_key` is `key` (a scalar)."""
-    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.int32)
-    return bits.to(tl.float32, bitcast=True)
+from metrale.kernels.triton_key_search import (
+    PASSES,
+    PIVOTS,
+    from_order_key,
+    order_key,
+    pivots,
+    store_state,
+    top_k_search,
+    top_p_search,
+)
 
 
 @triton.jit
@@ -61,19 +53,8 @@ def _load_row(base, cols, V):
     return tl.where(x != x, float("-inf"), x)
 
 
-@triton.jit
-def _pivots(lo, hi, NP: tl.constexpr):
-    """NP int32 pivots spread strictly inside (lo, hi) when hi - lo >= 2 (at least one);
-    `lo`, `hi` are int64 scalars within int32 range (the product needs 64 bits)."""
-    j = tl.arange(0, NP).to(tl.int64)
-    return (lo + ((hi - lo) * (j + 1)) // (NP + 1)).to(tl.int32)
-
-
 #: Elements per chunk of the draw kernels' loops; a slice of a row is whole chunks.
 _CHUNK = 256
-#: Search passes per threshold: each narrows an int32 key range at least 17-fold (16 pivots),
-#: so 8 passes take any range of 2**32 keys to one key.
-_PASSES = 8
 #: Most slices one row is split into (the per-slice partials are loaded as one vector).
 _MAX_SLICES = 256
 #: Columns of the per-row scalars one kernel hands the next: the top-k threshold key and the
@@ -92,7 +73,7 @@ def _row_stats(pmax_ptr, pkmin_ptr, row, S, SP: tl.constexpr):
     kmin = tl.load(pkmin_ptr + row * S + offs, mask=mask, other=2147483647)
     key_min = tl.min(kmin, 0).to(tl.int64)
     samplable = m > float("-inf")
-    key_max = _key(m).to(tl.int64)
+    key_max = order_key(m).to(tl.int64)
     return tl.where(samplable, m, 0.0), key_min, key_max, samplable
 
 
@@ -131,56 +112,6 @@ def _row_filters(scalars_ptr, pz_ptr, min_p_ptr, row, S, SP: tl.constexpr):
 
 
 @triton.jit
-def _search_state(
-    state_ptr, part_ptr, row, t, lo0, hi0, target, B, S,
-    SP: tl.constexpr, NP: tl.constexpr, MASS: tl.constexpr,
-):  # fmt: skip
-    """`(lo, hi)` of a row's threshold search after `t` passes, from the state the previous
-    pass stored and that pass's per-slice partials (summed here in slice order).
-
-    Counting (MASS False, top-k): the answer is the largest key with count(key >= it) >=
-    `target` (= k); `count(key >= lo) >= k > count(key >= hi)` holds throughout. Mass (top-p):
-    the smallest key with mass(key > it) < `target` (= the bound); `mass(key > lo) >= bound >
-    mass(key > hi)` holds throughout. Pass `t` stores into slot `t % 2` and reads slot
-    `(t - 1) % 2`, so a pass never overwrites what it reads."""
-    lo = lo0
-    hi = hi0
-    if t > 0:
-        prev = ((t - 1) % 2) * B + row
-        lo = tl.load(state_ptr + prev * 2)
-        hi = tl.load(state_ptr + prev * 2 + 1)
-        if hi - lo > 1:
-            piv = _pivots(lo, hi, NP)
-            offs_s = tl.arange(0, SP)
-            offs_j = tl.arange(0, NP)
-            part = tl.load(
-                part_ptr + (prev * S + offs_s[:, None]) * NP + offs_j[None, :],
-                mask=(offs_s < S)[:, None],
-                other=0,
-            )
-            total = tl.sum(part, 0)
-            if MASS:
-                below = total < target
-                hi = tl.min(tl.where(below, piv, hi), 0)
-                lo = tl.max(tl.where(below, lo, piv), 0)
-            else:
-                enough = total.to(tl.int64) >= target
-                lo = tl.max(tl.where(enough, piv, lo), 0)
-                hi = tl.min(tl.where(enough, hi, piv), 0)
-    return lo, hi
-
-
-@triton.jit
-def _store_state(state_ptr, t, B, row, sl, lo, hi):
-    """Slice 0 stores pass `t`'s search state in slot `t % 2`; returns the slot's row index."""
-    cur = (t % 2) * B + row
-    if sl == 0:
-        tl.store(state_ptr + cur * 2, lo)
-        tl.store(state_ptr + cur * 2 + 1, hi)
-    return cur
-
-
-@triton.jit
 def _stats_kernel(x_ptr, pmax_ptr, pkmin_ptr, stride_x, V, S, span, CHUNK: tl.constexpr):
     """Grid (rows, slices): each slice's largest logit and smallest key."""
     row = tl.program_id(0)
@@ -192,7 +123,7 @@ def _stats_kernel(x_ptr, pmax_ptr, pkmin_ptr, stride_x, V, S, span, CHUNK: tl.co
         cols = c + offs
         x = _load_row(base, cols, end)
         m_part = tl.maximum(m_part, x)
-        kmin_part = tl.minimum(kmin_part, tl.where(cols < end, _key(x), 2147483647))
+        kmin_part = tl.minimum(kmin_part, tl.where(cols < end, order_key(x), 2147483647))
     tl.store(pmax_ptr + row * S + sl, tl.max(m_part, 0))
     tl.store(pkmin_ptr + row * S + sl, tl.min(kmin_part, 0))
 
@@ -209,17 +140,15 @@ def _top_k_pass_kernel(
     k = tl.load(top_k_ptr + row).to(tl.int64)
     _m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (k > 0) & (k < V) & samplable:
-        lo, hi = _search_state(
-            state_ptr, counts_ptr, row, t, key_min, key_max + 1, k, B, S, SP, NP, False
-        )
-        cur = _store_state(state_ptr, t, B, row, sl, lo, hi)
+        lo, hi = top_k_search(state_ptr, counts_ptr, row, t, k, key_min, key_max, B, S, SP, NP)
+        cur = store_state(state_ptr, t, B, row, sl, lo, hi)
         if hi - lo > 1:
-            piv = _pivots(lo, hi, NP)
+            piv = pivots(lo, hi, NP)
             base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
             part = tl.zeros([CHUNK, NP], dtype=tl.int32)
             for c in range(start, end, CHUNK):
                 cols = c + offs
-                key = _key(_load_row(base, cols, end))
+                key = order_key(_load_row(base, cols, end))
                 part += ((key[:, None] >= piv[None, :]) & (cols < end)[:, None]).to(tl.int32)
             tl.store(counts_ptr + (cur * S + sl) * NP + tl.arange(0, NP), tl.sum(part, 0))
 
@@ -240,8 +169,8 @@ def _z_kernel(
     if HAS_TOP_K:
         k = tl.load(top_k_ptr + row).to(tl.int64)
         if (k > 0) & (k < V) & samplable:
-            t_k, _ = _search_state(
-                state_ptr, counts_ptr, row, PASSES, key_min, key_max + 1, k, B, S, SP, NP, False
+            t_k, _ = top_k_search(
+                state_ptr, counts_ptr, row, PASSES, k, key_min, key_max, B, S, SP, NP
             )
     if sl == 0:
         tl.store(scalars_ptr + row * 2 + _T_K, t_k)
@@ -250,7 +179,7 @@ def _z_kernel(
     for c in range(start, end, CHUNK):
         cols = c + offs
         x = _load_row(base, cols, end)
-        kept = (_key(x) >= t_k) & (cols < end)
+        kept = (order_key(x) >= t_k) & (cols < end)
         z_part += tl.where(kept, tl.exp(x - m), 0.0)
     tl.store(pz_ptr + row * S + sl, tl.sum(z_part, 0))
 
@@ -278,7 +207,7 @@ def _top_p_total_kernel(
             cols = c + offs
             x = _load_row(base, cols, end)
             p = _probs(x, m, inv_z)
-            kept = (_key(x) >= t_k) & (p >= p_floor) & (cols < end)
+            kept = (order_key(x) >= t_k) & (p >= p_floor) & (cols < end)
             total += tl.where(kept, p, 0.0).to(tl.float64)
         tl.store(ptot_ptr + row * S + sl, tl.sum(total, 0))
 
@@ -297,19 +226,17 @@ def _top_p_pass_kernel(
     m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (top_p < 1.0) & samplable:
         bound = top_p.to(tl.float64) * _row_sum(ptot_ptr, row, S, SP)
-        lo, hi = _search_state(
-            state_ptr, masses_ptr, row, t, key_min - 1, key_max, bound, B, S, SP, NP, True
-        )
-        cur = _store_state(state_ptr, t, B, row, sl, lo, hi)
+        lo, hi = top_p_search(state_ptr, masses_ptr, row, t, bound, key_min, key_max, B, S, SP, NP)
+        cur = store_state(state_ptr, t, B, row, sl, lo, hi)
         if hi - lo > 1:
-            piv = _pivots(lo, hi, NP)
+            piv = pivots(lo, hi, NP)
             t_k, inv_z, p_floor = _row_filters(scalars_ptr, pz_ptr, min_p_ptr, row, S, SP)
             base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
             part = tl.zeros([CHUNK, NP], dtype=tl.float64)
             for c in range(start, end, CHUNK):
                 cols = c + offs
                 x = _load_row(base, cols, end)
-                key = _key(x)
+                key = order_key(x)
                 p = _probs(x, m, inv_z)
                 w = tl.where((key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
                 part += tl.where(key[:, None] > piv[None, :], w.to(tl.float64)[:, None], 0.0)
@@ -330,8 +257,8 @@ def _ties_kernel(
     m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (top_p < 1.0) & samplable:
         bound = top_p.to(tl.float64) * _row_sum(ptot_ptr, row, S, SP)
-        _, k_b = _search_state(
-            state_ptr, masses_ptr, row, PASSES, key_min - 1, key_max, bound, B, S, SP, NP, True
+        _, k_b = top_p_search(
+            state_ptr, masses_ptr, row, PASSES, bound, key_min, key_max, B, S, SP, NP
         )
         if sl == 0:
             tl.store(scalars_ptr + row * 2 + _K_B, k_b)
@@ -342,7 +269,7 @@ def _ties_kernel(
         for c in range(start, end, CHUNK):
             cols = c + offs
             x = _load_row(base, cols, end)
-            key = _key(x)
+            key = order_key(x)
             p = _probs(x, m, inv_z)
             w = tl.where((key > k_b) & (key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
             above += w.to(tl.float64)
@@ -376,7 +303,7 @@ def _survivors(
             ties = tl.load(pties_ptr + row * S + offs, mask=offs < S, other=0).to(tl.int64)
             num_ties = tl.sum(ties, 0)
             ties_before = tl.sum(tl.where(offs < sl, ties, 0), 0)
-            p_b = _probs(_unkey(k_b), m, inv_z).to(tl.float64)
+            p_b = _probs(from_order_key(k_b), m, inv_z).to(tl.float64)
             needed = tl.minimum(tl.ceil((bound - above) / p_b), 2147483647.0)
             keep_ties = tl.maximum(needed.to(tl.int64), 1)
             limit_ties = keep_ties < num_ties
@@ -387,7 +314,7 @@ def _survivors(
 @triton.jit
 def _keep_chunk(x, cols, end, m, inv_z, p_floor, lower, k_b, keep_ties, limit_ties, ties_seen):
     """One chunk's survivors as float32 probabilities (0 where filtered), and the ties seen."""
-    key = _key(x)
+    key = order_key(x)
     p = _probs(x, m, inv_z)
     keep = (key >= lower) & (p >= p_floor) & (cols < end)
     if limit_ties:
@@ -535,32 +462,32 @@ def _launch(
     stride, b, s = logits.stride(0), batch, n_slices
     _stats_kernel[grid](logits, pmax, pkmin, stride, vocab, s, span, **common)
     if has_top_k:
-        counts = torch.empty((2, batch, n_slices, _PIVOTS), dtype=torch.int32, device=device)
-        for t in range(_PASSES):
+        counts = torch.empty((2, batch, n_slices, PIVOTS), dtype=torch.int32, device=device)
+        for t in range(PASSES):
             _top_k_pass_kernel[grid](
                 logits, top_k, pmax, pkmin, state, counts, stride, vocab, b, s, span, t,
-                NP=_PIVOTS, SP=sp, **common,
+                NP=PIVOTS, SP=sp, **common,
             )  # fmt: skip
     else:
         counts = state  # unused
     _z_kernel[grid](
         logits, top_k, pmax, pkmin, state, counts, scalars, pz, stride, vocab, b, s, span,
-        HAS_TOP_K=has_top_k, PASSES=_PASSES, NP=_PIVOTS, SP=sp, **common,
+        HAS_TOP_K=has_top_k, PASSES=PASSES, NP=PIVOTS, SP=sp, **common,
     )  # fmt: skip
     if has_top_p:
         _top_p_total_kernel[grid](
             logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, stride, vocab, s, span,
             SP=sp, **common,
         )  # fmt: skip
-        masses = torch.empty((2, batch, n_slices, _PIVOTS), dtype=f64, device=device)
-        for t in range(_PASSES):
+        masses = torch.empty((2, batch, n_slices, PIVOTS), dtype=f64, device=device)
+        for t in range(PASSES):
             _top_p_pass_kernel[grid](
                 logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, stride,
-                vocab, b, s, span, t, NP=_PIVOTS, SP=sp, **common,
+                vocab, b, s, span, t, NP=PIVOTS, SP=sp, **common,
             )  # fmt: skip
         _ties_kernel[grid](
             logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, pabove, pties,
-            stride, vocab, b, s, span, PASSES=_PASSES, NP=_PIVOTS, SP=sp, **common,
+            stride, vocab, b, s, span, PASSES=PASSES, NP=PIVOTS, SP=sp, **common,
         )  # fmt: skip
     tail = (pmax, pkmin, scalars, pz, ptot, pabove, pties, pkeep)
     _keep_kernel[grid](
