@@ -313,6 +313,10 @@ class SamplingParams:
     def top_k_enabled(self) -> bool:
         return self.top_k > 0
 
+    def top_k_filters(self, vocab: int) -> bool:
+        """Whether top-k removes tokens from a vocabulary of `vocab` (0 < top_k < vocab)."""
+        return 0 < self.top_k < vocab
+
     @property
     def top_p_enabled(self) -> bool:
         return self.top_p < 1.0

@@ -357,7 +357,7 @@ class Sampler:
         if self._takes_kernel(rows, vocab):
             return self._draw_with_kernel(x, rows)
 
-        top_k_rows = [j for j, row in enumerate(rows) if 0 < row.params.top_k < vocab]
+        top_k_rows = [j for j, row in enumerate(rows) if row.params.top_k_filters(vocab)]
         max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
         if top_k_rows:
             ks = _to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
@@ -377,7 +377,7 @@ class Sampler:
             top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
             # Rows whose top-k already ran hold about k candidates: sort only those.
             candidates = None
-            if all(0 < rows[j].params.top_k < vocab for j in top_p_rows):
+            if all(rows[j].params.top_k_filters(vocab) for j in top_p_rows):
                 candidates = max(rows[j].params.top_k for j in top_p_rows)
             probs = _apply_to_rows(
                 probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
@@ -399,7 +399,7 @@ class Sampler:
             return False  # the op set's reference (CPU): it sorts more than the torch path
         if not self._kernel_for_full_sort_only:
             return True
-        return any(row.params.top_p_enabled and not 0 < row.params.top_k < vocab for row in rows)
+        return any(row.params.top_p_enabled and not row.params.top_k_filters(vocab) for row in rows)
 
     def _draw_with_kernel(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """`_draw` after the temperature, through `ops.top_k_top_p_sample` (same function).
@@ -422,7 +422,7 @@ class Sampler:
             _to_device([row.params.top_p for row in rows], torch.float32, device),
             _to_device(uniforms, torch.float64, device),
             min_p,
-            has_top_k=any(0 < row.params.top_k < vocab for row in rows),
+            has_top_k=any(row.params.top_k_filters(vocab) for row in rows),
             has_top_p=any(row.params.top_p_enabled for row in rows),
         )
         return token_ids, samplable
