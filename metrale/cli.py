@@ -39,6 +39,8 @@ FLAG_HELP = {
     "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
     "async_scheduling": "launch each plain decode step before the previous one is read back "
     "(input tokens fed on the device); --no-async-scheduling plans every step after the last",
+    "speculative_config": "speculative decoding as JSON, in vLLM's shape, e.g. "
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix)',
 }
 
 

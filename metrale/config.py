@@ -13,9 +13,12 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metrale.errors import InvalidRequestError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from metrale.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -65,6 +68,10 @@ class EngineConfig:
     #: Launch a plain decode step while the previous one is still on the device, its input
     #: tokens read there (the device token feed), so host work hides behind the forward.
     async_scheduling: bool = True
+    #: Speculative decoding, in vLLM's shape: a dict or its JSON text, e.g.
+    #: `{"method": "ngram", "num_speculative_tokens": 4}` (see `metrale.spec.config`);
+    #: None: off.
+    speculative_config: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,11 +114,31 @@ class EngineConfig:
             raise bad("max_queue", f"must be >= 1, got {self.max_queue}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"'{self.load_format}' is not one of {LOAD_FORMATS}")
+        self.speculative()  # parses it: a bad key or value fails here, naming it
         if self.generation_config not in GENERATION_CONFIGS:
             raise bad(
                 "generation_config",
                 f"'{self.generation_config}' is not one of {', '.join(GENERATION_CONFIGS)}",
             )
+
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed and validated (None when off)."""
+        spec = self.speculative_config
+        if spec is None or spec == "":
+            return None
+        from metrale.spec.config import SpeculativeConfig
+
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if isinstance(spec, str):
+            return SpeculativeConfig.from_json(spec)
+        if isinstance(spec, dict):
+            return SpeculativeConfig.from_dict(spec)
+        raise InvalidRequestError(
+            "invalid engine setting speculative_config: expected a dict or its JSON text, got "
+            f"{type(spec).__name__}",
+            param="speculative_config",
+        )
 
     @property
     def uses_generation_config(self) -> bool:

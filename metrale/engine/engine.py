@@ -55,13 +55,19 @@ from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
-from metrale.scheduler.sequence import SchedSequence
+from metrale.scheduler.sequence import SchedSequence, Status
+from metrale.spec.gate import SpecGate
+from metrale.spec.proposer import DraftRequest, Proposer
+from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-code"
 BUNDLED_MODEL_NAME = "metrale-tiny-code"
+#: The cross-request draft lookup's tenant of requests that name none (offline `LLM` calls,
+#: a server without API keys): they share one index.
+DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -78,6 +84,8 @@ class _InFlight:
 
     plan: StepPlan
     batch: SampledBatch
+    #: `time.perf_counter()` when the step's planning began (the gate's step cost).
+    started: float = 0.0
 
 
 def resolve_model_dir(model: str | None) -> str:
@@ -98,6 +106,7 @@ class Engine:
         model: Model | None = None,
         tokenizer: Tokenizer | None = None,
         max_prefill_chunk: int | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
@@ -160,6 +169,43 @@ class Engine:
             )
         self._pending: list[_Pending] = []
         self._inflight: _InFlight | None = None
+        self._setup_speculation(proposer)
+        #: When the last step was read back (the gate's step intervals).
+        self._last_read = 0.0
+
+    def _setup_speculation(self, proposer: Proposer | None) -> None:
+        """The proposer, the gate and the counters of `config.speculative_config`."""
+        spec = self.config.speculative()
+        self.spec_stats = SpecStats()
+        self.proposer: Proposer | None = None
+        self.num_speculative_tokens = 0
+        self.spec_gate: SpecGate | None = None
+        #: Why speculation is off although configured (None: on, or not configured).
+        self.spec_disabled: str | None = None
+        if spec is None:
+            if proposer is not None:
+                raise InvalidRequestError(
+                    "a proposer needs speculative_config (its num_speculative_tokens)",
+                    param="speculative_config",
+                )
+            return
+        k = spec.num_speculative_tokens
+        if not self.model.can_batch_verify([k + 1]):
+            self.spec_disabled = "the model cannot roll back a verify (recurrent SSM state)"
+            logger.warning("speculative decoding is off: %s", self.spec_disabled)
+            return
+        self.proposer = proposer or spec.make_proposer()
+        self.num_speculative_tokens = k
+        self.spec_gate = SpecGate(
+            k,
+            enabled=spec.gate == "auto",
+            window=spec.gate_window,
+            probe_tokens=spec.gate_probe_tokens,
+        )
+        logger.info(
+            "speculative decoding: %s (proposer %s), gate %s",
+            spec.describe(), self.proposer.name or type(self.proposer).__name__, spec.gate,
+        )  # fmt: skip
 
     @property
     def served_model_name(self) -> str:
@@ -185,11 +231,16 @@ class Engine:
         timeout: float | None = None,
         adapter_id: int = 0,
         final_only: bool = False,
+        speculative: bool = True,
+        lookup_tenant: str | None = DEFAULT_TENANT,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
         `final_only`: `step` returns this request's output once, when it finishes (vLLM's
-        `RequestOutputKind.FINAL_ONLY`: offline callers skip building an output per token)."""
+        `RequestOutputKind.FINAL_ONLY`: offline callers skip building an output per token).
+        `speculative=False` opts this request out of speculative decoding; `lookup_tenant`
+        partitions the cross-request draft lookup (None: this request neither feeds nor
+        reads it)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
@@ -212,6 +263,8 @@ class Engine:
                 seed=derive_choice_seed(params.seed, i),
                 adapter_id=adapter_id,
                 deadline=deadline,
+                speculative=speculative,
+                lookup_tenant=lookup_tenant,
             )
             for i in range(n)
         ]
@@ -280,6 +333,7 @@ class Engine:
             self.scheduler.finish(choice.seq, "abort")
             choice.close("abort", None)
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._forget_speculation(choice.seq)
         return state.to_output()
 
     def has_unfinished(self) -> bool:
@@ -302,16 +356,21 @@ class Engine:
         once (before the wait), and only the rest are returned: a server can ship them while
         the forward runs."""
         touched: dict[str, RequestState] = {}
+        started = time.perf_counter()
         ready, self._pending = self._pending, []
         previous, self._inflight = self._inflight, None
         plan: StepPlan | None = None
         if previous is not None:
-            plan = self.scheduler.plan_fed_step(previous.plan)
+            if self._wants_verify(previous.plan.sampled):
+                self.spec_stats.drained_for_spec += 1  # drafts need every token known
+            else:
+                plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens
                 self.drained_steps += 1
                 self._read_back(previous, ready, touched)
                 previous = None
         if plan is None:
+            self._propose()
             plan = self.scheduler.schedule()
             for seq in plan.finished:
                 self._close_choice(seq, touched)
@@ -331,7 +390,7 @@ class Engine:
         if previous is not None:
             self._read_back(previous, self._pending, touched)
         if launched is not None:
-            step = _InFlight(plan, launched)
+            step = _InFlight(plan, launched, started)
             if self.async_scheduling:  # the next call may launch a fed step before reading it
                 self._inflight = step
             else:
@@ -348,9 +407,12 @@ class Engine:
     ) -> None:
         """Wait for a launched step's tokens and commit them (a failure ends its requests)."""
         try:
-            into.append(self._commit(step.plan, step.batch))
+            pending = self._commit(step.plan, step.batch)
+            into.append(pending)
+            self._record_speculation(step, pending.committed)
         except Exception as exc:
             self._step_failed(step.plan, touched, exc)
+        self._last_read = time.perf_counter()
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
@@ -407,7 +469,10 @@ class Engine:
             )
             for s in sampled
         ]
-        batch = self.sampler.sample(logits, rows, pending_tokens)
+        if plan.is_verify:
+            batch = self.sampler.verify(logits, rows, plan.sampled_drafts)
+        else:
+            batch = self.sampler.sample(logits, rows, pending_tokens)
         batch.start_copy()
         return batch
 
@@ -415,7 +480,7 @@ class Engine:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
         at EOS, stop tokens or their length); their outputs are built by `_emit`."""
         out = batch.to_host()
-        return _Pending(out, self.scheduler.commit(plan, out.token_ids))
+        return _Pending(out, self.scheduler.commit(plan, out.token_ids, out.emitted))
 
     def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
         """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
@@ -452,7 +517,12 @@ class Engine:
             PrefillSlice(w.seq.all_tokens, w.seq.state, w.start, w.length, w.is_last)  # type: ignore[arg-type]
             for w in plan.prefill
         ]
-        result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
+        if plan.is_verify:
+            result = self.model.mixed_verify_batch(
+                decode_tokens, plan.drafts, decode_states, slices  # type: ignore[arg-type]
+            )
+        else:
+            result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
         blocks = [] if result.decode_logits is None else [result.decode_logits]
         blocks += [p for p in result.prefill_logits if p is not None]
         if len(blocks) == 1:  # a decode-only step: no copy of [rows, vocab] logits
@@ -481,3 +551,87 @@ class Engine:
         self.requests.pop(request_id, None)
         for choice in state.choices:
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._forget_speculation(choice.seq)
+
+    # ------------------------------------------------------------- speculation
+
+    def _forget_speculation(self, seq: SchedSequence) -> None:
+        """A finished stream: its tokens go to the proposer's shared index (its tenant's),
+        and its per-sequence proposer and gate state is dropped."""
+        if self.proposer is None:
+            return
+        self.proposer.on_finished(seq.seq_id, seq.all_tokens, seq.lookup_tenant)
+        assert self.spec_gate is not None
+        self.spec_gate.forget(seq.seq_id)
+
+    def _may_speculate(self, seq: SchedSequence) -> bool:
+        gate = self.spec_gate
+        return (
+            self.proposer is not None
+            and gate is not None
+            and seq.speculative
+            and gate.row_allowed(seq.seq_id, len(seq.output_token_ids))
+            and self.proposer.may_propose(seq.seq_id)
+        )
+
+    def _wants_verify(self, seqs: Sequence[SchedSequence]) -> bool:
+        """Whether a step of these decode rows could speculate (then it is not fed)."""
+        if self.proposer is None or self.spec_gate is None or not seqs:
+            return False
+        if not self.spec_gate.step_allowed(len(seqs)):
+            return False
+        return any(s.status is Status.RUNNING and self._may_speculate(s) for s in seqs)
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts of the decoding sequences that may speculate; the
+        scheduler caps them and gives them to the next plan (`spec_token_ids`)."""
+        proposer, gate = self.proposer, self.spec_gate
+        if proposer is None or gate is None:
+            return
+        decoding = [s for s in self.scheduler.running if s.is_decoding()]
+        if not decoding or not gate.step_allowed(len(decoding)):
+            return
+        requests: list[DraftRequest] = []
+        asking: list[SchedSequence] = []
+        for seq in decoding:
+            room = min(self.num_speculative_tokens, self.scheduler.draft_room(seq))
+            if room <= 0 or not self._may_speculate(seq):
+                if seq.lookup_tenant is not None:
+                    proposer.observe(seq.seq_id, seq.all_tokens, seq.lookup_tenant)
+                continue
+            asking.append(seq)
+            requests.append(
+                DraftRequest(seq.seq_id, seq.all_tokens, seq.prompt_len, room, seq.lookup_tenant)
+            )
+        if not requests:
+            return
+        drafts = proposer.propose(requests)
+        vocab = self.vocab_size
+        for seq, request, draft in zip(asking, requests, drafts, strict=True):
+            tokens = [int(t) for t in draft[: request.max_drafts]]
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"proposer {proposer.name!r} proposed a token outside the vocabulary")
+            seq.spec_token_ids = tokens
+
+    def _record_speculation(self, step: _InFlight, committed: list[Committed]) -> None:
+        """Feed a read-back step's verdicts and cost to the proposer, the gate and the
+        counters."""
+        gate, proposer = self.spec_gate, self.proposer
+        if gate is None or proposer is None:
+            return
+        plan = step.plan
+        now = time.perf_counter()
+        if plan.decode and not plan.prefill:
+            seconds = now - max(self._last_read, step.started)
+            rows = plan.num_tokens
+            gate.record_step(len(plan.decode), rows, seconds, len(committed), plan.is_verify)
+        if not plan.is_verify:
+            return
+        self.spec_stats.verify_steps += 1
+        for c in committed:
+            if c.drafted:
+                self.spec_stats.record(c.drafted, c.accepted)
+                proposer.on_verified(c.seq.seq_id, c.drafted, c.accepted)
+                gate.record_verify(
+                    c.seq.seq_id, c.drafted, c.accepted, len(c.seq.output_token_ids)
+                )

@@ -30,11 +30,13 @@ PromptInput = str | Sequence[int] | Mapping[str, Any]
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         max_prefill_chunk = kwargs.pop("max_prefill_chunk", None)
+        # A `Proposer` instance in place of the configured method's (tests, custom drafts).
+        proposer = kwargs.pop("proposer", None)
         unknown = set(kwargs) - set(EngineConfig.field_names())
         if unknown:
             raise InvalidRequestError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk)
+        self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk, proposer=proposer)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -21,6 +21,8 @@ from metrale.model_engine.sequence import (
     FeedSource,
     ForwardDisclosure,
     ForwardSelect,
+    MixedBatchResult,
+    PrefillSlice,
     SequenceState,
     Stream,
     Tensor,
@@ -157,6 +159,21 @@ class ModelVerify:
         self, slots: Sequence[int], accepted_rows: Sequence[int], k_rows: Sequence[int]
     ) -> bool:
         return False
+
+    def mixed_verify_batch(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        decode_seqs: Sequence[SequenceState],
+        prefill_streams: Sequence[PrefillSlice],
+        stream: Stream = None,
+    ) -> MixedBatchResult:
+        """`mixed_forward_batch` whose decode row `i` also feeds its drafts `drafts[i]`
+        (a metrale extension: the engine's verify step, prefill chunks beside it). Row `i`
+        advances by `1 + len(drafts[i])` tokens; `decode_logits` holds `1 + len(drafts[i])`
+        rows for it, in row order, each scoring the token after its input token. The caller
+        rolls back the rejected drafts with `commit_accepted_prefix`."""
+        raise _unsupported("mixed_verify_batch")
 
 
 class ModelDraft:

@@ -35,7 +35,7 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
-from metrale.errors import InvalidRequestError, KVCacheExhausted
+from metrale.errors import InvalidRequestError, KVCacheExhausted, Unsupported
 from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
@@ -50,6 +50,7 @@ from metrale.model_engine.traits import (
     PromptTokenLogprob,
     SequenceState,
     Stream,
+    VerifyBatchedOpts,
 )
 from metrale.models.config import ModelConfig
 
@@ -311,9 +312,25 @@ class TransformerModel(Model):
         stream: Stream = None,
     ) -> MixedBatchResult:
         """M decode rows and N prefill chunks in one forward of the architecture module."""
+        return self._mixed(decode_tokens, None, decode_seqs, prefill_streams)
+
+    def _mixed(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]] | None,
+        decode_seqs: Sequence[SequenceState],
+        prefill_streams: Sequence[PrefillSlice],
+    ) -> MixedBatchResult:
+        """One forward of decode rows (each with its drafts, if any) and prefill chunks."""
         if len(decode_tokens) != len(decode_seqs):
             raise ValueError("decode_tokens and decode_seqs differ in length")
-        rows = [ForwardRow(s, [int(t)], True) for t, s in zip(decode_tokens, decode_seqs)]
+        if drafts is None:
+            rows = [ForwardRow(s, [int(t)], True) for t, s in zip(decode_tokens, decode_seqs)]
+        else:
+            rows = [
+                ForwardRow(s, [int(t), *map(int, d)], True, all_logits=bool(d))
+                for t, d, s in zip(decode_tokens, drafts, decode_seqs, strict=True)
+            ]
         for sl in prefill_streams:
             if sl.chunk_start != sl.seq.seq_len:
                 raise ValueError(
@@ -333,11 +350,16 @@ class TransformerModel(Model):
             return MixedBatchResult(None, [])
         self._check_ssm_states(rows)
         self._allocate_blocks(rows)
-        logits, spans = self._forward(rows, len(decode_seqs), None)
-        decode_logits = logits[: len(decode_seqs)] if decode_seqs else None
+        num_single = 0  # leading one-token rows: the attention's decode rows
+        while num_single < len(rows) and len(rows[num_single].tokens) == 1:
+            num_single += 1
+        logits, spans = self._forward(rows, num_single, None)
+        nd = len(decode_seqs)
+        decode_rows = sum(spans[i][1] for i in range(nd))
+        decode_logits = logits[:decode_rows] if decode_seqs else None
         prefill_logits: list[torch.Tensor | None] = []
         for i, sl in enumerate(prefill_streams):
-            first, count = spans[len(decode_seqs) + i]
+            first, count = spans[nd + i]
             if sl.seq.collect_prompt_logprobs is not None:
                 self._score_prompt(sl, logits[first : first + count])
             prefill_logits.append(
@@ -345,6 +367,79 @@ class TransformerModel(Model):
             )
         self._advance(rows)
         return MixedBatchResult(decode_logits, prefill_logits)
+
+    # ------------------------------------------------------------------- verify
+
+    def can_batch_verify(self, ks: Sequence[int]) -> bool:
+        """Any mix of row counts verifies in one forward, on models without recurrent
+        layers (SSM rollback is not built yet)."""
+        return self.ssm_pool is None
+
+    def mixed_verify_batch(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        decode_seqs: Sequence[SequenceState],
+        prefill_streams: Sequence[PrefillSlice],
+        stream: Stream = None,
+    ) -> MixedBatchResult:
+        if self.ssm_pool is not None and any(drafts):
+            raise Unsupported(
+                "speculative verify on a hybrid (SSM) model needs recurrent-state rollback, "
+                "which this model does not have yet"
+            )
+        return self._mixed(decode_tokens, drafts, decode_seqs, prefill_streams)
+
+    def decode_verify(
+        self, tokens: Sequence[int], seq: SequenceState, stream: Stream = None
+    ) -> list[int]:
+        """`[last_verified, draft0, ...]` through one forward; the argmax at each position.
+        The sequence advances by `len(tokens)`; `commit_accepted_prefix` rewinds it."""
+        return self.decode_verify_batched(tokens, [len(tokens)], [seq], stream)
+
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceState],
+        stream: Stream = None,
+        opts: VerifyBatchedOpts | None = None,
+    ) -> list[int]:
+        """Sequence `i` feeds `ks[i]` rows (its last verified token and `ks[i] - 1` drafts),
+        flat and sequence-major in `tokens`; returns the argmax id of every row."""
+        if len(ks) != len(seqs) or sum(ks) != len(tokens) or any(k < 1 for k in ks):
+            raise ValueError("decode_verify_batched: tokens, ks and seqs do not line up")
+        firsts: list[int] = []
+        drafts: list[list[int]] = []
+        offset = 0
+        for k in ks:
+            firsts.append(int(tokens[offset]))
+            drafts.append([int(t) for t in tokens[offset + 1 : offset + k]])
+            offset += k
+        result = self.mixed_verify_batch(firsts, drafts, seqs, [], stream)
+        assert result.decode_logits is not None
+        return [int(t) for t in result.decode_logits.argmax(dim=-1).tolist()]
+
+    def commit_accepted_prefix(self, seq: SequenceState, num_accepted: int, k: int) -> None:
+        """Keep the last verify's input token and its first `num_accepted` of `k` drafts:
+        `seq_len`, `tokens` and `kv_valid_tokens` drop the rejected `k - num_accepted`, and
+        blocks past the kept tokens go back to the pool (they were allocated by the verify,
+        so nothing shares them). The slots left past `seq_len` are overwritten later."""
+        if not 0 <= num_accepted <= k:
+            raise ValueError(f"num_accepted {num_accepted} is outside [0, {k}]")
+        if k > seq.seq_len:
+            raise ValueError(f"cannot roll back {k} drafts of a {seq.seq_len}-token sequence")
+        drop = k - num_accepted
+        if drop and self.ssm_pool is not None:
+            raise Unsupported("rolling back a hybrid (SSM) model's recurrent state")
+        if drop:
+            seq.seq_len -= drop
+            del seq.tokens[seq.seq_len :]
+            seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
+        keep = -(-seq.seq_len // self.block_size)
+        if len(seq.block_table) > keep:
+            self.block_pool.decref(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     def _advance(self, rows: list[ForwardRow]) -> None:
         for row in rows:

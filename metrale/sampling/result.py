@@ -33,6 +33,9 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     #: Rows that had no samplable token; their token is a fallback (see the module docstring).
     unsamplable_rows: list[int] = field(default_factory=list)
+    #: A verify's result (`Sampler.verify`): per position, whether its token is emitted; None
+    #: for an ordinary `sample`.
+    emitted: list[bool] | None = None
 
 
 @dataclass

@@ -8,7 +8,9 @@ One rule plans every step: a running sequence's computed tokens catch up with it
 (prompt + output). A sequence one generated token behind is a decode row; anything further
 behind (a new prompt, a resumed preempted sequence) gets a prefill chunk. When a chunk
 completes the known tokens, its last row samples the next token, so a resumed sequence never
-samples a token twice and never loses one.
+samples a token twice and never loses one. Speculation extends the known tokens of a decode
+row by its drafts (`spec_token_ids`) for one step: the row computes its last token and the
+drafts, and the commit keeps the accepted prefix (the rest is rolled back in the model).
 
 Invariants:
 - Order of service: decode rows first (every decoding sequence every step), then running
@@ -18,8 +20,10 @@ Invariants:
   forever.
 - A running sequence's remaining prompt blocks are reserved from admission on, so an admitted
   prefill always finishes without preempting anyone.
-- When decode rows need more blocks than are free, prefix-cache blocks are reclaimed first,
-  then victims are preempted: fewest generated tokens, latest arrival on ties; sequences
+- A decode row's drafts fit its `max_tokens` and the context (`draft_room`), cost one token
+  of the step budget each, and their blocks count in the row's need; when decode rows need
+  more blocks than are free, prefix-cache blocks are reclaimed first, then every draft is
+  dropped, then victims are preempted: fewest generated tokens, latest arrival on ties; sequences
   resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are immune unless all are.
 - Every exit path (finish, abort, timeout, error, preemption) releases the sequence's device
   state exactly once, after offering its written KV to the prefix cache.
@@ -41,7 +45,7 @@ import io
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from metrale.errors import CapacityError, KVCacheExhausted, QueueFullError
@@ -91,8 +95,11 @@ class Committed:
     seq: SchedSequence
     token: int
     finished: bool
-    #: The sequence's row in `plan.sampled` (and in the sampler's output).
+    #: The token's row in the sampler's output (a `plan.sampled` row, or a verify position).
     row: int
+    #: On a verify row's first token: the drafts it verified and how many were accepted.
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Scheduler:
@@ -202,11 +209,13 @@ class Scheduler:
         plan = StepPlan()
         self._expire(plan)
         budget = self.config.max_num_batched_tokens
+        self._trim_drafts()
         self._make_room_for_decode()
         decoding = [seq for seq in self.running if seq.is_decoding()]
         plan.decode = decoding[: max(0, budget)]
         budget -= len(plan.decode)
-        available = self._available_blocks() - self._decode_need(decoding)
+        budget = self._plan_drafts(plan, budget)
+        available = self._available_blocks() - self._decode_need(plan.decode)
         decoding_ids = {id(seq) for seq in decoding}
         for seq in self.running:
             if budget <= 0:
@@ -218,8 +227,41 @@ class Scheduler:
             budget -= work.length
         budget = self._admit(plan, budget, available)
         if self.model.num_total_slots() is not None:
-            plan.decode.sort(key=_ssm_slot_key)
+            order = sorted(range(len(plan.decode)), key=lambda i: _ssm_slot_key(plan.decode[i]))
+            plan.decode = [plan.decode[i] for i in order]
+            if plan.drafts:
+                plan.drafts = [plan.drafts[i] for i in order]
         return plan
+
+    # ------------------------------------------------------------ speculation
+
+    def draft_room(self, seq: SchedSequence) -> int:
+        """Most drafts `seq` may verify next step: every emitted token (the drafts plus the
+        target's own) must fit its `max_tokens` and the context."""
+        n_out = len(seq.output_token_ids)
+        by_tokens = seq.max_tokens - n_out - 1
+        by_context = self.config.max_model_len - seq.num_known - 1
+        return max(0, min(by_tokens, by_context))
+
+    def _trim_drafts(self) -> None:
+        """Drop drafts a row cannot take (not decoding, no room left); cap the rest."""
+        for seq in self.running:
+            if seq.spec_token_ids:
+                room = self.draft_room(seq) if seq.is_decoding() else 0
+                del seq.spec_token_ids[room:]
+
+    def _plan_drafts(self, plan: StepPlan, budget: int) -> int:
+        """Give each decode row its drafts while the token budget lasts (in row order); a
+        sequence's drafts are for this plan only, so every running sequence's are cleared."""
+        drafts: list[list[int]] = []
+        for seq in plan.decode:
+            take = max(0, min(len(seq.spec_token_ids), budget))
+            drafts.append(seq.spec_token_ids[:take])
+            budget -= take
+        plan.drafts = drafts if any(drafts) else []
+        for seq in self.running:
+            seq.spec_token_ids = []
+        return budget
 
     def plan_fed_step(self, prev: StepPlan) -> StepPlan | None:
         """The decode step after `prev`, planned while `prev`'s tokens are still on the device
@@ -281,13 +323,15 @@ class Scheduler:
         return self.model.num_free_blocks() - self._reserved_blocks()
 
     def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int:
-        """Blocks the decode rows (`decoding`, default: found in `running`) still need."""
+        """Blocks the decode rows (`decoding`, default: found in `running`) still need for
+        their last token and their drafts (`spec_token_ids`)."""
         need = 0
         for seq in self.running if decoding is None else decoding:
             if decoding is not None or seq.is_decoding():
                 state = seq.state
                 assert state is not None
-                need += max(0, self.blocks_for(state.seq_len + 1) - len(state.block_table))
+                rows = 1 + len(seq.spec_token_ids)
+                need += max(0, self.blocks_for(state.seq_len + rows) - len(state.block_table))
         return need
 
     def _make_room_for_decode(self) -> None:
@@ -295,6 +339,10 @@ class Scheduler:
         if need <= self._available_blocks():
             return
         self.model.reclaim_prefix_blocks(need - self._available_blocks())
+        if self._decode_need() > self._available_blocks():
+            # Drafts are optional: give up speculating before preempting anyone for it.
+            for seq in self.running:
+                seq.spec_token_ids = []
         while self._decode_need() > self._available_blocks():
             if len(self.running) <= 1:
                 # A lone sequence always fits (`add` checks its peak); a shortfall here means
@@ -462,8 +510,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ commit
 
-    def commit(self, plan: StepPlan, tokens: Iterable[int]) -> list[Committed]:
-        """Apply the tokens sampled for `plan.sampled` (same order); ends finished sequences."""
+    def commit(
+        self, plan: StepPlan, tokens: Sequence[int], emitted: Sequence[bool] | None = None
+    ) -> list[Committed]:
+        """Apply a step's sampled tokens; ends finished sequences.
+
+        A plain step has one token per `plan.sampled` row (same order). A verify step
+        (`plan.is_verify`) has one token per scored position: sampled row `i` owns
+        `1 + len(plan.sampled_drafts[i])` consecutive positions, and `emitted` marks those
+        whose token is emitted (a prefix of each row's positions: the accepted drafts, then
+        the target's own token). The rejected suffix is rolled back in the model
+        (`commit_accepted_prefix`) before any token is applied, so a sequence that ends here
+        offers only verified KV to the prefix cache. A stop inside an accepted run ends the
+        output there; the rest of the row's tokens are dropped."""
         out: list[Committed] = []
         for work in plan.prefill:
             state = work.seq.state
@@ -475,21 +534,56 @@ class Scheduler:
             ):
                 work.seq.prompt_logprobs = list(state.prompt_logprobs)
                 state.collect_prompt_logprobs = None
-        for row, (seq, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
+        if not plan.is_verify:
+            for row, (seq, token) in enumerate(zip(plan.sampled, tokens, strict=True)):
+                if not seq.is_finished:
+                    self._apply(seq, int(token), row, out)
+            return out
+        if emitted is None:
+            raise ValueError("a verify step's commit needs the emitted flags of its positions")
+        drafts = plan.sampled_drafts
+        if len(tokens) != len(emitted) or len(tokens) != sum(1 + len(d) for d in drafts):
+            raise ValueError("a verify step's tokens do not match its planned positions")
+        position = 0
+        for seq, row_drafts in zip(plan.sampled, drafts, strict=True):
+            first, k = position, len(row_drafts)
+            position += k + 1
             if seq.is_finished:
                 continue
-            seq.output_token_ids.append(int(token))
-            state = seq.state
-            if state is not None:
-                # A fed step launched after this one recorded the token as FED_TOKEN.
-                pos = seq.num_known - 1
-                if pos < len(state.tokens) and state.tokens[pos] == FED_TOKEN:
-                    state.tokens[pos] = int(token)
-            reason, stop_reason = self._stop_condition(seq, int(token))
-            if reason is not None:
-                self.finish(seq, reason, stop_reason)
-            out.append(Committed(seq, int(token), reason is not None, row))
+            count = 0
+            while count <= k and emitted[first + count]:
+                count += 1
+            count = max(count, 1)  # the target's own token is always emitted
+            accepted = count - 1
+            if k:
+                state = seq.state
+                assert state is not None
+                self.model.commit_accepted_prefix(state, accepted, k)
+                seq.num_draft_tokens += k
+                seq.num_accepted_tokens += accepted
+            for j in range(count):
+                committed = self._apply(seq, int(tokens[first + j]), first + j, out)
+                if j == 0 and k:
+                    committed.drafted, committed.accepted = k, accepted
+                if committed.finished:
+                    break
         return out
+
+    def _apply(self, seq: SchedSequence, token: int, row: int, out: list[Committed]) -> Committed:
+        """Append one token to `seq` and end it if the token finishes it."""
+        seq.output_token_ids.append(token)
+        state = seq.state
+        if state is not None:
+            # A fed step launched after this one recorded the token as FED_TOKEN.
+            pos = seq.num_known - 1
+            if pos < len(state.tokens) and state.tokens[pos] == FED_TOKEN:
+                state.tokens[pos] = token
+        reason, stop_reason = self._stop_condition(seq, token)
+        if reason is not None:
+            self.finish(seq, reason, stop_reason)
+        committed = Committed(seq, token, reason is not None, row)
+        out.append(committed)
+        return committed
 
     def _stop_condition(self, seq: SchedSequence, token: int) -> tuple[str | None, int | None]:
         params = seq.params

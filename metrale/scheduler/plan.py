@@ -5,9 +5,13 @@ Owner: scheduler (produced by `Scheduler.schedule`, consumed by the driver and b
 
 Invariants:
 - A sequence appears at most once in a plan (as a decode row or as one prefill chunk).
-- Decode rows carry one token each; prefill chunks never exceed the sequence's known tokens.
+- Decode rows carry one token each, plus the draft tokens `drafts[i]` of decode row `i`
+  when the step speculates (`drafts` is empty or as long as `decode`); a decode row with
+  drafts computes its last token and every draft, and its logits rows score each of them.
+  Prefill chunks never exceed the sequence's known tokens.
 - `sampled` lists, in row order, the sequences whose row produces a new token this step:
   every decode row, then every prefill chunk that completes its sequence's known tokens.
+- A speculating plan (`is_verify`) is never fed: its input tokens are all known.
 - A fed plan (`feed_rows` set, from `Scheduler.plan_fed_step`) has decode rows only; decode
   row `i`'s input token is row `feed_rows[i]` of the previous step's sampled tokens, read on
   the device, because that step has not been read back when this one is launched.
@@ -39,6 +43,18 @@ class StepPlan:
     finished: list[SchedSequence] = field(default_factory=list)
     #: Fed plans only: per decode row, its row in the previous step's sampled tokens.
     feed_rows: list[int] | None = None
+    #: Per decode row, the draft tokens it verifies (empty list: none); [] when no row has any.
+    drafts: list[list[int]] = field(default_factory=list)
+
+    @property
+    def is_verify(self) -> bool:
+        return any(self.drafts)
+
+    @property
+    def sampled_drafts(self) -> list[list[int]]:
+        """Per `sampled` row, its drafts (prefill rows have none)."""
+        decode = self.drafts if self.drafts else [[] for _ in self.decode]
+        return decode + [[] for w in self.prefill if w.is_last]
 
     @property
     def sampled(self) -> list[SchedSequence]:
@@ -46,7 +62,8 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + sum(w.length for w in self.prefill)
+        drafted = sum(len(d) for d in self.drafts)
+        return len(self.decode) + drafted + sum(w.length for w in self.prefill)
 
     def is_empty(self) -> bool:
         return not self.decode and not self.prefill

@@ -9,6 +9,9 @@ Invariants:
   known tokens; when it catches up fully, the last row's logits sample a new token.
 - `state` is not None exactly while the sequence holds device resources (RUNNING).
 - A FINISHED sequence never holds a state, a swap record or a queue position.
+- `spec_token_ids` are draft tokens for the next step only: never part of `all_tokens`, set
+  by the engine's proposer before `Scheduler.schedule` and cleared by it (a row computes its
+  last token plus the drafts the plan gave it; the verdict commits the accepted prefix).
 """
 
 from __future__ import annotations
@@ -66,6 +69,15 @@ class SchedSequence:
     num_cached_tokens: int = 0
     #: Prompt logprobs, kept here once complete (they survive preemption).
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    #: Whether this request may speculate (the per-request opt-out sets False).
+    speculative: bool = True
+    #: Tenant of the cross-request draft lookup; None keeps it out of every shared index.
+    lookup_tenant: str | None = None
+    #: Drafts proposed for the next step (see the invariants); empty when none.
+    spec_token_ids: list[int] = field(default_factory=list)
+    #: Draft tokens this stream verified, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def prompt_len(self) -> int:
