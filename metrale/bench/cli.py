@@ -10,7 +10,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import offline, serve, ttft
+    from metrale.bench import offline, serve, spec, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -24,6 +24,12 @@ def add_bench_parser(sub: Any) -> None:
     p = inner.add_parser("throughput", help="offline throughput, the nano-vllm recipe")
     offline.add_throughput(p)
     p.set_defaults(handler=lambda args: _run(offline.run_throughput, args))
+    p = inner.add_parser("spec", help="speculative decoding on held-out code: ngram, suffix vs off")
+    spec.add_arguments(p)
+    p.set_defaults(handler=lambda args: _run(spec.run, args))
+    p = inner.add_parser("spec-cost", help="verify step cost vs decode, projected/measured speedup")
+    spec.add_cost_arguments(p)
+    p.set_defaults(handler=lambda args: _run(spec.run_cost, args))
     p = inner.add_parser("serve", help="concurrency ladder against an OpenAI-compatible URL")
     serve.add_arguments(p)
     p.set_defaults(handler=lambda args: _run(serve.run, args))

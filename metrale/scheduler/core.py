@@ -271,7 +271,11 @@ class Scheduler:
 
         None when the next step needs what a fed step cannot do (an admission, a prefill
         chunk, a preemption, a timeout) or has no row: the engine then reads `prev` back and
-        calls `schedule()`. Call only with `prev` launched and not yet committed."""
+        calls `schedule()`; so is a `prev` that verified drafts (its rows emit a varying
+        number of tokens, so no fixed row holds each sequence's next input). Call only with
+        `prev` launched and not yet committed."""
+        if prev.is_verify:
+            return None
         if self.swapped or (self.waiting and len(self.running) < self.config.max_num_seqs):
             return None
         now = self.clock()

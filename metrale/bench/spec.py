@@ -1,0 +1,429 @@
+"""`metrale bench spec` and `metrale bench spec-cost`: what speculative decoding buys.
+
+Owner: bench.
+
+`spec` (CPU, the bundled model): an edit-style workload on held-out code. Each prompt holds a
+function from a module the model never saw (`VALIDATION_MODULES` of the model card) and asks
+for it again after a one-line change, so the answer repeats text of the prompt; each prompt is
+sent twice (the second time as another request, as agents re-send files). The same requests
+run with speculation off, with `ngram` and with `suffix`, one engine each, in one process:
+wall time, output tokens per decode step, acceptance rate, mean acceptance length, and the
+speedup over off. Greedy outputs must be identical in every mode; the record says whether
+they were.
+
+`spec-cost` (any device, dummy weights of a config shape): the cost of a verify step with
+k = 1..8 drafts per row relative to a plain decode step, at several batch sizes, each with
+the same context; then, at batch 1, the projected speedup at acceptance `a` (E[tokens] /
+cost ratio, E[tokens] = 1 + a + ... + a^k) and the measured one: the engine decodes with
+drafts that are the true greedy continuation, each position replaced by a wrong token with
+probability 1 - a, against the same engine without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.bench.record import write_record
+from metrale.config import EngineConfig
+from metrale.engine.engine import BUNDLED_MODEL_DIR, Engine
+from metrale.sampling.params import SamplingParams
+from metrale.spec.proposer import DraftRequest, Proposer
+
+#: Held-out modules of the bundled model's card (never in its training data).
+HELD_OUT = ("bisect.py", "colorsys.py", "fnmatch.py", "glob.py", "heapq.py", "shlex.py",
+            "textwrap.py", "string.py", "graphlib.py", "fractions.py")  # fmt: skip
+
+
+# ------------------------------------------------------------------------ workload
+
+
+def _functions(source: str, min_lines: int = 6, max_lines: int = 40) -> list[str]:
+    """Top-level `def` blocks of a module, of a size that fits the prompt."""
+    lines = source.splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("def ")]
+    blocks = []
+    for a, b in zip(starts, [*starts[1:], len(lines)]):
+        block = lines[a:b]
+        while block and not block[-1].strip():
+            block.pop()
+        if min_lines <= len(block) <= max_lines:
+            blocks.append("\n".join(block))
+    return blocks
+
+
+def edit_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` edit-style prompts from held-out stdlib modules (deterministic)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    blocks: list[str] = []
+    for name in HELD_OUT:
+        path = stdlib / name
+        if path.is_file():
+            blocks += _functions(path.read_text(encoding="utf-8", errors="replace"))
+    if not blocks:
+        raise RuntimeError(f"no held-out modules found under {stdlib}")
+    rng = random.Random(seed)
+    rng.shuffle(blocks)
+    prompts = []
+    for block in blocks[:count]:
+        first = block.splitlines()[0]
+        prompts.append(
+            f"# Original version:\n{block}\n\n\n# The same function, unchanged except for a "
+            f"comment at the top:\n{first}\n    # Reviewed.\n"
+        )
+    return prompts
+
+
+def run_mode(
+    model: str | None,
+    prompts: Sequence[str],
+    max_tokens: int,
+    spec: dict[str, Any] | None,
+    concurrency: int,
+    **engine_kw: Any,
+) -> dict[str, Any]:
+    """Every prompt through one engine, `concurrency` requests at a time, in order."""
+    config = EngineConfig(model=model, speculative_config=spec, **engine_kw)
+    engine = Engine(config)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    engine.add_request("warmup", prompts[0][:200], params.replace(max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    steps0, stats0 = engine.num_steps, engine.spec_stats
+    drafts0, draft_tok0, acc0 = (
+        stats0.num_drafts,
+        stats0.num_draft_tokens,
+        stats0.num_accepted_tokens,
+    )
+    outputs: dict[str, list[int]] = {}
+    queue = list(enumerate(prompts))
+    start = time.perf_counter()
+    live: set[str] = set()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            i, text = queue.pop(0)
+            rid = f"r{i}"
+            engine.add_request(rid, text, params)
+            live.add(rid)
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+                live.discard(out.request_id)
+    seconds = time.perf_counter() - start
+    stats = engine.spec_stats
+    tokens = sum(len(t) for t in outputs.values())
+    steps = engine.num_steps - steps0
+    drafted = stats.num_draft_tokens - draft_tok0
+    accepted = stats.num_accepted_tokens - acc0
+    rows = stats.num_drafts - drafts0
+    gate = engine.spec_gate.counters if engine.spec_gate is not None else {}
+    return {
+        "seconds": seconds,
+        "output_tokens": tokens,
+        "tokens_per_second": tokens / seconds,
+        "steps": steps,
+        "tokens_per_step": tokens / max(steps, 1),
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": 1 + accepted / rows if rows else 1.0,
+        "verify_steps": stats.verify_steps,
+        "gate": dict(gate),
+        "outputs": [outputs[f"r{i}"] for i in range(len(prompts))],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    base = edit_prompts(args.prompts, seed=args.seed)
+    prompts = [p for p in base for _ in range(2)] if args.repeat else base
+    engine_kw = dict(
+        device="cpu", max_num_seqs=max(args.concurrency, 1), enable_prefix_caching=True
+    )
+    modes: dict[str, dict[str, Any] | None] = {"off": None}
+    for method in args.methods.split(","):
+        modes[method] = {"method": method, "num_speculative_tokens": args.k, "gate": args.gate}
+    results = {}
+    for name, spec in modes.items():
+        results[name] = run_mode(
+            args.model, prompts, args.max_tokens, spec, args.concurrency, **engine_kw
+        )
+        r = results[name]
+        print(
+            f"{name:>7}: {r['seconds']:.2f}s  {r['tokens_per_second']:.1f} tok/s  "
+            f"{r['tokens_per_step']:.2f} tok/step  acceptance {r['acceptance_rate']:.2f}",
+            file=sys.stderr,
+        )
+    off = results["off"]
+    figures: dict[str, Any] = {}
+    for name, r in results.items():
+        figures[name] = {k: v for k, v in r.items() if k != "outputs"}
+        figures[name]["speedup_vs_off"] = off["seconds"] / r["seconds"]
+        figures[name]["identical_to_off"] = r["outputs"] == off["outputs"]
+    path = write_record(
+        "spec",
+        model_shape="metrale-tiny-code" if args.model is None else Path(args.model).name,
+        config={
+            "prompts": len(prompts),
+            "distinct_prompts": len(base),
+            "max_tokens": args.max_tokens,
+            "k": args.k,
+            "gate": args.gate,
+            "concurrency": args.concurrency,
+            "threads": torch.get_num_threads(),
+            "held_out_modules": list(HELD_OUT),
+            "workload": "edit: a held-out function, then 'the same function, unchanged except "
+            "for a comment'; each prompt sent twice",
+        },
+        figures=figures,
+        device="cpu",
+        out_dir=args.out_dir,
+        notes="peer: the same engine with speculation off, same run, same requests",
+    )
+    for name, f in figures.items():
+        print(
+            f"{name:>7}: speedup {f['speedup_vs_off']:.2f}x, {f['tokens_per_step']:.2f} tok/step, "
+            f"acceptance {f['acceptance_rate']:.2f}, identical outputs {f['identical_to_off']}"
+        )
+    print(f"record: {path}")
+    return figures
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
+    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--gate", default="auto", choices=["auto", "off"])
+    parser.add_argument("--prompts", type=int, default=12, help="distinct prompts")
+    parser.add_argument("--no-repeat", dest="repeat", action="store_false",
+                        help="send each prompt once (default: twice)")  # fmt: skip
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default="bench/records")
+
+
+# ------------------------------------------------------------------------ verify cost
+
+
+class KnownContinuation(Proposer):
+    """Drafts the known greedy continuation of each prompt, each position replaced by a
+    wrong token with probability `1 - acceptance` (a fixed random stream): the target accepts
+    a draft exactly when it is the true token, so acceptance is forced to about `acceptance`
+    per position (conditional on the earlier ones)."""
+
+    name = "known-continuation"
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], acceptance: float, vocab: int):
+        self.truth = truth
+        self.acceptance = acceptance
+        self.vocab = vocab
+        self.rng = random.Random(1234)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in requests:
+            done = len(r.tokens) - r.prompt_len
+            cont = self.truth.get(tuple(r.tokens[: r.prompt_len]), [])
+            drafts = []
+            for token in cont[done : done + r.max_drafts]:
+                if self.rng.random() >= self.acceptance:
+                    token = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+                drafts.append(token)
+            out.append(drafts)
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verify_cost(engine: Engine, batch: int, ks: Sequence[int], context: int, iters: int) -> dict:
+    """Seconds of a plain decode step and of a verify step with each k, at `batch` rows of
+    `context` tokens; every verify is rolled back, so each call sees the same state."""
+    model = engine.model
+    device = torch.device(str(getattr(model, "device", "cpu")))
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.vocab_size
+    seqs = []
+    for _ in range(batch):
+        seq = model.alloc_sequence()
+        prompt = torch.randint(8, vocab, (context,), generator=gen).tolist()
+        model.prefill_chunk(prompt, seq, 0, context, True)
+        seqs.append(seq)
+    tokens = [1] * batch
+
+    # `commit_accepted_prefix(seq, 0, n)` rewinds the last n tokens: the whole step here.
+    def decode() -> None:
+        model.decode_batch(tokens, seqs)
+        for s in seqs:
+            model.commit_accepted_prefix(s, 0, 1)
+
+    def verify(k: int) -> None:
+        drafts = [[2] * k for _ in range(batch)]
+        model.mixed_verify_batch(tokens, drafts, seqs, [])
+        for s in seqs:
+            model.commit_accepted_prefix(s, 0, k + 1)
+
+    def timed(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        _sync(device)
+        samples = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    plain = timed(decode)
+    out = {"decode_ms": plain * 1000, "verify_ms": {}, "ratio": {}}
+    for k in ks:
+        t = timed(lambda k=k: verify(k))
+        out["verify_ms"][k] = t * 1000
+        out["ratio"][k] = t / plain
+    for s in seqs:
+        model.free_sequence(s)
+    return out
+
+
+def run_cost(args: argparse.Namespace) -> dict[str, Any]:
+    from metrale.bench.synthetic import prepare_model_dir
+
+    model_dir = prepare_model_dir(args.config_dir) if args.config_dir else BUNDLED_MODEL_DIR
+    ks = [int(k) for k in args.ks.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(
+        model=str(model_dir), device=args.device, dtype=args.dtype,
+        load_format="dummy" if args.config_dir else "auto",
+        max_model_len=args.context + 1024, max_num_seqs=max(batches),
+    )  # fmt: skip
+    engine = Engine(
+        EngineConfig(
+            **common,
+            speculative_config={
+                "method": "ngram",
+                "num_speculative_tokens": max(ks),
+                "gate": "off",
+            },
+        )
+    )
+    curve = {}
+    for b in batches:
+        curve[b] = verify_cost(engine, b, ks, args.context, args.iters)
+        print(f"batch {b}: decode {curve[b]['decode_ms']:.3f} ms, ratio "
+              + " ".join(f"k{k}={r:.2f}" for k, r in curve[b]["ratio"].items()), file=sys.stderr)  # fmt: skip
+    a = args.acceptance
+    projected = {}
+    for k in ks:
+        expected = sum(a**i for i in range(k + 1))
+        projected[k] = expected / curve[batches[0]]["ratio"][k]
+    best_k = max(projected, key=lambda k: projected[k])
+    measured = measure_speedup(engine, args, best_k, a)
+    figures = {
+        "cost_curve": curve,
+        f"projected_speedup_batch_{batches[0]}": projected,
+        "measured": measured,
+        "k_measured": best_k,
+        "acceptance": a,
+    }
+    path = write_record(
+        "spec-cost",
+        model_shape=args.shape
+        or (Path(args.config_dir).name if args.config_dir else "metrale-tiny-code"),
+        config={
+            "ks": ks,
+            "batches": batches,
+            "context": args.context,
+            "iters": args.iters,
+            "device": args.device,
+            "dtype": args.dtype,
+            "acceptance": a,
+            "graphs": engine.model.graph_runner is not None
+            if hasattr(engine.model, "graph_runner")
+            else False,
+        },
+        figures=figures,
+        device=args.device,
+        out_dir=args.out_dir,
+        notes="peer: the same engine's plain decode step (ratio) and plain decoding (speedup)",
+    )
+    print(f"projected speedup at batch {batches[0]}, acceptance {a}: "
+          + " ".join(f"k{k}={p:.2f}" for k, p in projected.items()))  # fmt: skip
+    print(f"measured at k={best_k}: {measured['speedup']:.2f}x "
+          f"(acceptance {measured['acceptance_rate']:.2f})")  # fmt: skip
+    print(f"record: {path}")
+    return figures
+
+
+def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance: float) -> dict:
+    """Batch-1 greedy decoding with forced-acceptance drafts against plain decoding."""
+    vocab = engine.vocab_size
+    gen = torch.Generator().manual_seed(7)
+    prompts = [
+        torch.randint(8, vocab, (args.context,), generator=gen).tolist()
+        for _ in range(args.requests)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    def decode_all(eng: Engine) -> tuple[float, list[list[int]]]:
+        outs = []
+        start = time.perf_counter()
+        for i, p in enumerate(prompts):
+            eng.add_request(f"m{i}-{time.monotonic_ns()}", None, params, prompt_token_ids=p)
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished:
+                        outs.append(list(o.outputs[0].token_ids))
+        return time.perf_counter() - start, outs
+
+    plain_engine = Engine(
+        engine.config.replace(speculative_config=None),
+        model=engine.model,
+        tokenizer=engine.tokenizer,
+    )
+    decode_all(plain_engine)  # warm-up
+    plain_s, truth_out = decode_all(plain_engine)
+    truth = {tuple(p): o for p, o in zip(prompts, truth_out)}
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": k, "gate": "off"}
+    spec_engine = Engine(
+        engine.config.replace(speculative_config=spec_cfg), model=engine.model, tokenizer=engine.tokenizer,
+        proposer=KnownContinuation(truth, acceptance, vocab),
+    )  # fmt: skip
+    spec_s, outs = decode_all(spec_engine)
+    st = spec_engine.spec_stats
+    return {
+        "plain_seconds": plain_s,
+        "spec_seconds": spec_s,
+        "speedup": plain_s / spec_s,
+        "acceptance_rate": st.acceptance_rate,
+        "mean_acceptance_length": st.mean_acceptance_length,
+        "identical_outputs": outs == truth_out,
+    }
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-dir", default=None, help="a config shape (dummy weights)")
+    parser.add_argument("--shape", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--acceptance", type=float, default=0.6)
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out-dir", default="bench/records")
