@@ -76,8 +76,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     #: Longest suffix n-gram tried first (the lookups prefer the longest match).
     prompt_lookup_max: int = 5
-    #: Token budget of the shared suffix index over all tenants (method "suffix").
-    suffix_cache_max_tokens: int = 1_048_576
+    #: Token budget of the shared suffix index over all tenants (method "suffix"); about
+    #: 500 bytes of host memory per token with n = 2..5, so the default is about 130 MB.
+    suffix_cache_max_tokens: int = 262_144
     #: "auto": the throughput gate may turn speculation off; "off": always speculate when a
     #: draft exists.
     gate: str = "auto"

@@ -73,7 +73,7 @@ class SuffixProposer(NgramProposer):
         num_speculative_tokens: int,
         prompt_lookup_min: int = 2,
         prompt_lookup_max: int = 5,
-        suffix_cache_max_tokens: int = 1_048_576,
+        suffix_cache_max_tokens: int = 262_144,
     ) -> None:
         super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         if suffix_cache_max_tokens < 1:

@@ -68,7 +68,7 @@ def colliding_hash(monkeypatch):
 def test_config_defaults_describe_and_proposer():
     c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 5)
-    assert c.suffix_cache_max_tokens == 1_048_576
+    assert c.suffix_cache_max_tokens == 262_144
     assert (c.gate, c.gate_window, c.gate_probe_tokens) == ("auto", 16, 256)
     assert c.describe().startswith("ngram k=4 n=2..5")
     p = c.make_proposer()
