@@ -226,6 +226,8 @@ class Scheduler:
             plan.prefill.append(work)
             budget -= work.length
         budget = self._admit(plan, budget, available)
+        if plan.drafts:  # decode rows admitted from the swap queue carry no drafts
+            plan.drafts += [[] for _ in range(len(plan.decode) - len(plan.drafts))]
         if self.model.num_total_slots() is not None:
             order = sorted(range(len(plan.decode)), key=lambda i: _ssm_slot_key(plan.decode[i]))
             plan.decode = [plan.decode[i] for i in order]

@@ -52,7 +52,9 @@ class ScriptedProposer(Proposer):
             cont = self.truth.get(prompt, [])[done : done + r.max_drafts]
             drafts = []
             for j, token in enumerate(cont):
-                key = f"{r.seq_id}:{done + j}".encode()
+                # A function of the tokens alone (as a real proposer is), so a seeded
+                # request's drafts, hence its tokens, repeat from run to run.
+                key = f"{hash(prompt)}:{done}:{j}".encode()
                 h = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little")
                 drafts.append((token + 7) % 500 + 6 if h / 2**32 < self.wrong else token)
             out.append(drafts)
@@ -304,7 +306,10 @@ def test_sampled_first_four_tokens_keep_their_distribution(monkeypatch: pytest.M
     # acceptance") distorts the distribution, and the same statistic rejects it.
     import metrale.sampling.verify as verify
 
-    monkeypatch.setattr(verify, "accept_probability", verify.greedy_accept_probability)
+    def greedy_acceptance(probs: torch.Tensor, draft_ids: torch.Tensor, uniforms: torch.Tensor):
+        return probs.argmax(dim=-1) == draft_ids
+
+    monkeypatch.setattr(verify, "accept_drafts", greedy_acceptance)
     wrong = first_tokens(on, prompt, range(20_000, 20_000 + n), params)
     worst = min(
         chi_square_p_value(*chi_square_homogeneity([t[:j] for t in base], [t[:j] for t in wrong]))
