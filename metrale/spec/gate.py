@@ -14,9 +14,9 @@ drafts`. The expected gain of `k` drafts at acceptance rate `a` is `a + a**2 + .
 Invariants:
 - Global, per bucket: after `window` verify steps and `window` plain steps, the bucket turns
   speculation off when the delivered tokens per second of verify steps falls below that of
-  plain steps by `margin`; it probes speculation again after `probe_tokens` tokens of plain
-  decoding (and re-measures plain decoding every `probe_tokens` tokens while on). Each switch
-  is counted (`global_off`, `global_on`).
+  plain steps by `margin`; it probes speculation again (one window) after `probe_tokens`
+  tokens per row of plain decoding, and while on re-measures plain decoding (one window) every
+  `REFRESH * probe_tokens` tokens per row. Each switch is counted (`global_off`, `global_on`).
 - Per row: after `min_verifies` verdicts, a row whose expected gain does not cover its draft
   cost stops speculating; it is probed again after `probe_tokens` more generated tokens,
   doubling the wait each time it fails again (at most 64x). Counted (`row_off`, `row_on`).
@@ -33,6 +33,9 @@ EWMA = 0.3
 #: Forgetting factor of the per-bucket cost fit (per step).
 FIT_DECAY = 0.98
 MAX_BACKOFF = 64
+#: While speculation is on, plain decoding is re-measured every `REFRESH * probe_tokens`
+#: tokens per row (the seed refreshes every 1024 and probes every 256).
+REFRESH = 4
 
 
 @dataclass
@@ -178,8 +181,8 @@ class SpecGate:
         if bucket.on and bucket.spec_steps >= self.window and bucket.plain_steps < self.window:
             bucket.probing = self.window  # measure plain decoding once, to compare
             bucket.tokens_since = 0
-        elif bucket.tokens_since >= self.probe_tokens * width:
-            bucket.probing = self.window  # refresh the other mode's estimate
+        elif bucket.tokens_since >= (1 if not bucket.on else REFRESH) * self.probe_tokens * width:
+            bucket.probing = self.window  # probe speculation, or refresh the plain estimate
             bucket.tokens_since = 0
 
     def record_verify(self, seq_id: str, drafted: int, accepted: int, num_generated: int) -> None:
