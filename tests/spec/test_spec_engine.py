@@ -316,3 +316,59 @@ def test_sampled_first_four_tokens_keep_their_distribution(monkeypatch: pytest.M
         for j in range(1, 5)
     )
     assert worst < 1e-6
+
+
+# ------------------------------------------------------------------ tenant isolation
+
+
+def test_suffix_lookup_never_proposes_another_tenants_tokens() -> None:
+    path = str(build(LLAMA))
+    llm = LLM(
+        path,
+        device="cpu",
+        speculative_config={"method": "suffix", "num_speculative_tokens": 4, "gate": "off"},
+    )
+    engine = llm.engine
+    proposer = engine.proposer
+    assert proposer is not None and proposer.name == "suffix"
+    proposed: dict[str, list[int]] = {}
+    original = proposer.propose
+
+    def spy(requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out = original(requests)
+        for r, d in zip(requests, out):
+            proposed.setdefault(r.seq_id, []).extend(d)
+        return out
+
+    proposer.propose = spy  # type: ignore[method-assign]
+
+    def run(rid: str, prompt: list[int], tenant: str) -> list[int]:
+        engine.add_request(rid, None, greedy(24), prompt_token_ids=prompt, lookup_tenant=tenant)
+        result: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    result = list(out.outputs[0].token_ids)
+        return result
+
+    # Tenant A's secret: tokens only A ever sends, after a context any tenant may send.
+    context = [40, 41, 42, 43, 44]
+    secret = list(range(300, 340))
+    out_a = run("a1", context + secret, "A")
+    # The same tenant gets A's continuation proposed from the shared index...
+    run("a2", [7, 8, *context, *secret[:3]], "A")
+    assert set(proposed.get("a2", [])) & set(secret[3:] + out_a)
+    # ...another tenant, sending the same context and the secret's first tokens, is only
+    # ever proposed tokens that appeared in its own tenant's sequences.
+    b_tokens: set[int] = set()
+    for i in range(3):
+        prompt_b = [9, 10 + i, *context, *secret[:3]]
+        b_tokens |= set(prompt_b)
+        b_tokens |= set(run(f"b{i}", prompt_b, "B"))
+        assert set(proposed.get(f"b{i}", [])) <= b_tokens
+    leaked = {t for sid, ts in proposed.items() if sid.startswith("b") for t in ts}
+    assert not leaked & (set(secret[3:]) - b_tokens), "tenant B was proposed tenant A's tokens"
+    # A request outside every tenant (None) neither reads nor feeds the shared index.
+    prompt_n = [7, 8, *context, *secret[:3]]
+    own = set(prompt_n) | set(run("n0", prompt_n, None))  # type: ignore[arg-type]
+    assert set(proposed.get("n0", [])) <= own
