@@ -46,8 +46,9 @@ class RequestModel(BaseModel):
 
 class SpeculationFields(RequestModel):
     """Speculative decoding's per-request extension fields (vLLM-style; the OpenAI SDKs send
-    them through `extra_body`). Neither changes the tokens a request gets: speculation is
-    lossless, so they only steer speed and which requests' text may be drafted from."""
+    them through `extra_body`). Neither changes what a request's tokens are drawn from:
+    verification is lossless, so they only steer speed and which requests' tokens may be
+    drafted from."""
 
     #: False: this request never speculates (no drafts are proposed or verified for it).
     speculative: StrictBool = True
