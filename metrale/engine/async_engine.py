@@ -2,8 +2,8 @@
 
 Owner: engine. The server talks to the engine only through this class: `add_request` returns a
 `RequestStream` (an async iterator of cumulative `RequestOutput`s), `RequestStream.abort` ends
-a request early, `snapshot` gives the gauges the metrics read, `begin_drain` / `abort_all` /
-`shutdown` serve a graceful exit.
+a request early, `snapshot` gives the gauges and counters the metrics read (speculative
+decoding's included), `begin_drain` / `abort_all` / `shutdown` serve a graceful exit.
 
 Invariants:
 - Only the engine thread touches the `Engine` (add, abort, step). Other threads and the event
@@ -17,6 +17,10 @@ Invariants:
   raised by `Engine.add_request` reach the awaiting caller, a crash of the engine loop reaches
   every open stream as `EngineDeadError` and refuses new requests with it.
 - When there is no work the thread sleeps on a condition variable (no busy spin).
+- `add_request` hands every argument of `Engine.add_request` the server sets (prompt, params,
+  timeout, adapter, `speculative`, `lookup_tenant`) through unchanged.
+- `EngineSnapshot` is picklable (it crosses `EngineProcess`'s pipe): plain values and copies,
+  never live engine objects.
 """
 
 from __future__ import annotations
@@ -32,12 +36,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from metrale.config import EngineConfig
-from metrale.engine.engine import Engine
+from metrale.engine.engine import DEFAULT_TENANT, Engine
 from metrale.engine.request import RequestOutput
 from metrale.errors import EngineDeadError, MetraleError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.scheduler.core import SchedulerStats
+from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,6 +80,13 @@ class EngineSnapshot:
     #: Forwards replayed from a CUDA graph, and forwards run eagerly.
     graph_forwards: int = 0
     eager_forwards: int = 0
+    #: Speculative decoding counters (`Engine.spec_stats`; all zero when speculation is off).
+    spec: SpecStats = field(default_factory=SpecStats)
+    #: The throughput gate's switch counts (`SpecGate.counters`: global_off, global_on,
+    #: row_off, row_on); empty when there is no gate.
+    spec_gate: dict[str, int] = field(default_factory=dict)
+    #: Drafts per verify row (k); 0 when speculation is off.
+    num_speculative_tokens: int = 0
 
 
 class SnapshotTaker:
@@ -104,6 +116,9 @@ class SnapshotTaker:
             prefix_cache=dict(engine.model.prefix_cache_stats()),
             graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
             eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
+            spec=copy.deepcopy(engine.spec_stats),
+            spec_gate=dict(engine.spec_gate.counters) if engine.spec_gate is not None else {},
+            num_speculative_tokens=engine.num_speculative_tokens,
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:
@@ -172,6 +187,8 @@ class EngineHandle(Protocol):
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         adapter_id: int = 0,
+        speculative: bool = True,
+        lookup_tenant: str | None = DEFAULT_TENANT,
     ) -> RequestStream: ...
 
 
@@ -251,6 +268,8 @@ class _Add:
     prompt_token_ids: Sequence[int] | None
     timeout: float | None
     adapter_id: int
+    speculative: bool
+    lookup_tenant: str | None
     stream: RequestStream
     accepted: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
@@ -368,21 +387,28 @@ class AsyncEngine:
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         adapter_id: int = 0,
+        speculative: bool = True,
+        lookup_tenant: str | None = DEFAULT_TENANT,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises why it did not."""
+        """Queue a request; returns once the engine accepted it, or raises why it did not.
+
+        `speculative` and `lookup_tenant` are `Engine.add_request`'s: the per-request opt-out
+        of speculative decoding, and the cross-request draft lookup's partition."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         accepted: asyncio.Future[None] = loop.create_future()
         command = _Add(
-            request_id,
-            prompt,
-            params,
-            prompt_token_ids,
-            timeout,
-            adapter_id,
-            stream,
-            accepted,
-            loop,
+            request_id=request_id,
+            prompt=prompt,
+            params=params,
+            prompt_token_ids=prompt_token_ids,
+            timeout=timeout,
+            adapter_id=adapter_id,
+            speculative=speculative,
+            lookup_tenant=lookup_tenant,
+            stream=stream,
+            accepted=accepted,
+            loop=loop,
         )
         self._submit(command)
         try:
@@ -466,6 +492,8 @@ class AsyncEngine:
                     prompt_token_ids=command.prompt_token_ids,
                     timeout=command.timeout,
                     adapter_id=command.adapter_id,
+                    speculative=command.speculative,
+                    lookup_tenant=command.lookup_tenant,
                 )
             except Exception as exc:  # MetraleError for bad requests; anything else: a bug
                 error = exc

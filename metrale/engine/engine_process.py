@@ -13,12 +13,13 @@ decode host-bound (vLLM's API server + EngineCore and SGLang's tokenizer / sched
 split the same way).
 
 Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
-- parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id),
+- parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id,
+  speculative, lookup_tenant) (the arguments of `Engine.add_request`, in that order),
   ("abort", request_id), ("shutdown",).
 - child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then
   ("added", request_id, error | None) answering each add, ("out", [OutputDelta], snapshot |
   None) once per step, ("snapshot", snapshot) when the engine goes idle, ("dead", message)
-  if the loop crashes.
+  if the loop crashes. A snapshot is an `EngineSnapshot` (speculation counters included).
 
 Invariants:
 - "out" messages carry every request's new tokens as deltas (new text, new token ids, new
@@ -63,6 +64,7 @@ from metrale.engine.async_engine import (
     post_by_loop,
     settle_future,
 )
+from metrale.engine.engine import DEFAULT_TENANT
 from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from metrale.errors import EngineDeadError, MetraleError
 from metrale.sampling.params import SamplingParams
@@ -300,12 +302,12 @@ class _ChildLoop:
         """Apply one command; False when it says to stop."""
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, ids, timeout, adapter_id = command
+            _, request_id, prompt, params, ids, timeout, adapter_id, speculative, tenant = command
             error: BaseException | None = None
             try:
                 self.engine.add_request(
                     request_id, prompt, params, prompt_token_ids=ids, timeout=timeout,
-                    adapter_id=adapter_id,
+                    adapter_id=adapter_id, speculative=speculative, lookup_tenant=tenant,
                 )  # fmt: skip
             except Exception as exc:  # MetraleError for bad requests; anything else: a bug
                 error = _portable(exc)
@@ -435,8 +437,11 @@ class EngineProcess:
         prompt_token_ids: Sequence[int] | None = None,
         timeout: float | None = None,
         adapter_id: int = 0,
+        speculative: bool = True,
+        lookup_tenant: str | None = DEFAULT_TENANT,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises why it did not."""
+        """Queue a request; returns once the engine accepted it, or raises why it did not
+        (`AsyncEngine.add_request`'s arguments, sent as one "add" tuple)."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         text = prompt if isinstance(prompt, str) else None
@@ -453,7 +458,8 @@ class EngineProcess:
                 self._pending[request_id] = _PendingAdd(future, loop, assembly)
         if refusal is not None:
             raise copy.copy(refusal)
-        self._send(("add", request_id, prompt, params, ids, timeout, adapter_id))
+        command = ("add", request_id, prompt, params, ids, timeout, adapter_id)
+        self._send((*command, speculative, lookup_tenant))
         try:
             await future
         except asyncio.CancelledError:

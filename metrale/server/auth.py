@@ -1,4 +1,5 @@
-"""API-key authentication: `Authorization: Bearer <key>` or `x-api-key: <key>`.
+"""API-key authentication: `Authorization: Bearer <key>` or `x-api-key: <key>`; and the tenant
+of the cross-request draft lookup, which the key decides.
 
 Owner: server.
 
@@ -6,19 +7,30 @@ Invariants:
 - With no key configured every request passes; with one, every path except `OPEN_PATHS`
   needs it, and a missing or wrong key gets 401 in the error shape of the route's protocol.
 - Keys are compared in constant time.
+- A request that passed the check carries the key it matched in its ASGI scope
+  (`AUTHENTICATED_KEY`; read by `authenticated_key`); a server without keys sets nothing.
+- `lookup_tenant` never returns the key itself, only a hash of it, and a request's explicit
+  `tenant` can only subdivide its key's tenant, never reach another key's. The server has one
+  key (`--api-key`), so every authorised client shares that key's tenant.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from metrale.engine.engine import DEFAULT_TENANT
 from metrale.errors import AuthenticationError
 from metrale.server.errors import error_response, is_anthropic_path
 
 #: Paths that never need the key: liveness probes and Prometheus scrapes (no request data).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+#: The ASGI scope key (an extension key) holding the API key a request authenticated with.
+AUTHENTICATED_KEY = "metrale.api_key"
+#: Hex digits of sha256(key) that name a key's tenant (64 bits: no collisions in practice).
+TENANT_HASH_HEX = 16
 
 
 def presented_key(scope: Scope) -> str | None:
@@ -30,9 +42,34 @@ def presented_key(scope: Scope) -> str | None:
     return key.decode("latin-1").strip() if key is not None else None
 
 
+def authenticated_key(scope: Scope) -> str | None:
+    """The API key this request authenticated with; None when the server has no keys."""
+    key = scope.get(AUTHENTICATED_KEY)
+    return key if isinstance(key, str) else None
+
+
+def lookup_tenant(api_key: str | None, tenant: str | None = None) -> str:
+    """The tenant of a request's cross-request draft lookup (`Engine.add_request`'s
+    `lookup_tenant`): requests share draft sources only within one tenant.
+
+    `api_key` is the key the request authenticated with (`authenticated_key`), None on a
+    server without keys. Its tenant is "key:<first 16 hex digits of sha256(key)>" (the key
+    itself never appears); without a key it is `DEFAULT_TENANT`. An explicit `tenant` (the
+    body's field) subdivides it: "<key tenant>/<tenant>". The key part always comes from the
+    credential, never from the body, so a client can partition its own tenant but cannot name
+    its way into another key's. An empty `tenant` is the same as none."""
+    if api_key is None:
+        base = DEFAULT_TENANT
+    else:
+        digest = hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).hexdigest()
+        base = f"key:{digest[:TENANT_HASH_HEX]}"
+    return f"{base}/{tenant}" if tenant else base
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
+        self.key = api_key or None
         self.api_key = api_key.encode() if api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -47,7 +84,7 @@ class ApiKeyMiddleware:
         elif not hmac.compare_digest(key.encode("latin-1", "replace"), self.api_key):
             error = AuthenticationError("invalid API key")
         else:
-            await self.app(scope, receive, send)
+            await self.app({**scope, AUTHENTICATED_KEY: self.key}, receive, send)
             return
         response = error_response(error, anthropic=is_anthropic_path(scope["path"]))
         await response(scope, receive, send)

@@ -3,13 +3,17 @@
 Owner: server. `ServerMetrics` owns a private `CollectorRegistry` (never the global default
 one), so several apps in one process do not collide. HTTP counters are updated by the
 middleware, token counts and latencies by `RequestTracker`s, and engine gauges/counters are
-read from the engine handle's `snapshot()` at scrape time.
+read from the engine handle's `snapshot()` at scrape time (speculative decoding's included).
 
 Invariants:
 - Every series is named `metrale_*`; counters end in `_total` when exposed.
 - Label values are bounded: `endpoint` is one of the known routes or "other", `status` an
-  HTTP status code, `reason` a finish reason.
+  HTTP status code, `reason` a finish reason, `position` a draft slot below k (at most 16),
+  `scope` and `to` the gate's two scopes and two directions.
 - A request is counted once in `metrale_requests_total`, with the status it answered.
+- The speculative decoding series (`metrale_spec_decode_*`, vLLM's names) are always exposed,
+  zero when speculation is off; the per-position series has one `position` per draft slot
+  (0..k-1), none when speculation is off.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from metrale.engine.async_engine import EngineHandle
+from metrale.engine.async_engine import EngineHandle, EngineSnapshot
 
 KNOWN_ENDPOINTS = frozenset(
     {
@@ -147,6 +151,55 @@ class _EngineCollector(Collector):
         forwards.add_metric(["graph"], snap.graph_forwards)
         forwards.add_metric(["eager"], snap.eager_forwards)
         yield forwards
+        yield from _spec_metrics(snap)
+
+
+def _spec_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+    """Speculative decoding's counters (`SpecStats`, `SpecGate.counters`), vLLM's names."""
+    spec = snap.spec
+    yield CounterMetricFamily(
+        "metrale_spec_decode_num_drafts",
+        "verify rows that carried at least one draft token",
+        value=spec.num_drafts,
+    )
+    yield CounterMetricFamily(
+        "metrale_spec_decode_num_draft_tokens", "draft tokens verified", value=spec.num_draft_tokens
+    )
+    yield CounterMetricFamily(
+        "metrale_spec_decode_num_accepted_tokens",
+        "draft tokens accepted",
+        value=spec.num_accepted_tokens,
+    )
+    per_pos = CounterMetricFamily(
+        "metrale_spec_decode_num_accepted_tokens_per_pos",
+        "verify rows whose draft at this 0-based position was accepted",
+        labels=["position"],
+    )
+    counts = list(spec.accepted_per_pos)
+    counts += [0] * (snap.num_speculative_tokens - len(counts))
+    for position, count in enumerate(counts):
+        per_pos.add_metric([str(position)], count)
+    yield per_pos
+    yield CounterMetricFamily(
+        "metrale_spec_decode_verify_steps",
+        "engine steps that verified drafts",
+        value=spec.verify_steps,
+    )
+    yield CounterMetricFamily(
+        "metrale_spec_decode_drained_steps",
+        "steps read back before planning because a row could speculate (drafts need every "
+        "token known; also counted in metrale_engine_drained_steps)",
+        value=spec.drained_for_spec,
+    )
+    switches = CounterMetricFamily(
+        "metrale_spec_decode_gate_switches",
+        "throughput gate switches of speculation, per batch-width bucket (global) or per row",
+        labels=["scope", "to"],
+    )
+    for scope in ("global", "row"):
+        for to in ("on", "off"):
+            switches.add_metric([scope, to], snap.spec_gate.get(f"{scope}_{to}", 0))
+    yield switches
 
 
 class ServerMetrics:

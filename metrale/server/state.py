@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from metrale.engine.async_engine import EngineHandle, RequestStream
+from metrale.engine.engine import DEFAULT_TENANT
 from metrale.errors import MetraleError, NotFoundError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
+from metrale.server.auth import authenticated_key, lookup_tenant
 from metrale.server.errors import PayloadTooLargeError
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol.common import decode_json
@@ -60,15 +62,22 @@ class ServerState:
         params: SamplingParams,
         *,
         prompt_param: str = "prompt",
+        speculative: bool = True,
+        lookup_tenant: str | None = DEFAULT_TENANT,
     ) -> list[RequestStream]:
-        """One accepted stream per prompt; errors about the prompt name `prompt_param`."""
+        """One accepted stream per prompt; errors about the prompt name `prompt_param`.
+
+        `speculative` (the request's opt-out) and `lookup_tenant` (see
+        `metrale.server.auth.lookup_tenant`) reach `Engine.add_request` for every prompt."""
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(
-                    await self.engine.add_request(rid, text, params, prompt_token_ids=ids)
-                )
+                stream = await self.engine.add_request(
+                    rid, text, params, prompt_token_ids=ids, speculative=speculative,
+                    lookup_tenant=lookup_tenant,
+                )  # fmt: skip
+                streams.append(stream)
         except MetraleError as exc:
             for stream in streams:
                 stream.abort()
@@ -84,6 +93,12 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.metrale  # type: ignore[no-any-return]
+
+
+def request_tenant(request: Request, tenant: str | None) -> str:
+    """The draft-lookup tenant of `request`: its API key's, subdivided by the body's
+    explicit `tenant` (`metrale.server.auth.lookup_tenant`)."""
+    return lookup_tenant(authenticated_key(request.scope), tenant)
 
 
 async def read_json(request: Request, limit: int) -> object:

@@ -1,25 +1,28 @@
 """`EngineProcess`: the engine in a child process gives exactly the outputs of the engine in
 this process (cumulative text, tokens, logprobs, n > 1, stop strings), add errors reach the
 caller while the others run on, an abort frees the request's KV, and a child that dies ends
-every open stream with EngineDeadError and turns the server to 503 instead of hanging."""
+every open stream with EngineDeadError and turns the server to 503 instead of hanging; the
+wire carries `speculative` and `lookup_tenant` to `Engine.add_request`."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from metrale import SamplingParams
 from metrale.config import EngineConfig
-from metrale.engine.engine import Engine
-from metrale.engine.engine_process import EngineProcess
+from metrale.engine.engine import DEFAULT_TENANT, Engine
+from metrale.engine.engine_process import EngineProcess, _ChildLoop
 from metrale.engine.request import RequestOutput
 from metrale.errors import ContextLengthError, EngineDeadError
 from metrale.server.app import create_app
@@ -171,3 +174,59 @@ def test_a_model_that_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModel"]}')
     with pytest.raises(Exception, match="NoSuchModel"):
         EngineProcess(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
+def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) -> None:
+    """The parent's "add" tuple holds both arguments (defaults included), the real child
+    accepts it, and the child's side of the wire hands them to `Engine.add_request`."""
+    sent: list[tuple[Any, ...]] = []
+    real_send = process._send
+
+    def record(message: tuple[Any, ...]) -> None:
+        sent.append(message)
+        real_send(message)
+
+    async def run() -> None:
+        for rid, kwargs in [
+            ("w1", {"speculative": False, "lookup_tenant": "key:ab/t"}),
+            ("w2", {}),
+        ]:
+            stream = await process.add_request(
+                rid, "def f(x):", SamplingParams(max_tokens=2), **kwargs
+            )
+            outs = [o async for o in stream]
+            assert outs[-1].finished and not outs[-1].error
+
+    process._send = record  # type: ignore[method-assign]
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        del process._send
+    adds = [pickle.loads(pickle.dumps(m)) for m in sent if m[0] == "add"]
+    assert [a[-2:] for a in adds] == [(False, "key:ab/t"), (True, DEFAULT_TENANT)]
+
+    calls: list[dict[str, Any]] = []
+
+    class SpyEngine:
+        def add_request(self, *args: Any, **kwargs: Any) -> None:
+            calls.append(kwargs)
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.sent: list[tuple[Any, ...]] = []
+
+        def send(self, message: tuple[Any, ...]) -> None:
+            self.sent.append(message)
+
+    pipe = Pipe()
+    child = _ChildLoop(SpyEngine(), pipe)  # type: ignore[arg-type]
+    for add in adds:
+        assert child._apply(add)
+    assert [(c["speculative"], c["lookup_tenant"]) for c in calls] == [
+        (False, "key:ab/t"),
+        (True, DEFAULT_TENANT),
+    ]
+    assert pipe.sent == [("added", "w1", None), ("added", "w2", None)]
+    # The child's snapshots carry the speculation counters (zero: speculation is off here).
+    snap = process.snapshot()
+    assert snap.spec.num_drafts == 0 and snap.num_speculative_tokens == 0

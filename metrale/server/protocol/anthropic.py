@@ -16,6 +16,8 @@ Invariants:
 - `usage.input_tokens` counts the prompt tokens that were not read from the prefix cache;
   `cache_read_input_tokens` the ones that were (Anthropic's convention: their sum is the
   prompt length); `cache_creation_input_tokens` is 0.
+- `speculative` and `tenant` are metrale extensions (as on the OpenAI routes); every other
+  field Anthropic's API does not define is refused by name.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from metrale.engine.request import CompletionOutput
 from metrale.errors import InvalidRequestError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
-from metrale.server.protocol.common import RequestModel, unsupported
+from metrale.server.protocol.common import SpeculationFields, unsupported
 
 
-class MessagesRequest(RequestModel):
+class MessagesRequest(SpeculationFields):
+    """The Messages body, plus the speculation extensions `speculative` and `tenant` (not
+    Anthropic fields: unknown fields are refused here, so these are declared)."""
+
     #: Routing, accounting and cache hints with no effect on the tokens (caching is automatic).
     IGNORED: ClassVar[frozenset[str]] = frozenset(
         {

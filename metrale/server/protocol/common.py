@@ -9,6 +9,9 @@ Invariants:
   (tools, response_format, images, ...) are refused by name, never silently ignored.
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
+- Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
+  is a JSON boolean (anything else is a 400 naming it), `tenant` a string of at most
+  `MAX_TENANT_LEN` characters.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from metrale.errors import InvalidRequestError, Unsupported
 
 ModelT = TypeVar("ModelT", bound="RequestModel")
+
+#: Longest explicit `tenant` a request may name.
+MAX_TENANT_LEN = 256
 
 
 class RequestModel(BaseModel):
@@ -36,6 +42,18 @@ class RequestModel(BaseModel):
             if name in self.IGNORED:
                 continue
             raise InvalidRequestError(f"unrecognized request argument: {name}", param=name)
+
+
+class SpeculationFields(RequestModel):
+    """Speculative decoding's per-request extension fields (vLLM-style; the OpenAI SDKs send
+    them through `extra_body`). Neither changes what a request's tokens are drawn from:
+    verification is lossless, so they only steer speed and which requests' tokens may be
+    drafted from."""
+
+    #: False: this request never speculates (no drafts are proposed or verified for it).
+    speculative: StrictBool = True
+    #: Subdivides the request's draft-lookup tenant (see `metrale.server.auth.lookup_tenant`).
+    tenant: str | None = Field(default=None, max_length=MAX_TENANT_LEN)
 
 
 def unsupported(field: str, what: str | None = None) -> Unsupported:

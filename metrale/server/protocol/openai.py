@@ -31,7 +31,7 @@ from metrale.engine.request import Logprob, PositionLogprobs
 from metrale.errors import InvalidRequestError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
-from metrale.server.protocol.common import RequestModel, unsupported
+from metrale.server.protocol.common import SpeculationFields, unsupported
 from metrale.tokenizer.tokenizer import Tokenizer
 
 #: How a -inf logprob is written (JSON has no infinity).
@@ -46,8 +46,9 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(RequestModel):
-    """Fields chat and completions share, OpenAI's plus vLLM's extra sampling fields."""
+class SamplingFields(SpeculationFields):
+    """Fields chat and completions share, OpenAI's plus vLLM's extra sampling fields (and
+    the speculation extensions, `speculative` and `tenant`)."""
 
     model: str | None = None
     n: int = 1

@@ -28,7 +28,7 @@ from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
 from metrale.server.protocol.common import parse_body
-from metrale.server.state import ServerState, read_json, server_state
+from metrale.server.state import ServerState, read_json, request_tenant, server_state
 from metrale.server.streaming import EventStreamResponse, sse, until_disconnected
 
 router = APIRouter()
@@ -107,6 +107,8 @@ async def create_message(request: Request) -> Response:
         [(text, ids)],
         req.sampling_params(state.sampling_defaults),
         prompt_param="messages",
+        speculative=req.speculative,
+        lookup_tenant=request_tenant(request, req.tenant),
     )
     job = _MessageJob(state, message_id, stream, len(ids), tracker)
     if req.stream:

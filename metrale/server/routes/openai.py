@@ -13,6 +13,8 @@ Invariants:
 - `usage` is on every JSON response; in a stream it is on a final `choices: []` chunk with
   `stream_options.include_usage`, otherwise on the last choice chunk.
 - Leaving early (disconnect, error, shutdown) aborts every engine request of the HTTP request.
+- Every engine request gets the body's `speculative` and the draft-lookup tenant of the
+  request's API key and `tenant` field (`request_tenant`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from metrale.server.protocol.openai import (
     merge_completion_logprobs,
     usage,
 )
-from metrale.server.state import ServerState, read_json, server_state
+from metrale.server.state import ServerState, read_json, request_tenant, server_state
 from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
 
 SYSTEM_FINGERPRINT = "fp_metrale"
@@ -184,7 +186,13 @@ async def create_completion(request: Request) -> Response:
         defaults=state.sampling_defaults,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await state.add_requests(request_id, prompts, params)
+    streams = await state.add_requests(
+        request_id,
+        prompts,
+        params,
+        speculative=req.speculative,
+        lookup_tenant=request_tenant(request, req.tenant),
+    )
     job = _Job(state, request_id, streams, prompts, params.n, tracker)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
@@ -344,7 +352,14 @@ async def create_chat_completion(request: Request) -> Response:
         defaults=state.sampling_defaults,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await state.add_requests(request_id, [(text, ids)], params, prompt_param="messages")
+    streams = await state.add_requests(
+        request_id,
+        [(text, ids)],
+        params,
+        prompt_param="messages",
+        speculative=req.speculative,
+        lookup_tenant=request_tenant(request, req.tenant),
+    )
     job = _Job(state, request_id, streams, [(text, ids)], params.n, tracker)
     view = _ChatView(job, req)
     if req.stream:
