@@ -18,6 +18,10 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    probability `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
    This is `metrale.kernels.reference.top_k_top_p_sample`'s definition, stage for stage.
 
+`Sampler.verify` (speculative decoding, `metrale.sampling.verify`) scores draft tokens on the
+same processed distributions (stage 1 and `_probabilities`, shared with `_draw`), one logits
+row per draft position.
+
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than

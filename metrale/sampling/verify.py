@@ -12,8 +12,9 @@ is a `SampledBatch` with one entry per logits row (position) and `emitted` `[N]`
 Per position `j` the processed distribution `p_j` is exactly the one `Sampler.sample` would use
 for that sequence had `drafts[i][:j]` already been appended to its output: the sequence is
 expanded into `k_i + 1` `SamplingRow`s (penalties see output + drafts[:j], min_tokens and the
-seeded counter see `step + j`) and the sampler's own stage 1 (`Sampler._process_logits`) and
-distribution (`sampler._probabilities`: temperature, top-k, softmax, min-p, top-p) run on them.
+seeded counter see `step + j`), and the sampler's own stage 1 (`Sampler._process_logits`) and
+distribution (`sampler._probabilities`, the one `Sampler._draw` draws from: temperature, top-k,
+softmax, min-p, top-p) run on them.
 
 - Greedy rows: the target token at `j` is the processed argmax (ties: lowest id); draft `j` is
   accepted iff it equals it. The token at every position is that argmax.
@@ -150,31 +151,31 @@ def verify(
     greedy = [p for p, row in enumerate(expanded) if row.params.is_greedy]
     sampled = [p for p, row in enumerate(expanded) if not row.params.is_greedy]
 
-    def score(subset: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        if len(subset) == positions:
-            sub_x, sub_drafts, sub_drafted = x, draft_ids, drafted
-        else:
-            index = _to_device(subset, torch.int64, device)
+    def score(subset: list[int], index: Tensor | None, greedy_rows: bool) -> tuple[Tensor, ...]:
+        """`(token_ids, accepted, samplable)` of the positions `subset` (`index` on the
+        device; None: all of them)."""
+        sub_x, sub_drafts, sub_drafted = x, draft_ids, drafted
+        if index is not None:
             sub_x = x.index_select(0, index)
             sub_drafts = draft_ids.index_select(0, index)
             sub_drafted = drafted.index_select(0, index)
-        if subset is greedy:
+        if greedy_rows:
             return _verify_greedy(sampler, sub_x, sub_drafts, sub_drafted)
         sub_rows = [expanded[p] for p in subset]
         sub_has = [has_draft[p] for p in subset]
         return _verify_sampled(sampler, sub_x, sub_rows, sub_has, sub_drafts, sub_drafted)
 
-    if not sampled:
-        token_ids, accepted, samplable = score(greedy)
-    elif not greedy:
-        token_ids, accepted, samplable = score(sampled)
+    if not sampled or not greedy:
+        token_ids, accepted, samplable = score(list(range(positions)), None, not sampled)
     else:
         token_ids = torch.empty(positions, dtype=torch.int64, device=device)
         accepted = torch.empty(positions, dtype=torch.bool, device=device)
         samplable = torch.empty(positions, dtype=torch.bool, device=device)
-        for subset in (greedy, sampled):
+        for subset, greedy_rows in ((greedy, True), (sampled, False)):
             index = _to_device(subset, torch.int64, device)
-            for out, part in zip((token_ids, accepted, samplable), score(subset)):
+            for out, part in zip(
+                (token_ids, accepted, samplable), score(subset, index, greedy_rows)
+            ):
                 out.index_copy_(0, index, part)
 
     # A position is emitted iff no position of its row before it was rejected (bonus
