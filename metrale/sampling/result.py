@@ -1,11 +1,13 @@
 """The sampler's results: `SampledBatch` on the device, `SamplerOutput` on the host, and the one
 copy between them.
 
-Owner: sampling (produced by `Sampler.sample`, read back by the engine).
+Owner: sampling (produced by `Sampler.sample` and `Sampler.verify`, read back by the engine).
 
 Invariants:
-- Every row's token id, raw logprob, rank, samplable flag and top alternatives travel back in
-  one packed float64 tensor (ids and ranks are < 2**53, so float64 carries them exactly).
+- Every row's token id, raw logprob, rank, samplable flag, top alternatives and (verify only)
+  emitted flag travel back in one packed float64 tensor (ids and ranks are < 2**53, so
+  float64 carries them exactly). Packed columns: id, logprob, rank, samplable, K top ids,
+  K top logprobs, then `emitted` when the batch has it.
 - `SampledBatch.start_copy()` queues that copy into pinned memory and records an event; work
   queued on the stream afterwards never delays `to_host()`, which waits for the event only.
   Without a CUDA device the copy is immediate.
@@ -33,14 +35,15 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     #: Rows that had no samplable token; their token is a fallback (see the module docstring).
     unsamplable_rows: list[int] = field(default_factory=list)
-    #: A verify's result (`Sampler.verify`): per position, whether its token is emitted; None
-    #: for an ordinary `sample`.
+    #: `Sampler.verify` only: per logits row (position), whether the target emits its token
+    #: (each sequence's accepted drafts and the one token after them). None from `sample`.
     emitted: list[bool] | None = None
 
 
 @dataclass
 class SampledBatch:
-    """Device-side result of `Sampler.sample`; `to_host()` copies it back in one transfer."""
+    """Device-side result of `Sampler.sample` / `Sampler.verify`; `to_host()` copies it back in
+    one transfer."""
 
     token_ids: Tensor  # [B] int64
     logprobs: Tensor  # [B] float32
@@ -50,6 +53,9 @@ class SampledBatch:
     top_logprobs: Tensor | None  # [B, K] float32
     #: Per row, how many of the K alternatives it asked for.
     top_counts: list[int]
+    #: `Sampler.verify` only: `[B]` bool, whether the position's token is emitted; None from
+    #: `sample`.
+    emitted: Tensor | None = None
     #: The results already packed on the device (`[B, 4 + 2K]` float64), when one kernel
     #: produced them (`KernelOps.greedy_logprobs`); else packed from the fields above.
     packed: Tensor | None = None
@@ -58,7 +64,7 @@ class SampledBatch:
     _copied: torch.cuda.Event | None = None
 
     def _packed(self) -> Tensor:
-        if self.packed is not None:
+        if self.packed is not None:  # only `sample`'s greedy kernel path: no emitted column
             return self.packed
         columns = [
             self.token_ids.unsqueeze(1),
@@ -68,6 +74,8 @@ class SampledBatch:
         ]
         if self.top_token_ids is not None and self.top_logprobs is not None:
             columns += [self.top_token_ids, self.top_logprobs]
+        if self.emitted is not None:
+            columns.append(self.emitted.unsqueeze(1))
         # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy.
         return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
@@ -100,6 +108,7 @@ class SampledBatch:
         ranks: list[int] = []
         unsamplable: list[int] = []
         tops: list[list[tuple[int, float]]] = []
+        emitted: list[bool] | None = None if self.emitted is None else []
         for i, values in enumerate(packed):
             token_ids.append(int(values[0]))
             logprobs.append(values[1])
@@ -111,10 +120,13 @@ class SampledBatch:
                 ids = values[4 : 4 + count]
                 lps = values[4 + width : 4 + width + count]
                 tops.append([(int(t), lp) for t, lp in zip(ids, lps)])
+            if emitted is not None:
+                emitted.append(bool(values[4 + 2 * width]))
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=logprobs,
             ranks=ranks,
             top_logprobs=tops if width else None,
             unsamplable_rows=unsamplable,
+            emitted=emitted,
         )

@@ -18,6 +18,10 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    probability `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
    This is `metrale.kernels.reference.top_k_top_p_sample`'s definition, stage for stage.
 
+`Sampler.verify` (speculative decoding, `metrale.sampling.verify`) scores draft tokens on the
+same processed distributions (stage 1 and `_probabilities`, shared with `_draw`), one logits
+row per draft position.
+
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
@@ -275,18 +279,22 @@ class Sampler:
             samplable.index_copy_(0, greedy_index, greedy_ok)
             samplable.index_copy_(0, sampled_index, drawn_ok)
 
-        raw = _sanitize(raw)
-        token_ids = torch.where(samplable, token_ids, raw.argmax(dim=-1))
-        logprobs, ranks, top_ids, top_logprobs = _gather_logprobs(raw, token_ids, max_top)
-        return SampledBatch(
-            token_ids=token_ids,
-            logprobs=logprobs,
-            ranks=ranks,
-            samplable=samplable,
-            top_token_ids=top_ids,
-            top_logprobs=top_logprobs,
-            top_counts=[min(count, max_top) for count in top_counts],
-        )
+        return _finish(raw, token_ids, samplable, top_counts, max_top)
+
+    def verify(
+        self,
+        logits: Tensor,
+        rows: Sequence[SamplingRow],
+        drafts: Sequence[Sequence[int]],
+        pending_tokens: Tensor | None = None,
+    ) -> SampledBatch:
+        """Score draft tokens losslessly (`metrale.sampling.verify`): row `i` owns
+        `len(drafts[i]) + 1` consecutive logits rows; the result has one entry per logits row
+        and `emitted` marks the tokens the target emits. `pending_tokens` as in `sample`
+        (`[len(rows)]`). No host<->device sync."""
+        from metrale.sampling.verify import verify
+
+        return verify(self, logits, rows, drafts, pending_tokens)
 
     def _process_logits(
         self, x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tensor | None
@@ -348,43 +356,12 @@ class Sampler:
 
     def _draw(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """Temperature, top-k, min-p, top-p and the random draw for non-greedy rows."""
-        vocab = x.shape[1]
-        device = x.device
-        temperatures = [row.params.temperature for row in rows]
-        if any(t != 1.0 for t in temperatures):
-            x = x / _to_device(temperatures, torch.float32, device).unsqueeze(1)
-        x = _sanitize(x)
-        if self._takes_kernel(rows, vocab):
+        x = _temper(x, rows)
+        if self._takes_kernel(rows, x.shape[1]):
             return self._draw_with_kernel(x, rows)
-
-        top_k_rows = [j for j, row in enumerate(rows) if row.params.top_k_filters(vocab)]
-        max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
-        if top_k_rows:
-            ks = _to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
-            x = _apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
-
-        probs = torch.softmax(x, dim=-1)
-        # A row with no finite logit softmaxes to NaN everywhere; any finite logit gives none.
-        samplable = ~torch.isnan(probs[:, 0])
-
-        min_p_rows = [j for j, row in enumerate(rows) if row.params.min_p_enabled]
-        if min_p_rows:
-            min_ps = _to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
-            probs = _apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
-
-        top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
-        if top_p_rows:
-            top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
-            # Rows whose top-k already ran hold about k candidates: sort only those.
-            candidates = None
-            if all(rows[j].params.top_k_filters(vocab) for j in top_p_rows):
-                candidates = max(rows[j].params.top_k for j in top_p_rows)
-            probs = _apply_to_rows(
-                probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates)
-            )
-
+        probs, samplable = _filter(x, rows)
         uniforms = [self._uniform(row) for row in rows]
-        token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, device))
+        token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, x.device))
         return token_ids, samplable
 
     def _takes_kernel(self, rows: Sequence[SamplingRow], vocab: int) -> bool:
@@ -437,6 +414,77 @@ class Sampler:
 # -------------------------------------------------------------------------------------------
 # Helpers
 # -------------------------------------------------------------------------------------------
+
+
+def _temper(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Processed logits of non-greedy rows divided by their temperature, then sanitized."""
+    temperatures = [row.params.temperature for row in rows]
+    if any(t != 1.0 for t in temperatures):
+        x = x / _to_device(temperatures, torch.float32, x.device).unsqueeze(1)
+    return _sanitize(x)
+
+
+def _filter(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
+    """Top-k, softmax, min-p and top-p over tempered logits (the torch path): `(probs [N, V]`
+    non-negative and unnormalised, the distribution the row's draw uses; `samplable [N])`."""
+    vocab = x.shape[1]
+    device = x.device
+    top_k_rows = [j for j, row in enumerate(rows) if row.params.top_k_filters(vocab)]
+    max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
+    if top_k_rows:
+        ks = _to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
+        x = _apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
+
+    probs = torch.softmax(x, dim=-1)
+    # A row with no finite logit softmaxes to NaN everywhere; any finite logit gives none.
+    samplable = ~torch.isnan(probs[:, 0])
+
+    min_p_rows = [j for j, row in enumerate(rows) if row.params.min_p_enabled]
+    if min_p_rows:
+        min_ps = _to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
+        probs = _apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
+
+    top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
+    if top_p_rows:
+        top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
+        # Rows whose top-k already ran hold about k candidates: sort only those.
+        candidates = None
+        if all(rows[j].params.top_k_filters(vocab) for j in top_p_rows):
+            candidates = max(rows[j].params.top_k for j in top_p_rows)
+        probs = _apply_to_rows(probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates))
+    return probs, samplable
+
+
+def _probabilities(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
+    """The distribution `Sampler._draw` draws non-greedy rows from (after stage 1):
+    temperature, top-k, softmax, min-p, top-p. `(probs, samplable)` as `_filter`."""
+    return _filter(_temper(x, rows), rows)
+
+
+def _finish(
+    raw: Tensor,
+    token_ids: Tensor,
+    samplable: Tensor,
+    top_counts: Sequence[int],
+    max_top: int,
+    emitted: Tensor | None = None,
+) -> SampledBatch:
+    """The result: unsamplable rows' fallback token (raw argmax), then raw logprobs, ranks and
+    the `max_top` top alternatives of `token_ids` under `raw` (float32, not yet sanitized);
+    `top_counts`: per row, the alternatives it asked for."""
+    raw = _sanitize(raw)
+    token_ids = torch.where(samplable, token_ids, raw.argmax(dim=-1))
+    logprobs, ranks, top_ids, top_logprobs = _gather_logprobs(raw, token_ids, max_top)
+    return SampledBatch(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        ranks=ranks,
+        samplable=samplable,
+        top_token_ids=top_ids,
+        top_logprobs=top_logprobs,
+        top_counts=[min(count, max_top) for count in top_counts],
+        emitted=emitted,
+    )
 
 
 def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
