@@ -31,6 +31,17 @@ Invariants:
   synchronous schedule; a row planned for a sequence its previous token ended is computed
   and dropped. At most one step is ever in flight, so `schedule()` always sees every token
   committed.
+- Speculative decoding (`EngineConfig.speculative_config`): before a step is planned from
+  the known tokens, the proposer drafts up to k tokens for each decoding row that may
+  speculate (the request did not opt out, the gate allows its batch width and the row, the
+  proposer is not backing off); the scheduler caps them and plans the row with its drafts;
+  the model verifies them in the step's one forward (`mixed_verify_batch`); `Sampler.verify`
+  accepts a prefix losslessly; the scheduler commits it and rolls the rest back. A step that
+  could speculate is never fed (its drafts need every token known): it drains the pipeline,
+  counted in `spec_stats.drained_for_spec`. Verdicts and step times feed the proposer, the
+  gate and the counters when the step is read back; a finished stream's tokens go to the
+  proposer's shared index of its tenant. A model that cannot roll back (recurrent state)
+  runs without speculation, said at start-up (`spec_disabled`).
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -519,7 +530,10 @@ class Engine:
         ]
         if plan.is_verify:
             result = self.model.mixed_verify_batch(
-                decode_tokens, plan.drafts, decode_states, slices  # type: ignore[arg-type]
+                decode_tokens,
+                plan.drafts,
+                decode_states,
+                slices,  # type: ignore[arg-type]
             )
         else:
             result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
@@ -610,7 +624,9 @@ class Engine:
         for seq, request, draft in zip(asking, requests, drafts, strict=True):
             tokens = [int(t) for t in draft[: request.max_drafts]]
             if any(not 0 <= t < vocab for t in tokens):
-                raise ValueError(f"proposer {proposer.name!r} proposed a token outside the vocabulary")
+                raise ValueError(
+                    f"proposer {proposer.name!r} proposed a token outside the vocabulary"
+                )
             seq.spec_token_ids = tokens
 
     def _record_speculation(self, step: _InFlight, committed: list[Committed]) -> None:
@@ -632,6 +648,4 @@ class Engine:
             if c.drafted:
                 self.spec_stats.record(c.drafted, c.accepted)
                 proposer.on_verified(c.seq.seq_id, c.drafted, c.accepted)
-                gate.record_verify(
-                    c.seq.seq_id, c.drafted, c.accepted, len(c.seq.output_token_ids)
-                )
+                gate.record_verify(c.seq.seq_id, c.drafted, c.accepted, len(c.seq.output_token_ids))

@@ -15,6 +15,10 @@ Invariants:
 - A fed decode step (`decode_batch_fed`, the device token feed) advances its sequences like
   any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
   of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
+- A verify row (`mixed_verify_batch`: a decode row with drafts) advances by its last token
+  plus its drafts and returns logits for each; `commit_accepted_prefix` then drops the
+  rejected drafts from `seq_len`, `tokens` and `kv_valid_tokens` and returns the blocks past
+  the kept tokens, which only that verify had allocated. Refused on hybrid models.
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
