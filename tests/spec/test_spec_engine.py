@@ -372,3 +372,44 @@ def test_suffix_lookup_never_proposes_another_tenants_tokens() -> None:
     prompt_n = [7, 8, *context, *secret[:3]]
     own = set(prompt_n) | set(run("n0", prompt_n, None))  # type: ignore[arg-type]
     assert set(proposed.get("n0", [])) <= own
+
+
+def test_startup_log_names_the_proposer_and_k(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="metrale.engine.engine"):
+        LLM(
+            str(build(LLAMA)),
+            device="cpu",
+            speculative_config='{"method": "ngram", "num_speculative_tokens": 5}',
+        )
+    assert any("speculative decoding: ngram k=5" in r.getMessage() for r in caplog.records)
+
+
+def test_hybrid_model_runs_without_speculation_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from tests.helpers.checkpoints import HYBRID_VARIANTS
+
+    path = str(build(HYBRID_VARIANTS[0]))
+    ps = prompts(2, seed=70)
+    ref = LLM(path, device="cpu").generate(ps, greedy(12))
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(path, device="cpu", speculative_config=SPEC)
+    assert llm.engine.proposer is None and llm.engine.spec_disabled
+    assert any("speculative decoding is off" in r.getMessage() for r in caplog.records)
+    assert_same(ref, llm.generate(ps, greedy(12)))
+
+
+def test_bad_speculative_config_is_refused_at_startup_naming_the_key() -> None:
+    from metrale.errors import InvalidRequestError
+
+    path = str(build(LLAMA))
+    with pytest.raises(InvalidRequestError) as err:
+        LLM(path, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokenz": 3})
+    assert "num_speculative_tokenz" in str(err.value)
+    with pytest.raises(InvalidRequestError) as err:
+        LLM(path, device="cpu", speculative_config={"method": "eagle", "num_speculative_tokens": 3})
+    assert "method" in str(err.value)
