@@ -214,8 +214,8 @@ class Engine:
             probe_tokens=spec.gate_probe_tokens,
         )
         logger.info(
-            "speculative decoding: %s (proposer %s), gate %s",
-            spec.describe(), self.proposer.name or type(self.proposer).__name__, spec.gate,
+            "speculative decoding: %s (proposer %s)",
+            spec.describe(), self.proposer.name or type(self.proposer).__name__,
         )  # fmt: skip
 
     @property
