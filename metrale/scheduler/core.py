@@ -41,6 +41,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import time
@@ -484,6 +485,7 @@ class Scheduler:
         state = self.model.alloc_sequence_for(seq.prompt_len + seq.max_tokens)
         state.adapter_id = seq.adapter_id
         state.prompt_len = seq.prompt_len
+        state.lookup_tenant = tenant_key(seq.lookup_tenant)
         seq.state = state
         seq.status = Status.RUNNING
         try:
@@ -606,6 +608,14 @@ class Scheduler:
     def _ends_by_length(self, seq: SchedSequence, n_out: int) -> bool:
         """Whether `n_out` generated tokens end `seq` by length (its budget or the context)."""
         return n_out >= seq.max_tokens or seq.prompt_len + n_out >= self.config.max_model_len
+
+
+def tenant_key(tenant: str | None) -> int | None:
+    """The seed's integer `SequenceState.lookup_tenant` of a tenant name (stable across
+    processes: a hash of its bytes, not Python's salted `hash`)."""
+    if tenant is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
 
 
 def _ssm_slot_key(seq: SchedSequence) -> int:
