@@ -6,11 +6,15 @@ reference).
 
 Invariants:
 - Rows are flattened sequence-major: sequence `b` owns rows
-  `query_start_loc[b] : query_start_loc[b + 1]`, the first `num_decode` sequences own one row
-  each (decode rows), the rest are prefill chunks.
+  `query_start_loc[b] : query_start_loc[b + 1]`, the first `num_decode` sequences own
+  `decode_query_len` rows each (decode rows: rows `b * Q .. b * Q + Q - 1` of sequence b, so
+  `query_start_loc[b] == b * Q` for them), the rest are prefill chunks. `Q = 1` is plain
+  decode; `Q = k + 1` is a speculative verify step (the last token and k draft tokens).
 - Sequence `b` attends to its first `seq_lens[b]` cached positions (the chunk's own tokens
   included, already written by `write_kv`), read through `block_tables[b]`; its query rows sit
-  at positions `seq_lens[b] - query_len .. seq_lens[b] - 1`.
+  at positions `seq_lens[b] - query_len .. seq_lens[b] - 1`, causal among themselves (row r of
+  the sequence sees positions `<= seq_lens[b] - query_len + r`). For decode rows `query_len`
+  is `decode_query_len`; the decode kernels read it, never `query_lens_host`.
 - `slot_mapping[t]` is the flat cache slot (`block * block_size + offset`) of row t's new K/V;
   padded rows point at the null block 0.
 - Host lists mirror the tensors so CPU references and the scheduler never read the device.
@@ -42,6 +46,8 @@ class AttentionMetadata:
     ssm_slots_host: list[int] | None = None
     ssm_has_initial_state: list[bool] | None = None
     query_start_loc_host: list[int] = field(default_factory=list)
+    #: Query rows of each decode sequence (1: decode; k + 1: a speculative verify step).
+    decode_query_len: int = 1
 
     @property
     def num_seqs(self) -> int:

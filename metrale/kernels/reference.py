@@ -8,7 +8,8 @@ Invariants:
   normalises in float32 and casts back before the weight multiply, attention softmax runs in
   the input dtype through `scaled_dot_product_attention`.
 - `paged_attention` reads K/V only through `block_tables`: a chunk that starts after a cached
-  prefix and a decode row are the same computation.
+  prefix and a decode row are the same computation; so are the Q decode rows of a sequence
+  (`meta.decode_query_len` = Q, a speculative verify step) and a Q-token chunk.
 """
 
 from __future__ import annotations
@@ -84,8 +85,9 @@ def paged_attention(
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
     nd = meta.num_decode
+    rows = nd * meta.decode_query_len
     if nd:
-        _decode_rows(q[:nd], out[:nd], k_cache, v_cache, meta, scale, sliding_window)
+        _decode_rows(q[:rows], out[:rows], k_cache, v_cache, meta, scale, sliding_window)
     for b in range(nd, meta.num_seqs):
         start, end = starts[b], starts[b + 1]
         length = meta.seq_lens_host[b]
@@ -118,8 +120,10 @@ def _decode_rows(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """All single-token rows in one padded gather + one SDPA call."""
-    nd = q.shape[0]
+    """All decode rows (`decode_query_len` = Q consecutive rows per sequence) in one padded
+    gather + one SDPA call with a per-row causal mask."""
+    ql = meta.decode_query_len
+    nd = q.shape[0] // ql
     block_size = k_cache.shape[1]
     lens = meta.seq_lens[:nd].to(q.device)
     max_len = max(meta.seq_lens_host[:nd])
@@ -129,18 +133,34 @@ def _decode_rows(
     k = k_cache[tables].reshape(nd, nblocks * block_size, heads, dim).to(q.dtype)
     v = v_cache[tables].reshape(nd, nblocks * block_size, heads, dim).to(q.dtype)
     k_pos = torch.arange(nblocks * block_size, device=q.device)
-    mask = k_pos[None, :] < lens[:, None]
+    if ql == 1:
+        mask = k_pos[None, :] < lens[:, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+        attn = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # [nd, Hq, 1, D]
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out.copy_(attn.squeeze(2))
+        return
+    # Row r of sequence b sits at position lens[b] - Q + r and sees keys up to it.
+    q_pos = lens[:, None] - ql + torch.arange(ql, device=q.device)[None, :]  # [nd, Q]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [nd, Q, L]
     if sliding_window is not None:
-        mask &= k_pos[None, :] > (lens[:, None] - 1 - sliding_window)
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
     attn = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [nd, Hq, 1, D]
+        q.view(nd, ql, q.shape[1], q.shape[2]).transpose(1, 2),  # [nd, Hq, Q, D]
         k.transpose(1, 2),
         v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
+        attn_mask=mask[:, None, :, :],
         scale=scale,
         enable_gqa=True,
     )
-    out.copy_(attn.squeeze(2))
+    out.copy_(attn.transpose(1, 2).reshape(out.shape))
 
 
 def rotary_embedding(

@@ -9,12 +9,15 @@ Invariants:
 - K/V are read only through `block_tables` and written only at `slot_mapping`; a slot < 0 is
   skipped (no write), a padded row's slot in the null block 0 is written there.
 - Decode is CUDA-graph capturable: no host sync and no host mirror is read; the grid is
-  `(rows, kv_heads, num_splits)` where `num_splits` depends only on the row count, the head
-  count and `block_tables.shape[1]`, and each program reads its sequence length from device
-  memory and derives its share of the context from it. A row with `seq_len == 0` writes
-  zeros; every row writes every element of its output (no NaN, no unwritten memory).
-- One program handles all query heads of one KV head (GQA), so K/V are read once per KV head;
-  scores, softmax and the output accumulator are float32 whatever the input dtype.
+  `(sequences, kv_heads, num_splits)` where `num_splits` depends only on the sequence count,
+  the head count and `block_tables.shape[1]`, and each program reads its sequence length from
+  device memory and derives its share of the context from it. A row with `seq_len == 0`
+  writes zeros; every row writes every element of its output (no NaN, no unwritten memory).
+- Decode sequences own `decode_query_len` (Q, a compile-time constant) consecutive rows: one
+  program handles all Q x GROUP query rows of one KV head (GQA and the verify tokens), so K/V
+  are read once per KV head whatever Q; row j of a sequence sees keys up to its position
+  `seq_len - Q + j`. Q = 1 compiles to the plain decode kernel. Scores, softmax and the
+  output accumulator are float32 whatever the input dtype.
 - The prefill kernel may take the host `max_query_len` for its grid (prefill is not graphed).
 """
 
@@ -124,25 +127,29 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`.
 
-    Same function as `reference.paged_attention`: the first `num_decode` sequences (one row
-    each) go to the split-context decode kernel, the rest to the varlen prefill kernel. A
-    batch of decode rows only reads no host data (graph-capturable).
+    Same function as `reference.paged_attention`: the first `num_decode` sequences
+    (`meta.decode_query_len` rows each: 1 for decode, k + 1 for a speculative verify step) go
+    to the split-context decode kernel, the rest (rows from `query_start_loc[num_decode]` on)
+    to the varlen prefill kernel. A batch of decode rows only reads no host data
+    (graph-capturable).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
     out = torch.empty_like(q)
     num_decode = meta.num_decode
     if num_decode:
+        rows = num_decode * meta.decode_query_len
         decode_attention(
-            q[:num_decode],
+            q[:rows],
             k_cache,
             v_cache,
             meta.seq_lens[:num_decode],
             meta.block_tables[:num_decode],
             scale,
             sliding_window,
-            out=out[:num_decode],
+            out=out[:rows],
             pdl=pdl,
+            query_len=meta.decode_query_len,
         )
     if meta.seq_lens.shape[0] > num_decode:
         prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, num_decode)

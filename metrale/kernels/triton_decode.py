@@ -1,5 +1,6 @@
-"""Paged decode attention: one query row per sequence, GQA grouped per program, the context
-split into `num_splits` shares combined with the log-sum-exp trick; CUDA-graph capturable.
+"""Paged decode attention: Q query rows per sequence (Q = 1: decode; Q = k + 1: a speculative
+verify step, causal among themselves), GQA grouped per program, the context split into
+`num_splits` shares combined with the log-sum-exp trick; CUDA-graph capturable.
 
 Owner: kernels. Re-exported by `triton_attention`; invariants are stated there.
 """
@@ -60,17 +61,28 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr = False,
+    QUERY_LEN: tl.constexpr = 1,
+    ROW_CHUNKS: tl.constexpr = 1,
 ):
+    # One program: sequence `row`, KV head, context split; all QUERY_LEN * GROUP query rows of
+    # that KV head (in ROW_CHUNKS programs of BLOCK_H rows when they do not fit one). Q = 1
+    # keeps the plain decode code: every QUERY_LEN > 1 / ROW_CHUNKS > 1 branch is constexpr.
     if PDL:  # programmatic dependent launch: see triton_attention_common
         gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if ROW_CHUNKS == 1:
+        kv_head = tl.program_id(1)
+    else:
+        kv_head = tl.program_id(1) // ROW_CHUNKS
     split = tl.program_id(2)
     seq_len = tl.maximum(tl.load(lens_ptr + row), 0)
     lo = seq_len * 0
     if USE_WINDOW:
-        lo = tl.maximum(seq_len - window, 0)
+        if QUERY_LEN == 1:
+            lo = tl.maximum(seq_len - window, 0)
+        else:  # the first query row (position seq_len - QUERY_LEN) sees the earliest keys
+            lo = tl.maximum(seq_len - window - (QUERY_LEN - 1), 0)
     # This split's share of the tiles covering [lo, seq_len); a split past the end is empty.
     tile_lo = lo // BLOCK_N
     tile_hi = tl.cdiv(seq_len, BLOCK_N)
@@ -80,15 +92,34 @@ def _decode_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < GROUP
     d_mask = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
-    q = tl.load(
-        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=h_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
+    if QUERY_LEN == 1:
+        h_mask = offs_h < GROUP
+        heads = kv_head * GROUP + offs_h
+        q = tl.load(
+            q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + (seq_len - 1)
+    else:
+        # Block row i is query token `i // GROUP` of the sequence (token row
+        # `row * QUERY_LEN + i // GROUP`), head `i % GROUP` of the KV head's group.
+        if ROW_CHUNKS == 1:
+            local = offs_h
+        else:
+            local = (tl.program_id(1) % ROW_CHUNKS) * BLOCK_H + offs_h
+        tok = local // GROUP
+        h_mask = local < QUERY_LEN * GROUP
+        heads = kv_head * GROUP + local % GROUP
+        q_rows = row.to(tl.int64) * QUERY_LEN + tok
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=h_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        # Causal among the sequence's own rows: token j sits at seq_len - QUERY_LEN + j.
+        q_pos = seq_len - QUERY_LEN + tok
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -126,14 +157,22 @@ def _decode_kernel(
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     store_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
+        if QUERY_LEN == 1:
+            out_rows = out_ptr + row.to(tl.int64) * stride_ot
+        else:
+            out_rows = out_ptr + q_rows[:, None] * stride_ot
         tl.store(
-            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out_rows + heads[:, None] * stride_oh + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
     else:
-        # Partials [rows, Hq, NUM_SPLITS, HEAD_DIM] (normalised) and lse [rows, Hq, NUM_SPLITS].
-        base = (row.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        # Partials [token rows, Hq, NUM_SPLITS, HEAD_DIM] (normalised) and lse
+        # [token rows, Hq, NUM_SPLITS]; the combine runs per token row and head.
+        if QUERY_LEN == 1:
+            base = (row.to(tl.int64) * num_q_heads + heads) * NUM_SPLITS + split
+        else:
+            base = (q_rows * num_q_heads + heads) * NUM_SPLITS + split
         tl.store(part_acc_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=h_mask)
@@ -206,6 +245,22 @@ def _decode_config(dtype: torch.dtype, head_dim: int) -> tuple[int, int, int]:
     return 64, 4, 2
 
 
+#: Most query rows (tokens x GQA group) one verify program holds; more are dealt over
+#: `ROW_CHUNKS` programs per KV head (each reads the K/V tiles again, mostly from L2).
+MAX_BLOCK_H = 128
+
+
+def _verify_config(dtype: torch.dtype, head_dim: int, block_h: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for Q > 1 with `block_h` rows per program: the decode
+    tiles, with 8 warps from 32 rows on (sm_90 ptxas, Qwen3-8B shapes: bf16 32 rows take 160
+    registers with 4 warps, 102 with 8; fp32 32 rows spill with 4 warps; 128 rows take 174
+    registers with 8 warps, no spill)."""
+    block_n, num_warps, num_stages = _decode_config(dtype, head_dim)
+    if interpreting() or block_h < 32:
+        return block_n, num_warps, num_stages
+    return block_n, 8, num_stages
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -218,11 +273,15 @@ def decode_attention(
     num_splits: int | None = None,
     min_split_tokens: int | None = None,
     pdl: bool = False,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of one query token per row, `q` `[R, Hq, D]`, over row r's first
-    `seq_lens[r]` cached positions read through `block_tables[r]`; returns `[R, Hq, D]`.
+    """Attention of `query_len` (Q) query tokens per sequence, `q` `[S * Q, Hq, D]` (rows
+    `s * Q .. s * Q + Q - 1` belong to sequence s), over sequence s's first `seq_lens[s]`
+    cached positions read through `block_tables[s]`; returns `[S * Q, Hq, D]`. Token j of
+    sequence s sits at position `seq_lens[s] - Q + j` and sees keys up to it (Q = 1: decode;
+    Q = k + 1: a speculative verify step).
 
-    Graph-safe: reads no host data; the launch shape depends on `R`, the heads and
+    Graph-safe: reads no host data; the launch shape depends on `S`, `Q`, the heads and
     `block_tables.shape[1]` only. `num_splits` overrides the split count; `min_split_tokens`
     (default: one tile) is the least context a non-empty split takes. `pdl`: launch as
     programmatic dependents of the previous kernel (sm_90+).
@@ -230,6 +289,9 @@ def decode_attention(
     rows, q_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
+    if query_len < 1 or rows % query_len:
+        raise ValueError(f"{rows} query rows are not a multiple of query_len {query_len}")
+    seqs = rows // query_len
     if rows == 0:
         return out
     _check_cache_pair(k_cache, v_cache)
@@ -241,10 +303,19 @@ def decode_attention(
     group = q_heads // kv_heads
     max_blocks = block_tables.shape[1]
     if num_splits is None:
-        num_splits = decode_num_splits(rows, kv_heads, max_blocks, block_size, q.device)
+        num_splits = decode_num_splits(seqs, kv_heads, max_blocks, block_size, q.device)
     if num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    block_n, num_warps, num_stages = _decode_config(q.dtype, head_dim)
+    if query_len == 1:
+        block_h, row_chunks = max(16, triton.next_power_of_2(group)), 1
+        block_n, num_warps, num_stages = _decode_config(q.dtype, head_dim)
+        variant: dict[str, int] = {}
+    else:
+        per_kv_head = query_len * group
+        row_chunks = triton.cdiv(per_kv_head, MAX_BLOCK_H)
+        block_h = max(16, triton.next_power_of_2(triton.cdiv(per_kv_head, row_chunks)))
+        block_n, num_warps, num_stages = _verify_config(q.dtype, head_dim, block_h)
+        variant = {"QUERY_LEN": query_len, "ROW_CHUNKS": row_chunks}
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
         part_acc = torch.empty(
@@ -253,7 +324,7 @@ def decode_attention(
         part_lse = torch.empty((rows, q_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_lse = out  # unused
-    _decode_kernel[(rows, kv_heads, num_splits)](
+    _decode_kernel[(seqs, kv_heads * row_chunks, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -275,7 +346,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_H=block_h,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
@@ -288,6 +359,7 @@ def decode_attention(
         PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        **variant,
         **pdl_options(pdl),
     )
     if num_splits > 1:

@@ -1,15 +1,20 @@
-"""CUDA graphs for decode: one graph per rung of `DECODE_BATCH_LADDER` (plus batch 1), captured
-at startup into one memory pool, replayed with persistent input buffers.
+"""CUDA graphs for decode: one graph per rung of `DECODE_BATCH_LADDER` (plus batch 1) and per
+query length Q (1: decode; k + 1: a speculative verify step of k draft tokens), captured at
+startup into one memory pool, replayed with persistent input buffers.
 
 Owner: model-engine (`TransformerModel` routes decode-only forwards here when graphs exist).
 
 Invariants:
-- A graph is replayed only for a forward whose rows are all single-token decode rows and whose
-  count fits a captured rung; everything else runs eagerly.
-- Inputs reach the graph only through the persistent buffers; rows past the real batch are
-  padding: token 0 (a fed replay: the previous step's row-0 token) at position 0, writing
-  its K/V to slot 0 of the null block, attending to that slot alone, and its logits row is
-  never read.
+- A graph is replayed only for a forward whose sequences all take the same number Q of
+  consecutive token rows (Q = 1: single-token decode rows; Q > 1: `run_verify`), with a
+  captured Q, and whose sequence count fits a captured rung; everything else runs eagerly.
+  Graphs are keyed by (rung, Q); sequence b owns token rows `b * Q .. b * Q + Q - 1`
+  (`AttentionMetadata.decode_query_len = Q`).
+- Inputs reach the graph only through the persistent buffers (token-row buffers sized for
+  `max_rows * max(query_lens)`); sequences past the real batch are padding: tokens 0 (a fed
+  replay: the previous step's row-0 token) at positions 0 .. Q-1, writing their K/V to
+  slots 0 .. Q-1 of the null block, attending to those slots alone, and their logits rows
+  are never read.
 - Block-table columns past a row's current block count are stale but never read: the
   attention kernels stop at `seq_lens`.
 - The attention op must be capturable (no host reads); graphs are refused otherwise.
@@ -18,7 +23,8 @@ Invariants:
   were read back, so a step launched while the previous one is still queued (the device
   token feed) never changes the previous step's inputs under it.
 - The block table is sent only when it differs from the one the device buffer last received
-  (stream order makes the buffer hold it when the replay runs).
+  (stream order makes the buffer hold it when the replay runs) and the padding rows' null
+  columns already cover the step's Q.
 - A fed replay's input ids are gathered on the device from the previous step's token ids.
 """
 
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -45,53 +52,77 @@ class DecodeGraphRunner:
         max_batch: int,
         max_blocks_per_seq: int,
         block_size: int,
+        query_lens: Sequence[int] = (1,),
     ) -> None:
+        """`query_lens`: the token rows per sequence to capture graphs for (1: decode; k + 1:
+        verify steps of k draft tokens), e.g. `(1, 5)`."""
+        if not query_lens or min(query_lens) < 1:
+            raise ValueError(f"query_lens must be positive, got {tuple(query_lens)}")
         self.module = module
         self.kv_layers = kv_layers
         self.device = device
         self.block_size = block_size
+        self.query_lens = sorted(set(query_lens))
         top = padded_batch_n(max_batch)
         self.rungs = sorted({1, *(r for r in DECODE_BATCH_LADDER if r <= top), top})
         self.max_rows = self.rungs[-1]
         n, width = self.max_rows, max_blocks_per_seq
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        tokens = n * self.query_lens[-1]
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        #: Per Q: `query_start_loc` of Q rows per sequence (constant, never rewritten).
+        self.query_start_locs = {
+            q: torch.arange(n + 1, dtype=torch.int32, device=device) * q for q in self.query_lens
+        }
         pinned = device.type == "cuda"
-        size = 4 * n + n * width  # ids, positions, slots, lengths, then the block table
+        # ids, positions, slots (a token row each), lengths (a sequence each), the block table
+        size = 3 * tokens + n + n * width
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         #: The block table last sent to the device buffer, to skip re-sending it (its row
-        #: count fixes the rung, so an equal table means an equal buffer).
+        #: count fixes the rung, so an equal table means an equal buffer), and how many of
+        #: the padding rows' first columns were zeroed with it.
         self._sent_tables: np.ndarray | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self._sent_null_cols = 0
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         #: Forwards served by a graph replay (a metric: eager fallbacks are the rest).
         self.replays = 0
 
-    def _meta(self, rows: int) -> AttentionMetadata:
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        """The decode (Q = 1) `query_start_loc` buffer, when Q = 1 is captured."""
+        return self.query_start_locs[1]
+
+    def _meta(self, rows: int, query_len: int = 1) -> AttentionMetadata:
+        tokens = rows * query_len
         return AttentionMetadata(
-            positions=self.positions[:rows],
-            slot_mapping=self.slot_mapping[:rows],
-            query_start_loc=self.query_start_loc[: rows + 1],
+            positions=self.positions[:tokens],
+            slot_mapping=self.slot_mapping[:tokens],
+            query_start_loc=self.query_start_locs[query_len][: rows + 1],
             seq_lens=self.seq_lens[:rows],
             block_tables=self.block_tables[:rows],
             num_decode=rows,
-            query_lens_host=[1] * rows,
+            query_lens_host=[query_len] * rows,
             seq_lens_host=[],  # not available inside a graph: kernels must not read it
-            max_query_len=1,
+            max_query_len=query_len,
             max_seq_len=self.block_tables.shape[1] * self.block_size,
+            decode_query_len=query_len,
         )
 
-    def _body(self, rows: int) -> torch.Tensor:
+    def _body(self, rows: int, query_len: int = 1) -> torch.Tensor:
+        tokens = rows * query_len
         hidden = self.module(
-            self.input_ids[:rows], self.positions[:rows], self._meta(rows), self.kv_layers
+            self.input_ids[:tokens],
+            self.positions[:tokens],
+            self._meta(rows, query_len),
+            self.kv_layers,
         )
         return self.module.compute_logits(hidden).float()
 
@@ -103,25 +134,36 @@ class DecodeGraphRunner:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for rows in reversed(self.rungs):
-                for _ in range(2):  # warm-up: autotuning, lazy init, allocator
-                    self._body(rows)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    self.outputs[rows] = self._body(rows)
-                self.graphs[rows] = graph
+            # Largest token counts first, so smaller graphs reuse the pool's blocks.
+            for query_len in reversed(self.query_lens):
+                q_before = torch.cuda.memory_allocated(self.device)
+                for rows in reversed(self.rungs):
+                    for _ in range(2):  # warm-up: autotuning, lazy init, allocator
+                        self._body(rows, query_len)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                        self.outputs[rows, query_len] = self._body(rows, query_len)
+                    self.graphs[rows, query_len] = graph
+                logger.info(
+                    "captured %d decode graphs for Q=%d (batch %s, %d token rows at most): "
+                    "%.1f MiB",
+                    len(self.rungs), query_len, ",".join(map(str, self.rungs)),
+                    self.max_rows * query_len,
+                    (torch.cuda.memory_allocated(self.device) - q_before) / 2**20,
+                )  # fmt: skip
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
         logger.info(
-            "captured %d decode graphs (batch %s) in %.2fs using %.1f MiB",
-            len(self.graphs), ",".join(map(str, self.rungs)), self.capture_seconds,
-            self.capture_bytes / 2**20,
+            "captured %d decode graphs (batch x Q: %s) in %.2fs using %.1f MiB",
+            len(self.graphs),
+            " ".join(f"{r}x{q}" for q in self.query_lens for r in self.rungs),
+            self.capture_seconds, self.capture_bytes / 2**20,
         )  # fmt: skip
 
-    def can_run(self, rows: int) -> bool:
-        return 0 < rows <= self.max_rows
+    def can_run(self, rows: int, query_len: int = 1) -> bool:
+        return 0 < rows <= self.max_rows and query_len in self.query_lens
 
     @torch.inference_mode()
     def run(
@@ -135,47 +177,103 @@ class DecodeGraphRunner:
         `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded). With `feed` (the
         previous step's token ids on the device), `tokens` are row indices into it."""
         rows = len(tokens)
-        rung = next(r for r in self.rungs if r >= rows)
         bs = self.block_size
         slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
+        return self._replay(1, tokens, positions, slots, positions + 1, tables, feed)
+
+    @torch.inference_mode()
+    def run_verify(
+        self, tokens: np.ndarray, start_positions: np.ndarray, tables: np.ndarray
+    ) -> torch.Tensor:
+        """Replay a verify step: `tokens` `[rows, Q]` int64 (each sequence's last token and
+        its Q - 1 draft tokens), `start_positions` `[rows]` (the position of each row's
+        first token), `tables` `[rows, blocks]` (0-padded, covering every position up to
+        `start + Q - 1`). Returns the `[rows * Q, vocab]` float32 logits, row-major (row
+        `b * Q + j` is token j of sequence b)."""
+        rows, query_len = tokens.shape
+        if len(start_positions) != rows or len(tables) != rows:
+            raise ValueError("tokens, start_positions and tables need one row per sequence")
+        bs = self.block_size
+        positions = start_positions[:, None] + np.arange(query_len)[None, :]
+        slots = tables[np.arange(rows)[:, None], positions // bs] * bs + positions % bs
+        lens = start_positions + query_len
+        return self._replay(
+            query_len, tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), lens,
+            tables, None,
+        )  # fmt: skip
+
+    def _replay(
+        self,
+        query_len: int,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        lens: np.ndarray,
+        tables: np.ndarray,
+        feed: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Stage one step's flat token rows (`rows * query_len` of them) and per-sequence
+        lengths and tables, then replay the (rung, Q) graph (or run its body uncaptured)."""
+        if query_len not in self.query_lens:
+            raise ValueError(f"no decode graphs for Q={query_len} (have {self.query_lens})")
+        rows = len(lens)
+        if not self.can_run(rows, query_len):
+            raise ValueError(f"{rows} rows do not fit the largest rung {self.max_rows}")
+        rung = next(r for r in self.rungs if r >= rows)
+        real, total = rows * query_len, rung * query_len
         staging = self._staging[self._turn]
         self._turn ^= 1
         stage = staging.numpy()
-        cols = stage[: 4 * rung].reshape(4, rung)
-        cols[:, rows:] = 0
-        cols[3, rows:] = 1
-        cols[0, :rows] = tokens
-        cols[1, :rows] = positions
-        cols[2, :rows] = slots
-        cols[3, :rows] = positions + 1
+        cols = stage[: 3 * total].reshape(3, total)
+        # Padding sequences: token j at position j, slot j of the null block (table row 0).
+        pad = np.arange(total - real) % query_len
+        cols[0, real:] = 0
+        cols[1, real:] = pad
+        cols[2, real:] = pad % self.block_size
+        cols[0, :real] = tokens
+        cols[1, :real] = positions
+        cols[2, :real] = slots
+        stage_lens = stage[3 * total : 3 * total + rung]
+        stage_lens[rows:] = query_len
+        stage_lens[:rows] = lens
         # The block table changes only when a row gains a block: most steps skip it.
+        null_cols = -(-query_len // self.block_size)  # padding rows read these columns
         sent = self._sent_tables
         send_tables = not (
-            sent is not None and sent.shape == tables.shape and np.array_equal(sent, tables)
+            sent is not None
+            and sent.shape == tables.shape
+            and np.array_equal(sent, tables)
+            and (rung == rows or self._sent_null_cols >= null_cols)
         )
-        end = 4 * rung
+        end = 3 * total + rung
         width = tables.shape[1]
         if send_tables:
+            stage[end : end + rows * width] = tables.reshape(-1)
             end += rows * width
-            stage[4 * rung : end] = tables.reshape(-1)
             self._sent_tables = tables.copy()
+            self._sent_null_cols = null_cols
         # One pinned host-to-device copy of a contiguous prefix, then device-side copies.
         staged = staging[:end].to(self.device, non_blocking=True)
-        ids = staged[:rung]
+        ids = staged[:total]
         if feed is None:
-            self.input_ids[:rung].copy_(ids)
+            self.input_ids[:total].copy_(ids)
         else:  # padding rows read row 0: any token will do for them
-            torch.index_select(feed, 0, ids, out=self.input_ids[:rung])
-        self.positions[:rung].copy_(staged[rung : 2 * rung])
-        self.slot_mapping[:rung].copy_(staged[2 * rung : 3 * rung])
-        self.seq_lens[:rung].copy_(staged[3 * rung : 4 * rung])
+            torch.index_select(feed, 0, ids, out=self.input_ids[:total])
+        self.positions[:total].copy_(staged[total : 2 * total])
+        self.slot_mapping[:total].copy_(staged[2 * total : 3 * total])
+        self.seq_lens[:rung].copy_(staged[3 * total : 3 * total + rung])
         if send_tables:
-            self.block_tables[:rows, :width].copy_(staged[4 * rung :].view(rows, width))
+            self.block_tables[:rows, :width].copy_(staged[3 * total + rung :].view(rows, width))
             if rung > rows:
-                self.block_tables[rows:rung, 0].zero_()
+                self.block_tables[rows:rung, :null_cols].zero_()
         if self.graphs:
-            self.graphs[rung].replay()
+            graph = self.graphs.get((rung, query_len))
+            if graph is None:
+                raise ValueError(f"no graph captured for batch {rung}, Q={query_len}")
+            graph.replay()
             self.replays += 1
-            return self.outputs[rung][:rows]
+            return self.outputs[rung, query_len][:real]
         # Not captured (a CPU check of the buffer logic): run the same body eagerly.
-        return self._body(rung)[:rows]
+        if query_len == 1:
+            return self._body(rung)[:real]
+        return self._body(rung, query_len)[:real]

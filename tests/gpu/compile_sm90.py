@@ -102,6 +102,10 @@ def _launch_everything() -> None:
         qd = torch.randn(rows, hk * group, dim, dtype=dtype)
         ta.decode_attention(qd, k_cache, v_cache, lens, tables, 0.1, None, num_splits=1)
         ta.decode_attention(qd, k_cache, v_cache, lens, tables, 0.1, 64, num_splits=8)
+        for ql in (2, 5, 9):  # speculative verify: Q rows per sequence
+            qv = torch.randn(rows * ql, hk * group, dim, dtype=dtype)
+            ta.decode_attention(qv, k_cache, v_cache, lens, tables, 0.1, None, query_len=ql,
+                                num_splits=8)  # fmt: skip
         meta = AttentionMetadata(
             positions=torch.arange(rows),
             slot_mapping=torch.arange(rows),

@@ -179,6 +179,7 @@ class PagedBatch:
         dtype: torch.dtype,
         seed: int,
         extra_table_blocks: int = 2,
+        decode_query_len: int = 1,
     ) -> None:
         g = gen(seed)
         self.block_size = block_size
@@ -219,6 +220,7 @@ class PagedBatch:
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
             query_start_loc_host=qsl,
+            decode_query_len=decode_query_len,
         )
 
     def meta_cpu(self) -> AttentionMetadata:
@@ -235,6 +237,7 @@ class PagedBatch:
             max_query_len=m.max_query_len,
             max_seq_len=m.max_seq_len,
             query_start_loc_host=m.query_start_loc_host,
+            decode_query_len=m.decode_query_len,
         )
 
 
@@ -534,6 +537,72 @@ def test_prefill_tiles_and_rows(dtype: torch.dtype) -> None:
         q, batch.k_cache, batch.v_cache, batch.meta, 0.2, None, out, 0, block_m=16, block_n=16
     )
     assert rel_err(out, _reference_attention(batch, q, 0.2, None)) < TOL[dtype]
+
+
+def _verify_seq_lens(ql: int) -> list[int]:
+    """Context lengths of a verify batch: the Q rows inside one block, across a block
+    boundary, across a tile boundary, a padded sequence (0: zeros), a long context over
+    several splits, and a context exactly Q long (the first row sees one key)."""
+    return [ql + 3, 16 + ql // 2, 33, 0, LONG + 7, ql]
+
+
+def _run_verify(
+    dtype: torch.dtype, ql: int, group: int, window: int | None, kv_heads: int = 2,
+    head_dim: int = 32, splits_tried: tuple[int | None, ...] = (None, 4),
+) -> None:  # fmt: skip
+    seq_lens = _verify_seq_lens(ql)
+    seqs = len(seq_lens)
+    batch = PagedBatch([ql] * seqs, seq_lens, seqs, 16, kv_heads, head_dim, dtype, 13,
+                       decode_query_len=ql)  # fmt: skip
+    q = randn(seqs * ql, kv_heads * group, head_dim, dtype=dtype, g=gen(14 + ql))
+    scale = head_dim**-0.5
+    ref = _reference_attention(batch, q, scale, window)
+    real = [b * ql + j for b, n in enumerate(seq_lens) if n > 0 for j in range(ql)]
+    padded = [b * ql + j for b, n in enumerate(seq_lens) if n == 0 for j in range(ql)]
+    for splits in splits_tried:
+        out = poisoned(tuple(q.shape), dtype)
+        ta.decode_attention(
+            q, batch.k_cache, batch.v_cache, batch.meta.seq_lens, batch.meta.block_tables,
+            scale, window, out=out, num_splits=splits,
+            min_split_tokens=None if splits is None else 32, query_len=ql,
+        )  # fmt: skip
+        assert rel_err(out[real], ref[real]) < TOL[dtype], f"num_splits={splits}"
+        assert (out[padded] == 0).all(), "an empty sequence writes zeros"
+    # The same rows through the mixed entry point, with a prefill chunk after them.
+    mixed = PagedBatch([ql, ql, 9], [40, ql + 1, 9 + 20], 2, 16, kv_heads, head_dim, dtype,
+                       15, decode_query_len=ql)  # fmt: skip
+    qm = randn(2 * ql + 9, kv_heads * group, head_dim, dtype=dtype, g=gen(16))
+    out = ta.paged_attention(qm, mixed.k_cache, mixed.v_cache, mixed.meta, scale, window)
+    assert rel_err(out, _reference_attention(mixed, qm, scale, window)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("ql", [1, 2, 5])
+def test_verify_decode_attention(
+    dtype: torch.dtype, ql: int, group: int, window: int | None
+) -> None:
+    """Q query rows per sequence (a speculative verify step), causal among themselves,
+    against the torch reference: single and forced splits, then the mixed entry point."""
+    _run_verify(dtype, ql, group, window)
+
+
+def test_verify_decode_attention_row_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows per KV head than one program holds: dealt over several programs."""
+    from metrale.kernels import triton_decode
+
+    monkeypatch.setattr(triton_decode, "MAX_BLOCK_H", 16)
+    _run_verify(torch.float32, 5, 4, None, splits_tried=(None,))  # 20 rows: 2 programs
+    _run_verify(torch.bfloat16, 9, 2, 6, kv_heads=1, splits_tried=(4,))  # 18 rows
+
+
+def test_verify_decode_attention_rejects_ragged_rows() -> None:
+    batch = PagedBatch([2, 2], [5, 9], 2, 16, 1, 16, torch.float32, 17, decode_query_len=2)
+    q = randn(3, 2, 16, dtype=torch.float32, g=gen(18))
+    with pytest.raises(ValueError, match="multiple of query_len"):
+        ta.decode_attention(q, batch.k_cache, batch.v_cache, batch.meta.seq_lens,
+                            batch.meta.block_tables, 0.25, query_len=2)  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from metrale.kernels import reference
+from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.models.config import RopeConfig
 from metrale.sampling.logits_processors import apply_min_p, apply_top_k, apply_top_p
@@ -89,3 +90,58 @@ def test_argmax_reference() -> None:
     ids, values = reference.argmax(x)
     assert ids.tolist() == [1, 1, 0]
     assert values.tolist() == [3.0, 0.0, float("-inf")]
+
+
+def _paged_meta(
+    query_lens: list[int], seq_lens: list[int], num_decode: int, decode_query_len: int,
+    tables: torch.Tensor, block_size: int,
+) -> AttentionMetadata:  # fmt: skip
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    positions = [p for q, s in zip(query_lens, seq_lens) for p in range(s - q, s)]
+    seq_of = [b for b, q in enumerate(query_lens) for _ in range(q)]
+    slots = [int(tables[b, p // block_size]) * block_size + p % block_size
+             for b, p in zip(seq_of, positions)]  # fmt: skip
+    return AttentionMetadata(
+        positions=torch.tensor(positions),
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables.to(torch.int32),
+        num_decode=num_decode,
+        query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_host=qsl,
+        decode_query_len=decode_query_len,
+    )
+
+
+def test_verify_decode_rows_equal_the_prefill_branch() -> None:
+    """Decode sequences of Q rows each (a speculative verify step) compute what the generic
+    per-sequence causal branch computes for the same rows as Q-token chunks."""
+    g = torch.Generator().manual_seed(3)
+    block_size, kv_heads, head_dim = 16, 2, 32
+    # Three verify sequences (one shorter than a block, one straddling blocks), one chunk.
+    for ql in (1, 2, 5):
+        seq_lens = [ql + 1, 33, 17 + ql, 40]
+        query_lens = [ql, ql, ql, 9]
+        blocks = [-(-n // block_size) for n in seq_lens]
+        num_blocks = 1 + sum(blocks)
+        perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+        tables = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int64)
+        for b, n in enumerate(blocks):
+            tables[b, :n] = torch.tensor([perm.pop() for _ in range(n)])
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).double()
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).double()
+        for group in (1, 2, 4):
+            q = torch.randn(sum(query_lens), kv_heads * group, head_dim, generator=g).double()
+            for window in (None, 6):
+                args = (query_lens, seq_lens)
+                verify = _paged_meta(*args, 3, ql, tables, block_size)
+                generic = _paged_meta(*args, 0, 1, tables, block_size)
+                got = reference.paged_attention(q, k_cache, v_cache, verify, 0.2, window)
+                want = reference.paged_attention(q, k_cache, v_cache, generic, 0.2, window)
+                torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
