@@ -126,7 +126,9 @@ def _decode_rows(
     nd = q.shape[0] // ql
     block_size = k_cache.shape[1]
     lens = meta.seq_lens[:nd].to(q.device)
-    max_len = max(meta.seq_lens_host[:nd])
+    # A graph's metadata has no host lengths (a CPU run of a graph body): read the tensor.
+    host = meta.seq_lens_host[:nd]
+    max_len = max(host) if host else int(meta.seq_lens[:nd].max())
     nblocks = (max_len + block_size - 1) // block_size
     tables = meta.block_tables[:nd, :nblocks].long()
     heads, dim = k_cache.shape[2], k_cache.shape[3]

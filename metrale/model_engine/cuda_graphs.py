@@ -53,9 +53,12 @@ class DecodeGraphRunner:
         max_blocks_per_seq: int,
         block_size: int,
         query_lens: Sequence[int] = (1,),
+        verify_max_batch: int | None = None,
     ) -> None:
         """`query_lens`: the token rows per sequence to capture graphs for (1: decode; k + 1:
-        verify steps of k draft tokens), e.g. `(1, 5)`."""
+        verify steps of k draft tokens), e.g. `(1, 5)`; `verify_max_batch` caps the batch
+        rungs captured for Q > 1 (each keeps a `[rung * Q, vocab]` logits output), None:
+        every rung."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"query_lens must be positive, got {tuple(query_lens)}")
         self.module = module
@@ -66,6 +69,12 @@ class DecodeGraphRunner:
         top = padded_batch_n(max_batch)
         self.rungs = sorted({1, *(r for r in DECODE_BATCH_LADDER if r <= top), top})
         self.max_rows = self.rungs[-1]
+        verify_top = self.max_rows if verify_max_batch is None else padded_batch_n(verify_max_batch)
+        #: The rungs captured for each Q (Q = 1: all of them).
+        self.rungs_for = {
+            q: self.rungs if q == 1 else [r for r in self.rungs if r <= verify_top]
+            for q in self.query_lens
+        }
         n, width = self.max_rows, max_blocks_per_seq
         tokens = n * self.query_lens[-1]
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -137,7 +146,7 @@ class DecodeGraphRunner:
             # Largest token counts first, so smaller graphs reuse the pool's blocks.
             for query_len in reversed(self.query_lens):
                 q_before = torch.cuda.memory_allocated(self.device)
-                for rows in reversed(self.rungs):
+                for rows in reversed(self.rungs_for[query_len]):
                     for _ in range(2):  # warm-up: autotuning, lazy init, allocator
                         self._body(rows, query_len)
                     graph = torch.cuda.CUDAGraph()
@@ -147,7 +156,8 @@ class DecodeGraphRunner:
                 logger.info(
                     "captured %d decode graphs for Q=%d (batch %s, %d token rows at most): "
                     "%.1f MiB",
-                    len(self.rungs), query_len, ",".join(map(str, self.rungs)),
+                    len(self.rungs_for[query_len]), query_len,
+                    ",".join(map(str, self.rungs_for[query_len])),
                     self.max_rows * query_len,
                     (torch.cuda.memory_allocated(self.device) - q_before) / 2**20,
                 )  # fmt: skip
@@ -158,12 +168,13 @@ class DecodeGraphRunner:
         logger.info(
             "captured %d decode graphs (batch x Q: %s) in %.2fs using %.1f MiB",
             len(self.graphs),
-            " ".join(f"{r}x{q}" for q in self.query_lens for r in self.rungs),
+            " ".join(f"{r}x{q}" for q in self.query_lens for r in self.rungs_for[q]),
             self.capture_seconds, self.capture_bytes / 2**20,
         )  # fmt: skip
 
     def can_run(self, rows: int, query_len: int = 1) -> bool:
-        return 0 < rows <= self.max_rows and query_len in self.query_lens
+        rungs = self.rungs_for.get(query_len)
+        return rungs is not None and 0 < rows <= rungs[-1]
 
     @torch.inference_mode()
     def run(
@@ -218,8 +229,8 @@ class DecodeGraphRunner:
             raise ValueError(f"no decode graphs for Q={query_len} (have {self.query_lens})")
         rows = len(lens)
         if not self.can_run(rows, query_len):
-            raise ValueError(f"{rows} rows do not fit the largest rung {self.max_rows}")
-        rung = next(r for r in self.rungs if r >= rows)
+            raise ValueError(f"{rows} rows do not fit a rung captured for Q={query_len}")
+        rung = next(r for r in self.rungs_for[query_len] if r >= rows)
         real, total = rows * query_len, rung * query_len
         staging = self._staging[self._turn]
         self._turn ^= 1

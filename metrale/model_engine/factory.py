@@ -201,9 +201,12 @@ def _capture_graphs(
             else "the attention op is not capturable",
         )  # fmt: skip
         return
+    spec = config.speculative()
+    # Verify steps of k drafts replay their own graphs (k + 1 token rows per sequence).
+    query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
     runner = DecodeGraphRunner(
         model.module, model.kv_cache.layers, model.device, config.max_num_seqs,
-        -(-max_model_len // config.block_size), config.block_size,
+        -(-max_model_len // config.block_size), config.block_size, query_lens,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner

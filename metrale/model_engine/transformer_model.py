@@ -392,7 +392,62 @@ class TransformerModel(Model):
                 "speculative verify on a hybrid (SSM) model needs recurrent-state rollback, "
                 "which this model does not have yet"
             )
+        if not prefill_streams and decode_seqs:
+            graphed = self._verify_graphed(decode_tokens, drafts, decode_seqs)
+            if graphed is not None:
+                return MixedBatchResult(graphed, [])
         return self._mixed(decode_tokens, drafts, decode_seqs, prefill_streams)
+
+    def _verify_graphed(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        seqs: Sequence[SequenceState],
+    ) -> torch.Tensor | None:
+        """A verify-only step replayed from the (batch, Q) graph whose Q covers every row's
+        drafts; rows with fewer drafts are padded by repeating their last token, and the
+        padding's KV lands past the row's new `seq_len` (blocks taken for it go back at
+        once). None when no captured graph fits, or the padding's blocks or context are not
+        available: the caller runs the step eagerly."""
+        runner = self.graph_runner
+        if runner is None or len(decode_tokens) != len(seqs) or len(drafts) != len(seqs):
+            return None
+        longest = max(len(d) for d in drafts) + 1
+        q = next((q for q in runner.query_lens if q >= longest), None)
+        if q is None or q == 1 or not runner.can_run(len(seqs), q):
+            return None
+        if any(s.seq_len + q > self.max_model_len for s in seqs):
+            return None
+        padded = [
+            ForwardRow(s, [int(t), *map(int, d), *[int(t)] * (q - 1 - len(d))], True)
+            for t, d, s in zip(decode_tokens, drafts, seqs)
+        ]
+        need = sum(blocks_needed(r.seq, q, self.block_size) for r in padded)
+        if need > self.block_pool.num_free:
+            return None
+        self._allocate_blocks(padded)
+        tokens = np.asarray([r.tokens for r in padded], dtype=np.int64)
+        starts = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=len(seqs))
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        with torch.inference_mode():
+            logits = runner.run_verify(tokens, starts, tables)
+            index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+            selected = logits.index_select(0, torch.tensor(index, device=logits.device))
+        self._last_hidden = None
+        rows = [
+            ForwardRow(s, [int(t), *map(int, d)], True)
+            for t, d, s in zip(decode_tokens, drafts, seqs)
+        ]
+        self._advance(rows)
+        for s in seqs:  # the padding's blocks: nothing past seq_len is kept
+            keep = -(-s.seq_len // self.block_size)
+            if len(s.block_table) > keep:
+                self.block_pool.decref(s.block_table[keep:])
+                del s.block_table[keep:]
+        return selected
 
     def decode_verify(
         self, tokens: Sequence[int], seq: SequenceState, stream: Stream = None

@@ -413,3 +413,36 @@ def test_bad_speculative_config_is_refused_at_startup_naming_the_key() -> None:
     with pytest.raises(InvalidRequestError) as err:
         LLM(path, device="cpu", speculative_config={"method": "eagle", "num_speculative_tokens": 3})
     assert "method" in str(err.value)
+
+
+def test_verify_through_the_graph_runner_body_matches() -> None:
+    """The CUDA-graph verify path (every row padded to Q = k + 1 token rows, the decode
+    attention's Q-row form) gives the same tokens; on the CPU the runner runs the graph's body
+    uncaptured, so its staging, padding and logits selection are what is checked here."""
+    from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+
+    ps = prompts(5, seed=80)
+    path = str(build(LLAMA))
+    ref = LLM(path, device="cpu").generate(ps, greedy(24))
+    truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ps, ref)}
+    llm = LLM(path, device="cpu", speculative_config=SPEC, proposer=ScriptedProposer(truth))
+    model = llm.engine.model
+    model.graph_runner = DecodeGraphRunner(
+        model.module, model.kv_cache.layers, model.device, 8,
+        -(-model.max_model_len // model.block_size), model.block_size, (1, 4),
+    )  # fmt: skip
+    runner = model.graph_runner
+    calls: list[tuple[int, int]] = []
+    run_verify = runner.run_verify
+
+    def counted(tokens, starts, tables):  # type: ignore[no-untyped-def]
+        calls.append(tokens.shape)
+        return run_verify(tokens, starts, tables)
+
+    runner.run_verify = counted  # type: ignore[method-assign]
+    got = llm.generate(ps, greedy(24))
+    assert_same(ref, got)
+    assert calls and all(q == 4 for _, q in calls)  # every verify step took the Q=4 body
+    assert runner.replays == 0  # uncaptured: the bodies ran eagerly
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+    assert_no_leaks(llm.engine)
