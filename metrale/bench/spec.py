@@ -308,18 +308,13 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
     common = dict(
         model=str(model_dir), device=args.device, dtype=args.dtype,
         load_format="dummy" if args.config_dir else "auto",
-        max_model_len=args.context + 1024, max_num_seqs=max(batches),
+        max_model_len=args.context + args.max_tokens + 64, max_num_seqs=max(batches),
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )  # fmt: skip
-    engine = Engine(
-        EngineConfig(
-            **common,
-            speculative_config={
-                "method": "ngram",
-                "num_speculative_tokens": max(ks),
-                "gate": "off",
-            },
-        )
-    )
+    spec = {"method": "ngram", "num_speculative_tokens": max(ks), "gate": "off"}
+    # Graphs are captured here, for every k measured (the factory would capture one k).
+    engine = Engine(EngineConfig(**common, speculative_config=spec, enforce_eager=True))
+    graphs = capture_verify_graphs(engine, [k + 1 for k in ks], max(batches))
     curve = {}
     for b in batches:
         curve[b] = verify_cost(engine, b, ks, args.context, args.iters)
@@ -333,6 +328,7 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
     best_k = max(projected, key=lambda k: projected[k])
     measured = measure_speedup(engine, args, best_k, a)
     figures = {
+        "graphs": graphs,
         "cost_curve": curve,
         f"projected_speedup_batch_{batches[0]}": projected,
         "measured": measured,
@@ -351,9 +347,7 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
             "device": args.device,
             "dtype": args.dtype,
             "acceptance": a,
-            "graphs": engine.model.graph_runner is not None
-            if hasattr(engine.model, "graph_runner")
-            else False,
+            "graphs": graphs,
         },
         figures=figures,
         device=args.device,
@@ -362,10 +356,30 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
     )
     print(f"projected speedup at batch {batches[0]}, acceptance {a}: "
           + " ".join(f"k{k}={p:.2f}" for k, p in projected.items()))  # fmt: skip
-    print(f"measured at k={best_k}: {measured['speedup']:.2f}x "
-          f"(acceptance {measured['acceptance_rate']:.2f})")  # fmt: skip
+    print(f"measured at k={best_k}: {measured['speedup']:.2f}x (first-draft acceptance "
+          f"{measured['first_draft_acceptance']:.2f}, tokens per verify "
+          f"{measured['mean_acceptance_length']:.2f})")  # fmt: skip
     print(f"record: {path}")
     return figures
+
+
+def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: int) -> str:
+    """Give the engine's model decode graphs for Q = 1 and every verify width measured (on
+    CUDA; elsewhere every forward stays eager). Returns what was captured, for the record."""
+    from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+
+    model = engine.model
+    device = torch.device(str(getattr(model, "device", "cpu")))
+    if device.type != "cuda":
+        return "none (eager)"
+    runner = DecodeGraphRunner(
+        model.module, model.kv_cache.layers, device, max_batch,
+        -(-model.max_model_len // model.block_size), model.block_size,
+        (1, *query_lens), verify_max_batch=max_batch,
+    )  # fmt: skip
+    runner.capture()
+    model.graph_runner = runner
+    return f"Q={runner.query_lens}, rungs {runner.rungs} ({runner.capture_bytes / 2**20:.0f} MiB)"
 
 
 def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance: float) -> dict:
@@ -408,7 +422,10 @@ def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance
         "plain_seconds": plain_s,
         "spec_seconds": spec_s,
         "speedup": plain_s / spec_s,
+        # Accepted / drafted over every draft slot; the forced per-position (conditional)
+        # acceptance is the first slot's rate.
         "acceptance_rate": st.acceptance_rate,
+        "first_draft_acceptance": st.accepted_per_pos[0] / st.num_drafts if st.num_drafts else 0.0,
         "mean_acceptance_length": st.mean_acceptance_length,
         "identical_outputs": outs == truth_out,
     }
@@ -426,4 +443,6 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", type=float, default=0.6)
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
+                        help="leaves room for the verify graphs of every k")  # fmt: skip
     parser.add_argument("--out-dir", default="bench/records")
