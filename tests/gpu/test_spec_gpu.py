@@ -1,0 +1,85 @@
+"""Speculative decoding on CUDA: verify steps replay the (batch, k + 1) decode graphs, and the
+greedy tokens track those of plain decoding on the same device and dtype. Marked `gpu`;
+skipped without CUDA.
+
+A verify step scores k + 1 rows per sequence where plain decoding scores one, so its GEMMs
+and attention reduce in another order; on the GPU that can flip a near-tie (the seed notes
+the same of its batched verify). So: float32 must be identical on nearly every prompt, and
+wherever a prompt diverges the verify token must be among plain decoding's top 5 there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from tests.helpers.spec import ScriptedProposer
+
+pytestmark = pytest.mark.gpu
+
+NEW = 48
+PARAMS = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, logprobs=5)
+PROMPTS = [
+    "def fibonacci(n):\n", "import os\n\n", "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n", "# Copyright", "from typing import", "def main():\n    args = ",
+    "try:\n    import json\nexcept ImportError:\n", "if __name__ == ", "x = [",
+    "def read(path):\n    with open(path) as f:\n", "raise ValueError(",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_verify_graphs_keep_greedy_tokens(dtype: str) -> None:
+    off = LLM(None, device="cuda", dtype=dtype, num_kv_blocks=400)
+    prompts = [off.get_tokenizer().encode(p) for p in PROMPTS]
+    ref = off.generate(prompts, PARAMS)
+    truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, ref)}
+    on = LLM(
+        None,
+        device="cuda",
+        dtype=dtype,
+        num_kv_blocks=400,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "gate": "off"},
+        proposer=ScriptedProposer(truth, wrong=0.3),
+    )
+    runner = on.engine.model.graph_runner
+    assert runner is not None and (1, 5) in runner.graphs, "no verify graphs captured"
+    before = runner.replays
+    got = on.generate(prompts, PARAMS)
+    assert runner.replays > before
+    stats = on.engine.spec_stats
+    assert stats.num_accepted_tokens > 0
+    identical = 0
+    for r, g in zip(ref, got, strict=True):
+        rt, gt = r.outputs[0].token_ids, g.outputs[0].token_ids
+        if rt == gt:
+            identical += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(rt, gt)) if a != b)
+        top5 = set(r.outputs[0].logprobs[first].keys())
+        assert gt[first] in top5, f"verify token {gt[first]} not in the top-5 {top5} at {first}"
+    print(
+        f"{dtype}: {identical}/{len(prompts)} prompts identical over {NEW} tokens; "
+        f"acceptance {stats.acceptance_rate:.2f}, {stats.verify_steps} verify steps"
+    )
+    if dtype == "float32":
+        assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical"
+
+
+def test_cuda_ngram_speculation_on_repetitive_text() -> None:
+    """The real proposer on text that repeats: drafts are accepted, outputs unchanged."""
+    text = "def add(a, b):\n    return a + b\n\n\n" * 3
+    off = LLM(None, device="cuda", dtype="float32", num_kv_blocks=400)
+    on = LLM(
+        None,
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=400,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "gate": "off"},
+    )
+    params = SamplingParams(temperature=0, max_tokens=64)
+    assert [o.outputs[0].token_ids for o in on.generate([text], params)] == [
+        o.outputs[0].token_ids for o in off.generate([text], params)
+    ]
+    assert on.engine.spec_stats.num_accepted_tokens > 0
+    torch.cuda.synchronize()
