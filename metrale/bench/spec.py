@@ -14,20 +14,21 @@ they were.
 `spec-cost` (any device, dummy weights of a config shape): the cost of a verify step with
 k = 1..8 drafts per row relative to a plain decode step, at several batch sizes, each with
 the same context; then, at batch 1, the projected speedup at acceptance `a` (E[tokens] /
-cost ratio, E[tokens] = 1 + a + ... + a^k) and the measured one: the engine decodes with
-drafts that are the true greedy continuation, each position replaced by a wrong token with
-probability 1 - a, against the same engine without speculation.
+cost ratio, E[tokens] = 1 + a + ... + a^k) and the measured one: the engine decodes with k
+drafts a step, each accepted with probability a (`forced_acceptance`: dummy weights leave
+nothing a proposer could predict), against the same engine without speculation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
 import sysconfig
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,32 +217,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------------ verify cost
 
 
-class KnownContinuation(Proposer):
-    """Drafts the known greedy continuation of each prompt, each position replaced by a
-    wrong token with probability `1 - acceptance` (a fixed random stream): the target accepts
-    a draft exactly when it is the true token, so acceptance is forced to about `acceptance`
-    per position (conditional on the earlier ones)."""
+class RepeatLast(Proposer):
+    """Drafts the last token k times: with acceptance forced (`forced_acceptance`), what
+    the drafts are does not matter, only how many."""
 
-    name = "known-continuation"
-
-    def __init__(self, truth: dict[tuple[int, ...], list[int]], acceptance: float, vocab: int):
-        self.truth = truth
-        self.acceptance = acceptance
-        self.vocab = vocab
-        self.rng = random.Random(1234)
+    name = "repeat-last"
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        out = []
-        for r in requests:
-            done = len(r.tokens) - r.prompt_len
-            cont = self.truth.get(tuple(r.tokens[: r.prompt_len]), [])
-            drafts = []
-            for token in cont[done : done + r.max_drafts]:
-                if self.rng.random() >= self.acceptance:
-                    token = (token + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
-                drafts.append(token)
-            out.append(drafts)
-        return out
+        return [[int(r.tokens[-1])] * r.max_drafts for r in requests]
+
+
+@contextlib.contextmanager
+def forced_acceptance(rate: float, seed: int = 1234) -> Iterator[None]:
+    """Greedy verify accepts each draft with probability `rate`, independently (a Bernoulli
+    draw in place of "the draft is the argmax"); every other part of the step is the real
+    one. Dummy weights make near-flat logits whose argmax a proposer cannot know, and where a
+    verify step's rounding (k + 1 rows) and a decode step's (one row) pick different
+    near-ties, so a proposer replaying plain decoding's tokens is accepted ~5% of the time
+    on the H200 in bf16: forcing is the only way to set the rate there."""
+    import metrale.sampling.verify as verify
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def accepts(token_ids: torch.Tensor, draft_ids: torch.Tensor) -> torch.Tensor:
+        draw = torch.rand(draft_ids.shape, generator=gen) < rate
+        return draw.to(draft_ids.device, non_blocking=True)
+
+    original = verify.greedy_accepts
+    verify.greedy_accepts = accepts  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        verify.greedy_accepts = original  # type: ignore[assignment]
 
 
 def _sync(device: torch.device) -> None:
@@ -383,7 +390,8 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
 
 
 def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance: float) -> dict:
-    """Batch-1 greedy decoding with forced-acceptance drafts against plain decoding."""
+    """Batch-1 greedy decoding with k drafts per step, acceptance forced to `acceptance`
+    per draft (`forced_acceptance`), against plain decoding of the same prompts and lengths."""
     vocab = engine.vocab_size
     gen = torch.Generator().manual_seed(7)
     prompts = [
@@ -392,42 +400,44 @@ def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
-    def decode_all(eng: Engine) -> tuple[float, list[list[int]]]:
-        outs = []
+    def decode_all(eng: Engine) -> tuple[float, int]:
+        tokens = 0
         start = time.perf_counter()
         for i, p in enumerate(prompts):
             eng.add_request(f"m{i}-{time.monotonic_ns()}", None, params, prompt_token_ids=p)
             while eng.has_unfinished():
                 for o in eng.step():
                     if o.finished:
-                        outs.append(list(o.outputs[0].token_ids))
-        return time.perf_counter() - start, outs
+                        tokens += len(o.outputs[0].token_ids)
+        return time.perf_counter() - start, tokens
 
     plain_engine = Engine(
-        engine.config.replace(speculative_config=None),
-        model=engine.model,
+        engine.config.replace(speculative_config=None), model=engine.model,
         tokenizer=engine.tokenizer,
-    )
+    )  # fmt: skip
     decode_all(plain_engine)  # warm-up
-    plain_s, truth_out = decode_all(plain_engine)
-    truth = {tuple(p): o for p, o in zip(prompts, truth_out)}
+    plain_s, plain_tokens = decode_all(plain_engine)
     spec_cfg = {"method": "ngram", "num_speculative_tokens": k, "gate": "off"}
     spec_engine = Engine(
-        engine.config.replace(speculative_config=spec_cfg), model=engine.model, tokenizer=engine.tokenizer,
-        proposer=KnownContinuation(truth, acceptance, vocab),
+        engine.config.replace(speculative_config=spec_cfg), model=engine.model,
+        tokenizer=engine.tokenizer, proposer=RepeatLast(),
     )  # fmt: skip
-    spec_s, outs = decode_all(spec_engine)
+    with forced_acceptance(acceptance):
+        decode_all(spec_engine)  # warm-up
+        spec_engine.spec_stats = type(spec_engine.spec_stats)()
+        spec_s, spec_tokens = decode_all(spec_engine)
     st = spec_engine.spec_stats
     return {
         "plain_seconds": plain_s,
         "spec_seconds": spec_s,
+        "tokens": [plain_tokens, spec_tokens],
         "speedup": plain_s / spec_s,
         # Accepted / drafted over every draft slot; the forced per-position (conditional)
         # acceptance is the first slot's rate.
         "acceptance_rate": st.acceptance_rate,
         "first_draft_acceptance": st.accepted_per_pos[0] / st.num_drafts if st.num_drafts else 0.0,
         "mean_acceptance_length": st.mean_acceptance_length,
-        "identical_outputs": outs == truth_out,
+        "acceptance": "forced: a Bernoulli draw per draft in place of the argmax test",
     }
 
 

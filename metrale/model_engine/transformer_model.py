@@ -354,8 +354,10 @@ class TransformerModel(Model):
             return MixedBatchResult(None, [])
         self._check_ssm_states(rows)
         self._allocate_blocks(rows)
-        num_single = 0  # leading one-token rows: the attention's decode rows
-        while num_single < len(rows) and len(rows[num_single].tokens) == 1:
+        # The attention's decode rows: the leading decode rows that carry no drafts (a
+        # one-token prefill chunk stays a prefill row, as without speculation).
+        num_single = 0
+        while num_single < len(decode_seqs) and len(rows[num_single].tokens) == 1:
             num_single += 1
         logits, spans = self._forward(rows, num_single, None)
         nd = len(decode_seqs)
@@ -434,8 +436,14 @@ class TransformerModel(Model):
             tables[i, : len(s.block_table)] = s.block_table
         with torch.inference_mode():
             logits = runner.run_verify(tokens, starts, tables)
-            index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-            selected = logits.index_select(0, torch.tensor(index, device=logits.device))
+            if all(len(d) + 1 == q for d in drafts):
+                selected = logits  # no padding: every row is the graph's rows
+            else:
+                index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+                host = torch.tensor(index, dtype=torch.int64)
+                if logits.device.type == "cuda":
+                    host = host.pin_memory()
+                selected = logits.index_select(0, host.to(logits.device, non_blocking=True))
         self._last_hidden = None
         rows = [
             ForwardRow(s, [int(t), *map(int, d)], True)

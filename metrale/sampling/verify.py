@@ -74,7 +74,7 @@ from metrale.sampling.sampler import (
 if TYPE_CHECKING:
     from metrale.sampling.sampler import Sampler
 
-__all__ = ["ACCEPT_SALT", "accept_drafts", "verify"]
+__all__ = ["ACCEPT_SALT", "accept_drafts", "greedy_accepts", "verify"]
 
 #: Mixed into a seeded row's seed for its acceptance uniforms, so they are independent of the
 #: draw uniforms `row_uniform(seed, step)` of the same steps.
@@ -229,8 +229,15 @@ def _verify_greedy(
     """`(token_ids, accepted, samplable)` of greedy positions: the processed argmax, and
     whether the position's draft equals it."""
     token_ids, samplable = _greedy(x, sampler._ops)
-    accepted = drafted & samplable & (token_ids == draft_ids)
+    accepted = drafted & samplable & greedy_accepts(token_ids, draft_ids)
     return token_ids, accepted, samplable
+
+
+def greedy_accepts(token_ids: Tensor, draft_ids: Tensor) -> Tensor:
+    """Greedy acceptance: a draft is accepted iff it is the target's (processed) argmax. Its
+    own function so `metrale bench spec-cost` can force an acceptance rate on a model whose
+    drafts it cannot predict (dummy weights), keeping every other part of the step."""
+    return token_ids == draft_ids
 
 
 def _verify_sampled(
