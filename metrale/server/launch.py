@@ -1,7 +1,7 @@
 """`metrale serve`: load the model, bind the port, run uvicorn, drain on SIGTERM / Ctrl-C.
 
 Owner: server. `add_serve_parser` adds the subcommand (engine flags derive from
-`EngineConfig` through `metrale.cli.add_engine_arguments`); `serve` runs it.
+`EngineConfig` through `metrale.engine_flags.add_engine_arguments`); `serve` runs it.
 
 Invariants:
 - Loopback (127.0.0.1) unless `--host` says otherwise; binding 0.0.0.0 logs a warning, all
@@ -38,7 +38,7 @@ API_KEY_ENV = "METRALE_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> None:
-    from metrale.cli import add_engine_arguments, add_log_level
+    from metrale.engine_flags import add_engine_arguments, add_log_level
 
     parser = subparsers.add_parser(
         "serve",
@@ -103,7 +103,7 @@ def _url(sock: socket.socket) -> str:
 def serve_from_args(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise MetraleError("metrale serve needs the server extras: pip install 'metrale[server]'")
-    from metrale.cli import engine_config_from_args
+    from metrale.engine_flags import engine_config_from_args
 
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
