@@ -7,7 +7,8 @@ Invariants:
 - Loopback (127.0.0.1) unless `--host` says otherwise; binding 0.0.0.0 logs a warning, all
   the more without an API key.
 - The port is bound before the "listening" summary is logged, so the summary never lies; a
-  port in use is a one-line error, not a traceback.
+  port in use is a one-line error, not a traceback. The summary counts KV blocks as the
+  engine's gauges do: usable blocks, plus the pool's one null block named apart.
 - SIGTERM or Ctrl-C: stop accepting connections and new requests, let in-flight requests
   finish for `--shutdown-grace` seconds, then end the rest with an error frame / 503, stop
   the engine thread and exit 0. A second Ctrl-C exits at once.
@@ -178,8 +179,8 @@ def serve(
             "listening on all interfaces (%s)%s", host, "" if api_key else " WITHOUT an API key"
         )
     logger.info(
-        "serving %s on %s %s | KV %d blocks x %d tokens | max_model_len %d | max_num_seqs %d | "
-        "prefix caching %s | %s%s",
+        "serving %s on %s %s | KV %d usable blocks (+1 null) x %d tokens | max_model_len %d | "
+        "max_num_seqs %d | prefix caching %s | %s%s",
         info.served_model_name,
         info.device,
         info.dtype,
