@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.engine.handle import (
-    AddArgs,
     EngineHandle,
     HandleBase,
     RequestStream,
+    Submission,
     post_by_loop,
     settle_future,
 )
@@ -71,14 +71,6 @@ def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
 
 
 @dataclass
-class _Add:
-    args: AddArgs
-    stream: RequestStream
-    accepted: asyncio.Future[None]
-    loop: asyncio.AbstractEventLoop
-
-
-@dataclass
 class _Abort:
     request_id: str
 
@@ -88,6 +80,7 @@ class _AbortAll:
     error: MetraleError
 
 
+_Add = Submission
 _Command = _Add | _Abort | _AbortAll
 
 
@@ -143,14 +136,8 @@ class AsyncEngine(HandleBase[RequestStream]):
 
     # -------------------------------------------------------------------- intake
 
-    def _enqueue_add(
-        self,
-        add: AddArgs,
-        stream: RequestStream,
-        accepted: asyncio.Future[None],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self._submit(_Add(add, stream, accepted, loop))
+    def _enqueue_add(self, submission: Submission) -> None:
+        self._submit(submission)
 
     def _submit(self, command: _Command) -> None:
         with self._cond:

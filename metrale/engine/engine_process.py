@@ -56,7 +56,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
-from metrale.engine.handle import AddArgs, HandleBase, RequestStream
+from metrale.engine.handle import AddArgs, HandleBase, RequestStream, Submission
 from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from metrale.engine.snapshot import EngineInfo, EngineSnapshot, SnapshotTaker, engine_info
 from metrale.errors import EngineDeadError, MetraleError
@@ -402,14 +402,9 @@ class EngineProcess(HandleBase[_Assembly]):
 
     # -------------------------------------------------------------------- intake
 
-    def _enqueue_add(
-        self,
-        add: AddArgs,
-        stream: RequestStream,
-        accepted: asyncio.Future[None],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def _enqueue_add(self, submission: Submission) -> None:
         """Register the add and send it as one "add" tuple (token ids as a list)."""
+        add, stream = submission.args, submission.stream
         prompt, request_id = add.prompt, add.request_id
         text = prompt if isinstance(prompt, str) else None
         ids = list(add.prompt_token_ids) if add.prompt_token_ids is not None else None
@@ -421,7 +416,9 @@ class EngineProcess(HandleBase[_Assembly]):
             if refusal is None and request_id in self._pending:
                 refusal = MetraleError(f"request id {request_id!r} is already in use")
             if refusal is None:
-                self._pending[request_id] = _PendingAdd(accepted, loop, assembly)
+                self._pending[request_id] = _PendingAdd(
+                    submission.accepted, submission.loop, assembly
+                )
         if refusal is not None:
             raise copy.copy(refusal)
         self._send(replace(add, prompt_token_ids=ids).wire())

@@ -199,6 +199,16 @@ class AddArgs:
         )  # fmt: skip
 
 
+@dataclass
+class Submission:
+    """An add on its way to the engine: its arguments, its stream and the caller's future."""
+
+    args: AddArgs
+    stream: RequestStream
+    accepted: asyncio.Future[None]
+    loop: asyncio.AbstractEventLoop
+
+
 class HandleBase(Generic[E]):
     """The rules both transports share; a transport implements the abstract hooks."""
 
@@ -214,14 +224,8 @@ class HandleBase(Generic[E]):
     def _stream_of(self, entry: E) -> RequestStream:
         raise NotImplementedError
 
-    def _enqueue_add(
-        self,
-        add: AddArgs,
-        stream: RequestStream,
-        accepted: asyncio.Future[None],
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        """Send `add` to the engine (raises the refusal when no request may be added)."""
+    def _enqueue_add(self, submission: Submission) -> None:
+        """Send the add to the engine (raises the refusal when no request may be added)."""
         raise NotImplementedError
 
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
@@ -278,7 +282,7 @@ class HandleBase(Generic[E]):
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
             lookup_tenant,
         )  # fmt: skip
-        self._enqueue_add(add, stream, accepted, loop)
+        self._enqueue_add(Submission(add, stream, accepted, loop))
         try:
             await accepted
         except asyncio.CancelledError:
