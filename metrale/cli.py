@@ -1,8 +1,9 @@
 """The `metrale` command: `generate`, `serve`, `bench`.
 
-Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place
-(`add_engine_arguments` / `engine_config_from_args`), so every subcommand spells them alike
-(`--max-model-len`, `--num-kv-blocks`, `--enable-prefix-caching/--no-enable-prefix-caching`).
+Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place,
+`metrale.engine_flags` (`add_engine_arguments` / `engine_config_from_args`, re-exported here),
+so every subcommand spells them alike (`--max-model-len`, `--num-kv-blocks`,
+`--enable-prefix-caching/--no-enable-prefix-caching`).
 
 Invariants:
 - A bad flag value exits with status 2 and a one-line message naming the flag; no traceback.
@@ -15,68 +16,24 @@ import argparse
 import dataclasses
 import logging
 import sys
-import types
-import typing
 from collections.abc import Sequence
-from typing import Any
 
-from metrale.config import EngineConfig
+from metrale.engine_flags import (
+    FLAG_HELP,
+    add_engine_arguments,
+    add_log_level,
+    engine_config_from_args,
+)
 from metrale.errors import MetraleError
 
-FLAG_HELP = {
-    "model": "checkpoint directory (default: the bundled metrale-tiny-code)",
-    "device": "auto | cpu | cuda",
-    "dtype": "auto | float32 | bfloat16 | float16",
-    "max_model_len": "longest prompt + output in tokens (default: the checkpoint's)",
-    "max_num_seqs": "most sequences running at once",
-    "max_num_batched_tokens": "most tokens in one forward",
-    "num_kv_blocks": "exact KV pool size in blocks (overrides memory sizing)",
-    "enable_prefix_caching": "reuse KV of shared prompt prefixes",
-    "preemption_mode": "recompute | swap",
-    "request_timeout": "per-request deadline in seconds (0: none)",
-    "load_format": "auto | dummy (random weights of the config's shapes)",
-    "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
-    "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
-    "async_scheduling": "launch each plain decode step before the previous one is read back "
-    "(input tokens fed on the device); --no-async-scheduling plans every step after the last",
-    "speculative_config": "speculative decoding as JSON, in vLLM's shape, e.g. "
-    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix)',
-}
-
-
-def _base_type(annotation: Any) -> type:
-    hints = typing.get_args(annotation)
-    if isinstance(annotation, types.UnionType) or hints:
-        return next(t for t in hints if t is not type(None))
-    return annotation
-
-
-def add_engine_arguments(
-    parser: argparse.ArgumentParser, *, positional_model: bool = False
-) -> None:
-    hints = typing.get_type_hints(EngineConfig)
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model" and positional_model:
-            parser.add_argument("model", nargs="?", default=None, help=FLAG_HELP["model"])
-            parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        typ = _base_type(hints[f.name])
-        help_text = FLAG_HELP.get(f.name, f.name.replace("_", " "))
-        if typ is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
-        else:
-            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
-
-
-def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
-    if getattr(args, "model_flag", None):
-        values["model"] = args.model_flag
-    values.update(overrides)
-    return EngineConfig(**values)
+__all__ = [
+    "FLAG_HELP",
+    "add_engine_arguments",
+    "add_log_level",
+    "build_parser",
+    "engine_config_from_args",
+    "main",
+]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -113,10 +70,6 @@ def _generate(args: argparse.Namespace) -> int:
         "%d tokens, finish_reason=%s", len(out.token_ids), out.finish_reason
     )
     return 0
-
-
-def add_log_level(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,9 @@
 """`EngineProcess`: the `Engine` in a child process, behind the same asyncio interface as
 `AsyncEngine`, so the server's Python never competes with the engine loop for one GIL.
 
-Owner: engine. The parent (the server) holds an `EngineProcess`: `add_request` returns a
+Owner: engine. The process transport of the engine handle (`metrale.engine.handle`): the rules
+of intake, delivery and death live in `HandleBase`; this module adds the child, the pipe and the
+output deltas. The parent (the server) holds an `EngineProcess`: `add_request` returns a
 `RequestStream`, `snapshot` gives the metrics' gauges, `begin_drain` / `abort_all` /
 `shutdown` serve a graceful exit, `info` and `tokenizer` describe the model. The child runs
 `_child_main`: it loads the model, then loops over commands and steps.
@@ -49,25 +51,15 @@ import pickle
 import signal
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
-from metrale.engine.async_engine import (
-    EngineInfo,
-    EngineSnapshot,
-    RequestStream,
-    SnapshotTaker,
-    engine_info,
-    post_by_loop,
-    settle_future,
-)
-from metrale.engine.engine import DEFAULT_TENANT
+from metrale.engine.handle import AddArgs, HandleBase, RequestStream, Submission
 from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
+from metrale.engine.snapshot import EngineInfo, EngineSnapshot, SnapshotTaker, engine_info
 from metrale.errors import EngineDeadError, MetraleError
-from metrale.sampling.params import SamplingParams
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -302,16 +294,13 @@ class _ChildLoop:
         """Apply one command; False when it says to stop."""
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, ids, timeout, adapter_id, speculative, tenant = command
+            add = AddArgs.from_wire(command)
             error: BaseException | None = None
             try:
-                self.engine.add_request(
-                    request_id, prompt, params, prompt_token_ids=ids, timeout=timeout,
-                    adapter_id=adapter_id, speculative=speculative, lookup_tenant=tenant,
-                )  # fmt: skip
+                add.apply(self.engine)
             except Exception as exc:  # MetraleError for bad requests; anything else: a bug
                 error = _portable(exc)
-            self.conn.send(("added", request_id, error))
+            self.conn.send(("added", add.request_id, error))
         elif kind == "abort":
             self.engine.abort_request(command[1])
             self.encoder.forget(command[1])
@@ -334,11 +323,12 @@ class _PendingAdd:
     assembly: _Assembly
 
 
-class EngineProcess:
-    """The parent's handle on the engine process; `AsyncEngine`'s interface."""
+class EngineProcess(HandleBase[_Assembly]):
+    """The parent's handle on the engine process: the process transport of `HandleBase`."""
 
     def __init__(self, config: EngineConfig, *, start_timeout: float | None = None) -> None:
         """Start the child and wait until its model is loaded (raises why it could not)."""
+        super().__init__()  # _lock guards _streams, _pending, _dead, _draining
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe(duplex=True)
         self._process = context.Process(
@@ -350,12 +340,8 @@ class EngineProcess:
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
-        self._lock = threading.Lock()  # guards _streams, _pending, _dead, _draining
-        #: Accepted requests, and adds the child has not answered yet.
-        self._streams: dict[str, _Assembly] = {}
+        #: Adds the child has not answered yet.
         self._pending: dict[str, _PendingAdd] = {}
-        self._dead: MetraleError | None = None
-        self._draining: MetraleError | None = None
         self._snapshot = EngineSnapshot()
         self._reader: threading.Thread | None = None
         if not self._conn.poll(start_timeout):
@@ -382,10 +368,6 @@ class EngineProcess:
     def is_running(self) -> bool:
         return self._dead is None and self._process.is_alive()
 
-    @property
-    def dead_error(self) -> MetraleError | None:
-        return self._dead
-
     def start(self) -> None:
         if self._reader is not None:
             return
@@ -393,11 +375,6 @@ class EngineProcess:
             target=self._read, name="metrale-engine-reader", daemon=True
         )
         self._reader.start()
-
-    def begin_drain(self, message: str = "the server is shutting down") -> None:
-        with self._lock:
-            if self._draining is None:
-                self._draining = EngineDeadError(message)
 
     def abort_all(self, message: str) -> None:
         with self._lock:
@@ -423,49 +400,28 @@ class EngineProcess:
     def snapshot(self) -> EngineSnapshot:
         return self._snapshot
 
-    def num_open_requests(self) -> int:
-        return len(self._streams)
-
     # -------------------------------------------------------------------- intake
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int] | None,
-        params: SamplingParams,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        adapter_id: int = 0,
-        speculative: bool = True,
-        lookup_tenant: str | None = DEFAULT_TENANT,
-    ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises why it did not
-        (`AsyncEngine.add_request`'s arguments, sent as one "add" tuple)."""
-        loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, self, loop)
+    def _enqueue_add(self, submission: Submission) -> None:
+        """Register the add and send it as one "add" tuple (token ids as a list)."""
+        add, stream = submission.args, submission.stream
+        prompt, request_id = add.prompt, add.request_id
         text = prompt if isinstance(prompt, str) else None
-        ids = list(prompt_token_ids) if prompt_token_ids is not None else None
+        ids = list(add.prompt_token_ids) if add.prompt_token_ids is not None else None
         if ids is None and prompt is not None and not isinstance(prompt, str):
             ids = list(prompt)
-        future: asyncio.Future[None] = loop.create_future()
         assembly = _Assembly(stream, text, ids or [])
         with self._lock:
             refusal = self._dead or self._draining
             if refusal is None and request_id in self._pending:
                 refusal = MetraleError(f"request id {request_id!r} is already in use")
             if refusal is None:
-                self._pending[request_id] = _PendingAdd(future, loop, assembly)
+                self._pending[request_id] = _PendingAdd(
+                    submission.accepted, submission.loop, assembly
+                )
         if refusal is not None:
             raise copy.copy(refusal)
-        command = ("add", request_id, prompt, params, ids, timeout, adapter_id)
-        self._send((*command, speculative, lookup_tenant))
-        try:
-            await future
-        except asyncio.CancelledError:
-            self._submit_abort(request_id)  # it may have been added meanwhile
-            raise
-        return stream
+        self._send(replace(add, prompt_token_ids=ids).wire())
 
     def _submit_abort(self, request_id: str) -> None:
         with self._lock:
@@ -490,7 +446,7 @@ class EngineProcess:
                     _, deltas, snap = message
                     if snap is not None:
                         self._snapshot = snap
-                    self._deliver(deltas)
+                    self._route(((d.request_id, d.finished, d) for d in deltas), _put_deltas)
                 elif kind == "added":
                     self._settle(message[1], message[2])
                 elif kind == "snapshot":
@@ -505,44 +461,21 @@ class EngineProcess:
     def _settle(self, request_id: str, error: BaseException | None) -> None:
         with self._lock:
             pending = self._pending.pop(request_id, None)
-            if pending is not None and error is None:
-                self._streams[request_id] = pending.assembly
-        if pending is None:
-            return
-        try:
-            pending.loop.call_soon_threadsafe(settle_future, pending.future, error)
-        except RuntimeError:  # the caller's loop is gone: nobody will read this request
-            if error is None:
-                self._submit_abort(request_id)
+        if pending is not None:
+            self._answer_add(request_id, pending.assembly, pending.future, pending.loop, error)
 
-    def _deliver(self, deltas: list[OutputDelta]) -> None:
-        items = []
-        with self._lock:
-            for delta in deltas:
-                streams = self._streams
-                assembly = (
-                    streams.pop(delta.request_id, None)
-                    if delta.finished
-                    else streams.get(delta.request_id)
-                )
-                if assembly is not None:
-                    items.append((assembly.stream._loop, (assembly, delta)))
-        post_by_loop(items, _put_deltas)
+    # ------------------------------------------------------------- HandleBase hooks
 
-    def _die(self, error: EngineDeadError) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = error
-            streams = list(self._streams.values())
-            pending = list(self._pending.values())
-            self._streams.clear()
-            self._pending.clear()
+    def _stream_of(self, entry: _Assembly) -> RequestStream:
+        return entry.stream
+
+    def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
+        pending = [(p.loop, p.future) for p in self._pending.values()]
+        self._pending.clear()
+        return pending
+
+    def _mark_dead(self) -> None:
         self._snapshot = replace(self._snapshot, alive=False)
-        for assembly in streams:
-            assembly.stream._post(copy.copy(error))
-        for item in pending:
-            with contextlib.suppress(RuntimeError):  # the caller's loop is gone
-                item.loop.call_soon_threadsafe(settle_future, item.future, copy.copy(error))
 
 
 def _put_deltas(items: list[tuple[_Assembly, OutputDelta]]) -> None:

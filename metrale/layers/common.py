@@ -19,7 +19,7 @@ from torch import nn
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.rotary import RotaryEmbedding
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

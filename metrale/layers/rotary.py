@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from metrale.models.config import RopeConfig
+from metrale.model_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, rotary_dim: int) -> tuple[torch.Tensor, float]:

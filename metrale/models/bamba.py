@@ -27,7 +27,7 @@ from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
 from metrale.models.loader import WeightMapping, gate_up_shards, qkv_shards, rotary_and_tied_ignored
 

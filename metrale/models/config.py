@@ -1,6 +1,7 @@
 """Reading a Hugging Face `config.json` into one normalised `ModelConfig`.
 
-Owner: models. Every architecture reads its shape from a `ModelConfig`, never from the raw
+Owner: models. Every architecture reads its shape from a `ModelConfig` (defined, with
+`RopeConfig`, in `metrale.model_config` below `layers/`, and re-exported here), never from the raw
 dict, so the two layouts found in the wild are handled in one place:
 - the classic layout of published checkpoints (top-level `rope_theta`, `rope_scaling`,
   `torch_dtype`), and
@@ -18,68 +19,20 @@ Invariants:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from metrale.errors import CheckpointError
+from metrale.model_config import SUPPORTED_ROPE_TYPES, ModelConfig, RopeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters, normalised from either config layout."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    #: Fraction of `head_dim` that rotates (1.0: all of it).
-    partial_rotary_factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The shape and hyper-parameters of a decoder checkpoint."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    rope: RopeConfig
-    hidden_act: str = "silu"
-    attention_bias: bool = False
-    #: Bias on o_proj too (Llama's `attention_bias` covers it; Qwen2 biases only q/k/v).
-    o_proj_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    #: Per layer: the attention window in tokens (including the current one), or None.
-    sliding_windows: tuple[int | None, ...] = ()
-    dtype: str | None = None
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.rope.partial_rotary_factor)
+__all__ = [
+    "SUPPORTED_ROPE_TYPES",
+    "ModelConfig",
+    "RopeConfig",
+    "parse_model_config",
+    "parse_rope",
+    "read_config_json",
+]
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

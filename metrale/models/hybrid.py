@@ -25,7 +25,7 @@ from torch import nn
 
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping
 
 LayerCache = tuple[torch.Tensor, torch.Tensor] | None

@@ -24,7 +24,7 @@ from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.layers.common import GatedMLP
 from metrale.layers.moe import MoeSpec, SparseMoeBlock
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 from metrale.models.llama import DecoderLayer, DecoderStack, LlamaForCausalLM
 from metrale.models.loader import ExpertShard, WeightMapping
 

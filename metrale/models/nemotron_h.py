@@ -30,7 +30,7 @@ from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.common import PagedSelfAttention, RMSNorm, pre_norm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards
 

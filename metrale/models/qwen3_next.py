@@ -32,7 +32,7 @@ from metrale.layers.common import pre_norm
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
-from metrale.models.config import ModelConfig
+from metrale.model_config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards, rotary_and_tied_ignored
 from metrale.models.moe import moe_intermediate

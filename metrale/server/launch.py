@@ -1,13 +1,14 @@
 """`metrale serve`: load the model, bind the port, run uvicorn, drain on SIGTERM / Ctrl-C.
 
 Owner: server. `add_serve_parser` adds the subcommand (engine flags derive from
-`EngineConfig` through `metrale.cli.add_engine_arguments`); `serve` runs it.
+`EngineConfig` through `metrale.engine_flags.add_engine_arguments`); `serve` runs it.
 
 Invariants:
 - Loopback (127.0.0.1) unless `--host` says otherwise; binding 0.0.0.0 logs a warning, all
   the more without an API key.
 - The port is bound before the "listening" summary is logged, so the summary never lies; a
-  port in use is a one-line error, not a traceback.
+  port in use is a one-line error, not a traceback. The summary counts KV blocks as the
+  engine's gauges do: usable blocks, plus the pool's one null block named apart.
 - SIGTERM or Ctrl-C: stop accepting connections and new requests, let in-flight requests
   finish for `--shutdown-grace` seconds, then end the rest with an error frame / 503, stop
   the engine thread and exit 0. A second Ctrl-C exits at once.
@@ -38,7 +39,7 @@ API_KEY_ENV = "METRALE_API_KEY"
 
 
 def add_serve_parser(subparsers: Any) -> None:
-    from metrale.cli import add_engine_arguments, add_log_level
+    from metrale.engine_flags import add_engine_arguments, add_log_level
 
     parser = subparsers.add_parser(
         "serve",
@@ -103,7 +104,7 @@ def _url(sock: socket.socket) -> str:
 def serve_from_args(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise MetraleError("metrale serve needs the server extras: pip install 'metrale[server]'")
-    from metrale.cli import engine_config_from_args
+    from metrale.engine_flags import engine_config_from_args
 
     config = engine_config_from_args(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -178,8 +179,8 @@ def serve(
             "listening on all interfaces (%s)%s", host, "" if api_key else " WITHOUT an API key"
         )
     logger.info(
-        "serving %s on %s %s | KV %d blocks x %d tokens | max_model_len %d | max_num_seqs %d | "
-        "prefix caching %s | %s%s",
+        "serving %s on %s %s | KV %d usable blocks (+1 null) x %d tokens | max_model_len %d | "
+        "max_num_seqs %d | prefix caching %s | %s%s",
         info.served_model_name,
         info.device,
         info.dtype,

@@ -5,6 +5,15 @@ interpreter (`TRITON_INTERPRET=1`, set here before anything imports triton) exec
 kernels on CPU tensors. Only tests that can run interpreted opt in (marker `interpretable`);
 CUDA-only tests (graph capture, timing) still skip. Nothing here imports triton unless the
 interpreter was asked for.
+
+Owner: tests (gpu). This file owns the tier's skip rule: without CUDA and without the
+interpreter a test module here is skipped whole before it is imported (so its triton imports
+never run), with one reason; a module needs no preamble of its own.
+
+Invariants:
+- Without CUDA and without `METRALE_TRITON_INTERPRET=1`, every `test_*.py` here is one skipped
+  module, as a module-level `pytest.skip` would make it.
+- Under the interpreter, only `interpretable` tests run; the rest skip as CUDA only.
 """
 
 from __future__ import annotations
@@ -66,6 +75,26 @@ def _patch_interpreter() -> None:
 
 if INTERPRET and importlib.util.find_spec("triton") is not None:
     _patch_interpreter()
+
+
+#: Whether this tier can run at all: a CUDA device, or Triton's interpreter asked for.
+RUNNABLE = torch.cuda.is_available() or INTERPRET
+SKIP_REASON = "needs CUDA or METRALE_TRITON_INTERPRET=1"
+
+
+class _SkippedModule(pytest.Module):
+    """A test module of this tier on a machine that cannot run it: skipped, never imported."""
+
+    def collect(self) -> list[pytest.Item | pytest.Collector]:
+        pytest.skip(SKIP_REASON, allow_module_level=True)
+
+
+def pytest_pycollect_makemodule(
+    module_path: Path, parent: pytest.Collector
+) -> pytest.Module | None:
+    if RUNNABLE or _HERE not in module_path.parents:
+        return None
+    return _SkippedModule.from_parent(parent, path=module_path)
 
 
 def pytest_configure(config: pytest.Config) -> None:

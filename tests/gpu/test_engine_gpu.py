@@ -12,9 +12,6 @@ from tests.helpers.parity import mixed_prompts
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():  # pragma: no cover - CPU machines
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-
 NEW = 32
 VARIANTS = [
     v for v in DENSE_VARIANTS if v.name in ("llama-gqa2", "qwen3-qknorm", "qwen2-bias-tied")

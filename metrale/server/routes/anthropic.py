@@ -27,8 +27,8 @@ from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
-from metrale.server.protocol.common import parse_body
-from metrale.server.state import ServerState, read_json, request_tenant, server_state
+from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.state import ServerState
 from metrale.server.streaming import EventStreamResponse, sse, until_disconnected
 
 router = APIRouter()
@@ -92,25 +92,13 @@ class _MessageJob:
 
 @router.post("/v1/messages")
 async def create_message(request: Request) -> Response:
-    state = server_state(request)
-    tracker = state.metrics.track()
-    req = parse_body(MessagesRequest, await read_json(request, state.max_body_bytes))
-    req.check_supported()
-    state.check_model(req.model)
-    messages = chat_messages(req)
-    tokenizer = state.tokenizer
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    gen = await open_generation(request, MessagesRequest)
+    state, req = gen.state, gen.body
+    text, ids = render_chat(state.tokenizer, chat_messages(req), add_generation_prompt=True)
     message_id = f"msg_{uuid.uuid4().hex}"
-    (stream,) = await state.add_requests(
-        message_id,
-        [(text, ids)],
-        req.sampling_params(state.sampling_defaults),
-        prompt_param="messages",
-        speculative=req.speculative,
-        lookup_tenant=request_tenant(request, req.tenant),
-    )
-    job = _MessageJob(state, message_id, stream, len(ids), tracker)
+    params = req.sampling_params(state.sampling_defaults)
+    (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")
+    job = _MessageJob(state, message_id, stream, len(ids), gen.tracker)
     if req.stream:
         return EventStreamResponse(_events(job), on_close=job.close)
     try:

@@ -34,7 +34,6 @@ from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
-from metrale.server.protocol.common import parse_body
 from metrale.server.protocol.openai import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -46,7 +45,8 @@ from metrale.server.protocol.openai import (
     merge_completion_logprobs,
     usage,
 )
-from metrale.server.state import ServerState, read_json, request_tenant, server_state
+from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.state import ServerState, server_state
 from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
 
 SYSTEM_FINGERPRINT = "fp_metrale"
@@ -171,11 +171,8 @@ async def _collect(request: Request, job: _Job) -> None:
 
 @router.post("/v1/completions")
 async def create_completion(request: Request) -> Response:
-    state = server_state(request)
-    tracker = state.metrics.track()
-    req = parse_body(CompletionRequest, await read_json(request, state.max_body_bytes))
-    req.check_supported()
-    state.check_model(req.model)
+    gen = await open_generation(request, CompletionRequest)
+    state, req = gen.state, gen.body
     prompts = completion_prompts(req.prompt, state.tokenizer)
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
@@ -186,14 +183,8 @@ async def create_completion(request: Request) -> Response:
         defaults=state.sampling_defaults,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await state.add_requests(
-        request_id,
-        prompts,
-        params,
-        speculative=req.speculative,
-        lookup_tenant=request_tenant(request, req.tenant),
-    )
-    job = _Job(state, request_id, streams, prompts, params.n, tracker)
+    streams = await gen.add(request_id, prompts, params)
+    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
         return EventStreamResponse(view.events(), on_close=job.close)
@@ -333,34 +324,22 @@ class _CompletionView:
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(request: Request) -> Response:
-    state = server_state(request)
-    tracker = state.metrics.track()
-    req = parse_body(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
-    req.check_supported()
-    state.check_model(req.model)
-    messages = chat_messages(req.messages)
-    tokenizer = state.tokenizer
-    text = tokenizer.apply_chat_template(
-        messages,
+    gen = await open_generation(request, ChatCompletionRequest)
+    state, req = gen.state, gen.body
+    text, ids = render_chat(
+        state.tokenizer,
+        chat_messages(req.messages),
         add_generation_prompt=req.add_generation_prompt,
         **(req.chat_template_kwargs or {}),
     )
-    ids = tokenizer.encode(text, add_special_tokens=False)
     params = req.sampling_params(
         max_tokens=req.resolved_max_tokens,
         logprobs=req.logprob_count,
         defaults=state.sampling_defaults,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await state.add_requests(
-        request_id,
-        [(text, ids)],
-        params,
-        prompt_param="messages",
-        speculative=req.speculative,
-        lookup_tenant=request_tenant(request, req.tenant),
-    )
-    job = _Job(state, request_id, streams, [(text, ids)], params.n, tracker)
+    streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
+    job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
     view = _ChatView(job, req)
     if req.stream:
         return EventStreamResponse(view.events(), on_close=job.close)

@@ -1,0 +1,136 @@
+"""What an engine handle reports: `EngineSnapshot` (the gauges and counters `/metrics` reads)
+and `EngineInfo` (what the server needs to know of the loaded model), and the readers that
+take them off an `Engine`.
+
+Owner: engine. Both transports (`AsyncEngine`, `EngineProcess`) take snapshots with
+`SnapshotTaker` on the thread or process that runs the `Engine`, and hand them to the server.
+
+Invariants:
+- `EngineSnapshot` and `EngineInfo` are picklable (they cross `EngineProcess`'s pipe): plain
+  values and copies, never live engine objects.
+- `SnapshotTaker.take` runs on the engine's own thread (it reads the scheduler's queues).
+- The prefix cache's cache-only block count is walked at most every `_CACHE_SCAN_INTERVAL_S`
+  while busy, and exactly whenever the engine is idle.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from metrale.sampling.defaults import SamplingDefaults
+from metrale.scheduler.core import SchedulerStats
+from metrale.spec.stats import SpecStats
+
+if TYPE_CHECKING:
+    from metrale.engine.engine import Engine
+
+#: Least time between two walks of the prefix cache for the cache-only block count while busy.
+_CACHE_SCAN_INTERVAL_S = 0.25
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's gauges and counters as of the last loop turn (read by `/metrics`)."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    num_swapped: int = 0
+    num_requests: int = 0
+    num_free_blocks: int = 0
+    #: Blocks held only by the prefix cache (reclaimable on demand; refreshed at most every
+    #: `_CACHE_SCAN_INTERVAL_S` while busy, exactly whenever the engine is idle).
+    num_cache_only_blocks: int = 0
+    num_total_blocks: int = 0
+    num_steps: int = 0
+    #: Steps launched on the device token feed / fed-eligible steps drained first.
+    fed_steps: int = 0
+    drained_steps: int = 0
+    alive: bool = True
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    #: The model's prefix-cache counters (`Model.prefix_cache_stats`: evictions, bypasses).
+    prefix_cache: dict[str, int] = field(default_factory=dict)
+    #: Forwards replayed from a CUDA graph, and forwards run eagerly.
+    graph_forwards: int = 0
+    eager_forwards: int = 0
+    #: Speculative decoding counters (`Engine.spec_stats`; all zero when speculation is off).
+    spec: SpecStats = field(default_factory=SpecStats)
+    #: The throughput gate's switch counts (`SpecGate.counters`: global_off, global_on,
+    #: row_off, row_on); empty when there is no gate.
+    spec_gate: dict[str, int] = field(default_factory=dict)
+    #: Drafts per verify row (k); 0 when speculation is off.
+    num_speculative_tokens: int = 0
+
+
+class SnapshotTaker:
+    """Reads an `Engine`'s gauges into an `EngineSnapshot` (on the engine's own thread)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._cache_only = 0
+        self._cache_scanned_at = float("-inf")
+
+    def take(self, alive: bool = True) -> EngineSnapshot:
+        engine = self.engine
+        scheduler = engine.scheduler
+        return EngineSnapshot(
+            num_waiting=len(scheduler.waiting),
+            num_running=len(scheduler.running),
+            num_swapped=len(scheduler.swapped),
+            num_requests=len(engine.requests),
+            num_free_blocks=engine.model.num_free_blocks(),
+            num_cache_only_blocks=self._cache_only_blocks(idle=not engine.requests),
+            num_total_blocks=engine.model.num_total_blocks(),
+            num_steps=engine.num_steps,
+            fed_steps=engine.fed_steps,
+            drained_steps=engine.drained_steps,
+            alive=alive,
+            stats=copy.deepcopy(scheduler.stats),
+            prefix_cache=dict(engine.model.prefix_cache_stats()),
+            graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
+            eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
+            spec=copy.deepcopy(engine.spec_stats),
+            spec_gate=dict(engine.spec_gate.counters) if engine.spec_gate is not None else {},
+            num_speculative_tokens=engine.num_speculative_tokens,
+        )
+
+    def _cache_only_blocks(self, idle: bool) -> int:
+        cache = getattr(self.engine.model, "prefix_cache", None)
+        if cache is None:
+            return 0
+        now = time.monotonic()
+        if idle or now - self._cache_scanned_at >= _CACHE_SCAN_INTERVAL_S:
+            self._cache_only = int(cache.cache_only_blocks())
+            self._cache_scanned_at = now
+        return self._cache_only
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server needs to know of a loaded engine (picklable: it crosses processes)."""
+
+    served_model_name: str
+    model_dir: str
+    max_model_len: int
+    device: str
+    dtype: str
+    num_total_blocks: int
+    kv_block_size: int
+    #: The checkpoint's generation_config.json sampling defaults (empty when not used).
+    sampling_defaults: SamplingDefaults
+
+
+def engine_info(engine: Engine) -> EngineInfo:
+    model = engine.model
+    return EngineInfo(
+        served_model_name=engine.served_model_name,
+        model_dir=engine.model_dir,
+        max_model_len=engine.max_model_len,
+        device=str(getattr(model, "device", engine.config.device)),
+        dtype=str(getattr(model, "dtype", engine.config.dtype)).removeprefix("torch."),
+        num_total_blocks=model.num_total_blocks(),
+        kv_block_size=model.kv_block_size() or 0,
+        sampling_defaults=engine.sampling_defaults,
+    )
