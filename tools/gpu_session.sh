@@ -8,7 +8,8 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
-#        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration)
+#        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
+#        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -51,10 +52,20 @@ for part in $PARTS; do
     timeout 110 python3 -m metrale.bench.kernels --out "$OUT/kernels.json" >"$OUT/kernels.log" 2>&1
     echo "rc=$?"; tail -25 "$OUT/kernels.log"
     ;;
+  spec)
+    stamp speculation gpu tests and the verify cost curve, qwen3-8b
+    timeout 200 python3 -m pytest tests/gpu/test_spec_gpu.py tests/gpu/test_decode_runner.py -q -s \
+      -p no:cacheprovider --timeout 190 >"$OUT/gpu_spec_tests.log" 2>&1
+    echo "rc=$?"; grep -E "identical|passed|failed" "$OUT/gpu_spec_tests.log" | tail -4
+    timeout 240 python3 -m metrale.cli bench spec-cost --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --out-dir "$OUT" >"$OUT/spec_cost.log" 2>&1
+    echo "rc=$?"; grep -E "^batch|projected|measured|record" "$OUT/spec_cost.log"
+    ;;
   latency8b)
     stamp latency qwen3-8b
     timeout 180 python3 -m metrale.cli bench latency --config-dir bench/configs/qwen3-8b \
-      --max-model-len 2048 --tokens 256 --max-num-seqs 8 --out-dir "$OUT" >"$OUT/latency8b.log" 2>&1
+      --max-model-len 2048 --tokens 256 --max-num-seqs 8 $( [ "${PEER:-1}" = 1 ] || echo --no-peer ) \
+      --out-dir "$OUT" >"$OUT/latency8b.log" 2>&1
     echo "rc=$?"; tail -14 "$OUT/latency8b.log"; grep -iE "startup|Error" "$OUT/latency8b.log" | tail -3
     ;;
   latency8bcompiled)
@@ -122,7 +133,7 @@ for part in $PARTS; do
     stamp serve qwen3-8b
     rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
     python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
-    timeout ${PEER_TIMEOUT:-150} python3 -c "
+    [ "${PEER:-1}" = 1 ] && timeout ${PEER_TIMEOUT:-150} python3 -c "
 import json, torch
 from metrale.bench.hf_peer import hf_generate_tok_s
 compiled = '${PEER_COMPILE:-0}' == '1'
@@ -142,7 +153,8 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
     timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
       --shape qwen3-8b --vocab 151936 --concurrency "${LADDER:-1,128}" --isl 128 --osl 1024 \
       --device cuda --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128" \
-      --peer-json "$OUT/serve_peer.json" --out-dir "$OUT" >"$OUT/serve.log" 2>&1
+      $( [ -f "$OUT/serve_peer.json" ] && echo --peer-json "$OUT/serve_peer.json" ) --out-dir "$OUT" \
+      >"$OUT/serve.log" 2>&1
     echo "ladder rc=$?"; tail -6 "$OUT/serve.log"
     kill -TERM $server; wait $server; echo "server exit=$?"
     grep -iE "summary|graphs|KV|error" "$OUT/server.log" | head -8
