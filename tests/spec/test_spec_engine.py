@@ -201,6 +201,20 @@ def test_opt_out_request_never_speculates() -> None:
             done[out.request_id] = out
     assert done["a"].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert proposer.calls == 0 and engine.spec_stats.num_drafts == 0
+    # A row that cannot speculate keeps async scheduling's fed steps.
+    assert engine.fed_steps > 0
+
+
+def test_speculating_steps_drain_the_async_pipeline_and_count_it() -> None:
+    ps = prompts(2, seed=51)
+    path = str(build(LLAMA))
+    ref = LLM(path, device="cpu").generate(ps, greedy(20))
+    truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ps, ref)}
+    llm = LLM(path, device="cpu", speculative_config=SPEC, proposer=ScriptedProposer(truth))
+    assert_same(ref, llm.generate(ps, greedy(20)))
+    engine = llm.engine
+    assert engine.spec_stats.drained_for_spec > 0
+    assert engine.drained_steps >= engine.spec_stats.drained_for_spec
 
 
 # ------------------------------------------------------------------ distribution
