@@ -332,10 +332,8 @@ class Sampler:
                         bias_rows.append(i)
                         bias_tokens.append(token)
                         bias_values.append(bias)
-            if row.step < params.min_tokens:
-                banned = set(row.eos_token_ids)
-                banned.update(params.stop_token_ids)
-                for token in sorted(banned):
+            if not params.stop_tokens_allowed(row.step):
+                for token in sorted(params.masked_stop_token_ids(row.eos_token_ids)):
                     if 0 <= token < vocab:
                         mask_rows.append(i)
                         mask_ids.append(token)
@@ -510,7 +508,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
         params.is_greedy
         and not params.uses_penalties
         and not params.logit_bias
-        and row.step >= params.min_tokens
+        and params.stop_tokens_allowed(row.step)
         and not params.logprobs
     )
 
