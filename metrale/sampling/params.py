@@ -312,10 +312,6 @@ class SamplingParams:
         """True when the token is the argmax of the processed logits (no random draw)."""
         return self.temperature < GREEDY_TEMPERATURE
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     def top_k_filters(self, vocab: int) -> bool:
         """Whether top-k removes tokens from a vocabulary of `vocab` (0 < top_k < vocab)."""
         return 0 < self.top_k < vocab

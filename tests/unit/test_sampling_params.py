@@ -93,7 +93,7 @@ def test_defaults_match_vllm() -> None:
     assert p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
     assert not p.is_greedy and not p.uses_penalties
-    assert not p.top_k_enabled and not p.top_p_enabled and not p.min_p_enabled
+    assert not p.top_k_filters(vocab=1000) and not p.top_p_enabled and not p.min_p_enabled
 
 
 def test_boundary_values_are_accepted() -> None:
@@ -109,7 +109,7 @@ def test_boundary_values_are_accepted() -> None:
         max_tokens=1,
         logit_bias={3: -100, 4: 100},
     )
-    assert p.is_greedy and not p.top_k_enabled
+    assert p.is_greedy and not p.top_k_filters(vocab=1000)
     assert p.logit_bias == {3: -100.0, 4: 100.0}
 
 
