@@ -16,6 +16,9 @@ Invariants:
   derive a changed copy with `replace(...)`, which validates again.
 - `top_k` of 0 or -1 means "off"; `top_p == 1.0` and `min_p == 0.0` mean "off";
   `temperature < GREEDY_TEMPERATURE` means greedy (argmax).
+- The stop-token rule lives here alone: `stop_reason` (the scheduler ends a request by it) and
+  `masked_stop_token_ids` (the sampler masks those ids) agree through `stop_tokens_allowed`,
+  so a masked token can never be the one that would have stopped the request.
 - `derive_choice_seed(seed, 0) == seed`, so a single-choice request samples with the seed the
   client sent; other choices get independent, deterministic seeds.
 """
@@ -25,7 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -309,10 +312,6 @@ class SamplingParams:
         """True when the token is the argmax of the processed logits (no random draw)."""
         return self.temperature < GREEDY_TEMPERATURE
 
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
     def top_k_filters(self, vocab: int) -> bool:
         """Whether top-k removes tokens from a vocabulary of `vocab` (0 < top_k < vocab)."""
         return 0 < self.top_k < vocab
@@ -334,13 +333,6 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
-    def all_stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
-        """The token ids that finish a sequence: `stop_token_ids`, plus EOS unless `ignore_eos`."""
-        ids = set(self.stop_token_ids)
-        if not self.ignore_eos:
-            ids.update(eos_token_ids)
-        return frozenset(ids)
-
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids (logit_bias keys, stop_token_ids) outside `[0, vocab_size)`.
 
@@ -359,6 +351,34 @@ class SamplingParams:
                     f"stop_token_ids holds {token}, outside the vocabulary of {vocab_size}",
                     param="stop_token_ids",
                 )
+
+    # ---------------------------------------------------------------------------------------
+    # The stop-token rule (the sampler masks by it, the scheduler stops by it)
+    # ---------------------------------------------------------------------------------------
+
+    def stop_tokens_allowed(self, n_out: int) -> bool:
+        """Whether a stop token (EOS or one of `stop_token_ids`) may follow `n_out` generated
+        tokens: only once `min_tokens` are generated (before that the sampler masks them)."""
+        return n_out >= self.min_tokens
+
+    def masked_stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """The token ids masked while `stop_tokens_allowed` is False: `stop_token_ids` and the
+        model's EOS ids, whatever `ignore_eos` says (it only decides whether EOS stops)."""
+        return frozenset((*self.stop_token_ids, *eos_token_ids))
+
+    def stop_reason(
+        self, token: int, n_out: int, eos_token_ids: Collection[int]
+    ) -> tuple[str | None, int | None]:
+        """Whether `token`, generated after `n_out` tokens, stops the request by a stop token:
+        `("stop", token)` for one of `stop_token_ids` (checked first), `("stop", None)` for an
+        EOS id unless `ignore_eos`, `(None, None)` otherwise and while `stop_tokens_allowed`
+        is False. (The length limits are the scheduler's.)"""
+        if self.stop_tokens_allowed(n_out):
+            if token in self.stop_token_ids:
+                return "stop", token
+            if not self.ignore_eos and token in eos_token_ids:
+                return "stop", None
+        return None, None
 
     # ---------------------------------------------------------------------------------------
     # Copies

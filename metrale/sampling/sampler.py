@@ -2,13 +2,15 @@
 
 Owner: sampling. The engine hands the sampler the model's logits `[B, V]` and one
 `SamplingRow` per logits row; the sampler returns the chosen token ids and their logprobs
-(`metrale.sampling.result`: on the device, and the one copy back). The filters themselves
-live in `logits_processors`.
+(`metrale.sampling.result`: on the device, and the one copy back). Stage 1 below lives in
+`metrale.sampling.processing` (`process_logits`, with the host-to-device helpers every stage
+uses); the filters themselves live in `logits_processors`.
 
 Pipeline, per row (each stage is one batched tensor op over the rows that need it):
 1. repetition penalty (prompt + output tokens), then frequency/presence penalties (output
    tokens), then logit_bias, then min_tokens masking (EOS and stop_token_ids at -inf while
-   fewer than `min_tokens` tokens were generated) — for greedy rows too;
+   fewer than `min_tokens` tokens were generated: `SamplingParams.stop_tokens_allowed`, the
+   rule the scheduler stops by) — for greedy rows too (`processing.process_logits`);
 2. greedy rows (temperature < 1e-5): argmax of the processed logits (ties: lowest id);
 3. other rows: divide by temperature, top-k (every logit >= the k-th largest stays, ties
    included), softmax, min-p, top-p (a token stays while the float64 mass ranked above it,
@@ -61,9 +63,8 @@ Invariants:
 
 from __future__ import annotations
 
-import array
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -71,17 +72,9 @@ import torch
 from torch import Tensor
 
 from metrale.errors import MetraleError
-from metrale.sampling.logits_processors import (
-    apply_frequency_presence,
-    apply_logit_bias,
-    apply_min_p,
-    apply_repetition_penalty,
-    apply_top_k,
-    apply_top_p,
-    mask_tokens,
-    token_counts,
-)
+from metrale.sampling.logits_processors import apply_min_p, apply_top_k, apply_top_p
 from metrale.sampling.params import SamplingParams, mix_seed
+from metrale.sampling.processing import apply_to_rows, process_logits, to_device
 from metrale.sampling.result import SampledBatch, SamplerOutput
 
 if TYPE_CHECKING:
@@ -257,7 +250,7 @@ class Sampler:
                 packed=packed,
             )
         raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
-        x = self._process_logits(raw, rows, pending_tokens)
+        x = process_logits(raw, rows, pending_tokens)
 
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -268,8 +261,8 @@ class Sampler:
         else:
             token_ids = torch.empty(batch, dtype=torch.int64, device=device)
             samplable = torch.empty(batch, dtype=torch.bool, device=device)
-            greedy_index = _to_device(greedy, torch.int64, device)
-            sampled_index = _to_device(sampled, torch.int64, device)
+            greedy_index = to_device(greedy, torch.int64, device)
+            sampled_index = to_device(sampled, torch.int64, device)
             greedy_ids, greedy_ok = _greedy(x.index_select(0, greedy_index), self._ops)
             drawn_ids, drawn_ok = self._draw(
                 x.index_select(0, sampled_index), [rows[i] for i in sampled]
@@ -296,64 +289,6 @@ class Sampler:
 
         return verify(self, logits, rows, drafts, pending_tokens)
 
-    def _process_logits(
-        self, x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tensor | None
-    ) -> Tensor:
-        """Penalties, logit bias and min_tokens masks (stage 1), for every row."""
-        vocab = x.shape[1]
-        device = x.device
-        penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
-        if penalised:
-            pending = None
-            if any(rows[i].pending for i in penalised):
-                if pending_tokens is None:
-                    raise MetraleError(
-                        "a row with penalties and a pending token needs `pending_tokens`"
-                    )
-                pending = pending_tokens
-                if len(penalised) < len(rows):
-                    pending = pending.index_select(0, _to_device(penalised, torch.int64, device))
-            x = _apply_to_rows(
-                x,
-                penalised,
-                lambda sub: _apply_penalties(sub, [rows[i] for i in penalised], pending),
-            )
-
-        bias_rows: list[int] = []
-        bias_tokens: list[int] = []
-        bias_values: list[float] = []
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        for i, row in enumerate(rows):
-            params = row.params
-            if params.logit_bias:
-                for token, bias in params.logit_bias.items():
-                    if 0 <= token < vocab:
-                        bias_rows.append(i)
-                        bias_tokens.append(token)
-                        bias_values.append(bias)
-            if row.step < params.min_tokens:
-                banned = set(row.eos_token_ids)
-                banned.update(params.stop_token_ids)
-                for token in sorted(banned):
-                    if 0 <= token < vocab:
-                        mask_rows.append(i)
-                        mask_ids.append(token)
-        if bias_rows:
-            x = apply_logit_bias(
-                x,
-                _to_device(bias_rows, torch.int64, device),
-                _to_device(bias_tokens, torch.int64, device),
-                _to_device(bias_values, torch.float32, device),
-            )
-        if mask_rows:
-            x = mask_tokens(
-                x,
-                _to_device(mask_rows, torch.int64, device),
-                _to_device(mask_ids, torch.int64, device),
-            )
-        return x
-
     def _draw(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """Temperature, top-k, min-p, top-p and the random draw for non-greedy rows."""
         x = _temper(x, rows)
@@ -361,7 +296,7 @@ class Sampler:
             return self._draw_with_kernel(x, rows)
         probs, samplable = _filter(x, rows)
         uniforms = [self._uniform(row) for row in rows]
-        token_ids = _inverse_cdf(probs, _to_device(uniforms, torch.float64, x.device))
+        token_ids = _inverse_cdf(probs, to_device(uniforms, torch.float64, x.device))
         return token_ids, samplable
 
     def _takes_kernel(self, rows: Sequence[SamplingRow], vocab: int) -> bool:
@@ -391,13 +326,13 @@ class Sampler:
         uniforms = [self._uniform(row) for row in rows]
         min_p = None
         if any(row.params.min_p_enabled for row in rows):
-            min_p = _to_device([row.params.min_p for row in rows], torch.float32, device)
+            min_p = to_device([row.params.min_p for row in rows], torch.float32, device)
         vocab = x.shape[1]
         token_ids, samplable = self._ops.top_k_top_p_sample(
             x,
-            _to_device([row.params.top_k for row in rows], torch.int64, device),
-            _to_device([row.params.top_p for row in rows], torch.float32, device),
-            _to_device(uniforms, torch.float64, device),
+            to_device([row.params.top_k for row in rows], torch.int64, device),
+            to_device([row.params.top_p for row in rows], torch.float32, device),
+            to_device(uniforms, torch.float64, device),
             min_p,
             has_top_k=any(row.params.top_k_filters(vocab) for row in rows),
             has_top_p=any(row.params.top_p_enabled for row in rows),
@@ -420,7 +355,7 @@ def _temper(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     """Processed logits of non-greedy rows divided by their temperature, then sanitized."""
     temperatures = [row.params.temperature for row in rows]
     if any(t != 1.0 for t in temperatures):
-        x = x / _to_device(temperatures, torch.float32, x.device).unsqueeze(1)
+        x = x / to_device(temperatures, torch.float32, x.device).unsqueeze(1)
     return _sanitize(x)
 
 
@@ -432,8 +367,8 @@ def _filter(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
     top_k_rows = [j for j, row in enumerate(rows) if row.params.top_k_filters(vocab)]
     max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
     if top_k_rows:
-        ks = _to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
-        x = _apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
+        ks = to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
+        x = apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
 
     probs = torch.softmax(x, dim=-1)
     # A row with no finite logit softmaxes to NaN everywhere; any finite logit gives none.
@@ -441,17 +376,17 @@ def _filter(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
 
     min_p_rows = [j for j, row in enumerate(rows) if row.params.min_p_enabled]
     if min_p_rows:
-        min_ps = _to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
-        probs = _apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
+        min_ps = to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
+        probs = apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
 
     top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
     if top_p_rows:
-        top_ps = _to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
+        top_ps = to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
         # Rows whose top-k already ran hold about k candidates: sort only those.
         candidates = None
         if all(rows[j].params.top_k_filters(vocab) for j in top_p_rows):
             candidates = max(rows[j].params.top_k for j in top_p_rows)
-        probs = _apply_to_rows(probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates))
+        probs = apply_to_rows(probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates))
     return probs, samplable
 
 
@@ -510,7 +445,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
         params.is_greedy
         and not params.uses_penalties
         and not params.logit_bias
-        and row.step >= params.min_tokens
+        and params.stop_tokens_allowed(row.step)
         and not params.logprobs
     )
 
@@ -528,81 +463,3 @@ def _greedy(x: Tensor, ops: KernelOps | None = None) -> tuple[Tensor, Tensor]:
         return token_ids, values > _NEG_INF
     values, token_ids = _sanitize(x).max(dim=-1)
     return token_ids, values > _NEG_INF
-
-
-def _to_device(
-    values: Sequence[int] | Sequence[float] | Tensor, dtype: torch.dtype, device: torch.device
-) -> Tensor:
-    """Host values (a list or a CPU tensor) on `device` without a sync (pinned, non-blocking)."""
-    if isinstance(values, Tensor):
-        host = values.to(dtype)
-        if device.type == "cuda":
-            host = host.pin_memory()
-    elif device.type == "cuda":
-        host = torch.tensor(values, dtype=dtype, pin_memory=True)
-    else:
-        return torch.tensor(values, dtype=dtype, device=device)
-    return host.to(device, non_blocking=True)
-
-
-def _apply_to_rows(x: Tensor, rows: Sequence[int], fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """`fn` applied to the rows `rows` (sorted, unique) of `x`; other rows unchanged."""
-    if len(rows) == x.shape[0]:
-        return fn(x)
-    index = _to_device(list(rows), torch.int64, x.device)
-    return x.index_copy(0, index, fn(x.index_select(0, index)))
-
-
-def _flatten_ids(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[Tensor, Tensor]:
-    """`(row_ids, token_ids)`: every token of every sequence, flat, as device tensors."""
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
-    row_ids = torch.repeat_interleave(torch.arange(len(sequences), dtype=torch.int64), lengths)
-    buffer = array.array("q")
-    for sequence in sequences:
-        if isinstance(sequence, list):
-            buffer.fromlist(sequence)  # the fast path: C-level copy of a list of ints
-        else:
-            buffer.extend(sequence)
-    if buffer:
-        token_ids = torch.frombuffer(buffer, dtype=torch.int64)
-    else:
-        token_ids = torch.empty(0, dtype=torch.int64)
-    return _to_device(row_ids, torch.int64, device), _to_device(token_ids, torch.int64, device)
-
-
-def _apply_penalties(
-    x: Tensor, rows: Sequence[SamplingRow], pending: Tensor | None = None
-) -> Tensor:
-    """Repetition then frequency/presence penalties on `x` (one row per entry of `rows`);
-    `pending` (`[len(rows)]`, on the device) adds one output token per row whose `pending`
-    is set (a fed row's token that the host has not read yet)."""
-    count, vocab = x.shape
-    device = x.device
-    row_ids, token_ids = _flatten_ids([row.output_token_ids for row in rows], device)
-    if pending is not None:
-        fed = [i for i, row in enumerate(rows) if row.pending]
-        fed_index = _to_device(fed, torch.int64, device)
-        row_ids = torch.cat([row_ids, fed_index])
-        token_ids = torch.cat([token_ids, pending.index_select(0, fed_index)])
-    output_counts = token_counts(row_ids, token_ids, count, vocab, x.dtype)
-
-    repetition = [row.params.repetition_penalty for row in rows]
-    if any(p != 1.0 for p in repetition):
-        prompts = [
-            row.prompt_token_ids if row.params.repetition_penalty != 1.0 else () for row in rows
-        ]
-        prompt_rows, prompt_tokens = _flatten_ids(prompts, device)
-        prompt_counts = token_counts(prompt_rows, prompt_tokens, count, vocab, x.dtype)
-        seen = (output_counts > 0) | (prompt_counts > 0)
-        x = apply_repetition_penalty(x, seen, _to_device(repetition, torch.float32, device))
-
-    frequency = [row.params.frequency_penalty for row in rows]
-    presence = [row.params.presence_penalty for row in rows]
-    if any(frequency) or any(presence):
-        x = apply_frequency_presence(
-            x,
-            output_counts,
-            _to_device(frequency, torch.float32, device),
-            _to_device(presence, torch.float32, device),
-        )
-    return x

@@ -12,9 +12,9 @@ is a `SampledBatch` with one entry per logits row (position) and `emitted` `[N]`
 Per position `j` the processed distribution `p_j` is exactly the one `Sampler.sample` would use
 for that sequence had `drafts[i][:j]` already been appended to its output: the sequence is
 expanded into `k_i + 1` `SamplingRow`s (penalties see output + drafts[:j], min_tokens and the
-seeded counter see `step + j`), and the sampler's own stage 1 (`Sampler._process_logits`) and
-distribution (`sampler._probabilities`, the one `Sampler._draw` draws from: temperature, top-k,
-softmax, min-p, top-p) run on them.
+seeded counter see `step + j`), and the sampler's own stage 1 (`processing.process_logits`)
+and distribution (`sampler._probabilities`, the one `Sampler._draw` draws from: temperature,
+top-k, softmax, min-p, top-p) run on them.
 
 - Greedy rows: the target token at `j` is the processed argmax (ties: lowest id); draft `j` is
   accepted iff it equals it. The token at every position is that argmax.
@@ -60,6 +60,7 @@ from torch import Tensor
 
 from metrale.errors import MetraleError
 from metrale.sampling.params import mix_seed
+from metrale.sampling.processing import process_logits, to_device
 from metrale.sampling.result import SampledBatch
 from metrale.sampling.sampler import (
     SamplingRow,
@@ -67,7 +68,6 @@ from metrale.sampling.sampler import (
     _greedy,
     _inverse_cdf,
     _probabilities,
-    _to_device,
     row_uniform,
 )
 
@@ -142,12 +142,12 @@ def verify(
 
     pending = None
     if pending_tokens is not None:
-        pending = pending_tokens.index_select(0, _to_device(owners, torch.int64, device))
+        pending = pending_tokens.index_select(0, to_device(owners, torch.int64, device))
     raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
-    x = sampler._process_logits(raw, expanded, pending)
+    x = process_logits(raw, expanded, pending)
 
-    draft_ids = _to_device(draft_at, torch.int64, device)
-    drafted = _to_device(has_draft, torch.bool, device)
+    draft_ids = to_device(draft_at, torch.int64, device)
+    drafted = to_device(has_draft, torch.bool, device)
     greedy = [p for p, row in enumerate(expanded) if row.params.is_greedy]
     sampled = [p for p, row in enumerate(expanded) if not row.params.is_greedy]
 
@@ -172,7 +172,7 @@ def verify(
         accepted = torch.empty(positions, dtype=torch.bool, device=device)
         samplable = torch.empty(positions, dtype=torch.bool, device=device)
         for subset, greedy_rows in ((greedy, True), (sampled, False)):
-            index = _to_device(subset, torch.int64, device)
+            index = to_device(subset, torch.int64, device)
             for out, part in zip(
                 (token_ids, accepted, samplable), score(subset, index, greedy_rows)
             ):
@@ -182,7 +182,7 @@ def verify(
     # positions count as rejected: they end their row).
     rejected = (~accepted).to(torch.int64)
     before = rejected.cumsum(0) - rejected
-    row_start = before.index_select(0, _to_device(starts, torch.int64, device))
+    row_start = before.index_select(0, to_device(starts, torch.int64, device))
     emitted = before == row_start
 
     top_counts = [row.params.logprobs or 0 for row in expanded]
@@ -255,14 +255,14 @@ def _verify_sampled(
     accept_uniforms, draw_uniforms = _uniforms(sampler, rows, has_draft)
     accepted = drafted & samplable
     accepted = accepted & accept_drafts(
-        probs, draft_ids, _to_device(accept_uniforms, torch.float64, device)
+        probs, draft_ids, to_device(accept_uniforms, torch.float64, device)
     )
     # The residual max(p - onehot(d), 0) renormalised is p with d zeroed; bonus rows keep p.
     p_draft = probs.gather(1, draft_ids.unsqueeze(1))
     residual = probs.scatter(
         1, draft_ids.unsqueeze(1), torch.where(drafted.unsqueeze(1), 0.0, p_draft)
     )
-    drawn = _inverse_cdf(residual, _to_device(draw_uniforms, torch.float64, device))
+    drawn = _inverse_cdf(residual, to_device(draw_uniforms, torch.float64, device))
     # p(d) = 1 leaves an empty residual, but then u < p(d) always accepted; keep d regardless.
     drawn = torch.where(residual.sum(dim=-1) > 0, drawn, draft_ids)
     token_ids = torch.where(accepted, draft_ids, drawn)

@@ -594,16 +594,11 @@ class Scheduler:
         return committed
 
     def _stop_condition(self, seq: SchedSequence, token: int) -> tuple[str | None, int | None]:
-        params = seq.params
         n_out = len(seq.output_token_ids)
-        if n_out >= params.min_tokens:
-            if token in params.stop_token_ids:
-                return "stop", token
-            if not params.ignore_eos and token in seq.eos_token_ids:
-                return "stop", None
-        if self._ends_by_length(seq, n_out):
+        reason, stop_token = seq.params.stop_reason(token, n_out, seq.eos_token_ids)
+        if reason is None and self._ends_by_length(seq, n_out):
             return "length", None
-        return None, None
+        return reason, stop_token
 
     def _ends_by_length(self, seq: SchedSequence, n_out: int) -> bool:
         """Whether `n_out` generated tokens end `seq` by length (its budget or the context)."""

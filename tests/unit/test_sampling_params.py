@@ -93,7 +93,7 @@ def test_defaults_match_vllm() -> None:
     assert p.logprobs is None and p.prompt_logprobs is None
     assert p.skip_special_tokens and not p.ignore_eos and not p.include_stop_str_in_output
     assert not p.is_greedy and not p.uses_penalties
-    assert not p.top_k_enabled and not p.top_p_enabled and not p.min_p_enabled
+    assert not p.top_k_filters(vocab=1000) and not p.top_p_enabled and not p.min_p_enabled
 
 
 def test_boundary_values_are_accepted() -> None:
@@ -109,7 +109,7 @@ def test_boundary_values_are_accepted() -> None:
         max_tokens=1,
         logit_bias={3: -100, 4: 100},
     )
-    assert p.is_greedy and not p.top_k_enabled
+    assert p.is_greedy and not p.top_k_filters(vocab=1000)
     assert p.logit_bias == {3: -100.0, 4: 100.0}
 
 
@@ -138,10 +138,21 @@ def test_is_greedy_threshold() -> None:
     assert not SamplingParams(temperature=1e-5).is_greedy
 
 
-def test_all_stop_token_ids_respects_ignore_eos() -> None:
-    p = SamplingParams(stop_token_ids=[5])
-    assert p.all_stop_token_ids({2, 3}) == frozenset({2, 3, 5})
-    assert p.replace(ignore_eos=True).all_stop_token_ids({2, 3}) == frozenset({5})
+def test_stop_reason_and_masked_stop_token_ids() -> None:
+    p = SamplingParams(stop_token_ids=[5, 2], min_tokens=2)
+    eos = frozenset({2, 3})
+    # Before min_tokens nothing stops, and every stop token and EOS id is masked.
+    assert not p.stop_tokens_allowed(1) and p.stop_reason(5, 1, eos) == (None, None)
+    assert p.masked_stop_token_ids(eos) == frozenset({2, 3, 5})
+    # Then stop_token_ids stop with their id, checked before EOS, and EOS stops without one.
+    assert p.stop_reason(5, 2, eos) == ("stop", 5)
+    assert p.stop_reason(2, 2, eos) == ("stop", 2)
+    assert p.stop_reason(3, 2, eos) == ("stop", None)
+    assert p.stop_reason(4, 2, eos) == (None, None)
+    # ignore_eos only keeps EOS from stopping: it stays masked before min_tokens.
+    q = p.replace(ignore_eos=True)
+    assert q.stop_reason(3, 2, eos) == (None, None) and q.stop_reason(5, 2, eos) == ("stop", 5)
+    assert q.masked_stop_token_ids(eos) == frozenset({2, 3, 5})
 
 
 def test_replace_validates_and_clone_does_not_share() -> None:
