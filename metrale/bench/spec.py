@@ -424,7 +424,7 @@ def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance
     )  # fmt: skip
     with forced_acceptance(acceptance):
         decode_all(spec_engine)  # warm-up
-        spec_engine.spec_stats = type(spec_engine.spec_stats)()
+        spec_engine.speculation.stats = type(spec_engine.spec_stats)()
         spec_s, spec_tokens = decode_all(spec_engine)
     st = spec_engine.spec_stats
     return {

@@ -58,6 +58,7 @@ import torch
 from metrale.config import EngineConfig
 from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import RequestOutput
+from metrale.engine.speculation import Speculation
 from metrale.errors import ContextLengthError, InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
@@ -66,9 +67,9 @@ from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
-from metrale.scheduler.sequence import SchedSequence, Status
+from metrale.scheduler.sequence import SchedSequence
 from metrale.spec.gate import SpecGate
-from metrale.spec.proposer import DraftRequest, Proposer
+from metrale.spec.proposer import Proposer
 from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
@@ -180,43 +181,26 @@ class Engine:
             )
         self._pending: list[_Pending] = []
         self._inflight: _InFlight | None = None
-        self._setup_speculation(proposer)
+        self.speculation = Speculation(config.speculative(), model, self.vocab_size, proposer)
         #: When the last step was read back (the gate's step intervals).
         self._last_read = 0.0
 
-    def _setup_speculation(self, proposer: Proposer | None) -> None:
-        """The proposer, the gate and the counters of `config.speculative_config`."""
-        spec = self.config.speculative()
-        self.spec_stats = SpecStats()
-        self.proposer: Proposer | None = None
-        self.num_speculative_tokens = 0
-        self.spec_gate: SpecGate | None = None
-        #: Why speculation is off although configured (None: on, or not configured).
-        self.spec_disabled: str | None = None
-        if spec is None:
-            if proposer is not None:
-                raise InvalidRequestError(
-                    "a proposer needs speculative_config (its num_speculative_tokens)",
-                    param="speculative_config",
-                )
-            return
-        k = spec.num_speculative_tokens
-        if not self.model.can_batch_verify([k + 1]):
-            self.spec_disabled = "the model cannot roll back a verify (recurrent SSM state)"
-            logger.warning("speculative decoding is off: %s", self.spec_disabled)
-            return
-        self.proposer = proposer or spec.make_proposer()
-        self.num_speculative_tokens = k
-        self.spec_gate = SpecGate(
-            k,
-            enabled=spec.gate == "auto",
-            window=spec.gate_window,
-            probe_tokens=spec.gate_probe_tokens,
-        )
-        logger.info(
-            "speculative decoding: %s (proposer %s)",
-            spec.describe(), self.proposer.name or type(self.proposer).__name__,
-        )  # fmt: skip
+    # The speculation state, read by tests, metrics and benchmarks.
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.speculation.stats
+
+    @property
+    def proposer(self) -> Proposer | None:
+        return self.speculation.proposer
+
+    @property
+    def spec_gate(self) -> SpecGate | None:
+        return self.speculation.gate
+
+    @property
+    def spec_disabled(self) -> str | None:
+        return self.speculation.disabled
 
     @property
     def served_model_name(self) -> str:
@@ -344,7 +328,7 @@ class Engine:
             self.scheduler.finish(choice.seq, "abort")
             choice.close("abort", None)
             self._choice_of.pop(choice.seq.seq_id, None)
-            self._forget_speculation(choice.seq)
+            self.speculation.forget(choice.seq)
         return state.to_output()
 
     def has_unfinished(self) -> bool:
@@ -372,7 +356,7 @@ class Engine:
         previous, self._inflight = self._inflight, None
         plan: StepPlan | None = None
         if previous is not None:
-            if self._wants_verify(previous.plan.sampled):
+            if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
@@ -381,7 +365,7 @@ class Engine:
                 self._read_back(previous, ready, touched)
                 previous = None
         if plan is None:
-            self._propose()
+            self.speculation.propose(self.scheduler)
             plan = self.scheduler.schedule()
             for seq in plan.finished:
                 self._close_choice(seq, touched)
@@ -420,7 +404,8 @@ class Engine:
         try:
             pending = self._commit(step.plan, step.batch)
             into.append(pending)
-            self._record_speculation(step, pending.committed)
+            seconds = time.perf_counter() - max(self._last_read, step.started)
+            self.speculation.record(step.plan, pending.committed, seconds)
         except Exception as exc:
             self._step_failed(step.plan, touched, exc)
         self._last_read = time.perf_counter()
@@ -565,87 +550,4 @@ class Engine:
         self.requests.pop(request_id, None)
         for choice in state.choices:
             self._choice_of.pop(choice.seq.seq_id, None)
-            self._forget_speculation(choice.seq)
-
-    # ------------------------------------------------------------- speculation
-
-    def _forget_speculation(self, seq: SchedSequence) -> None:
-        """A finished stream: its tokens go to the proposer's shared index (its tenant's),
-        and its per-sequence proposer and gate state is dropped."""
-        if self.proposer is None:
-            return
-        self.proposer.on_finished(seq.seq_id, seq.all_tokens, seq.lookup_tenant)
-        assert self.spec_gate is not None
-        self.spec_gate.forget(seq.seq_id)
-
-    def _may_speculate(self, seq: SchedSequence) -> bool:
-        gate = self.spec_gate
-        return (
-            self.proposer is not None
-            and gate is not None
-            and seq.speculative
-            and gate.row_allowed(seq.seq_id, len(seq.output_token_ids))
-            and self.proposer.may_propose(seq.seq_id)
-        )
-
-    def _wants_verify(self, seqs: Sequence[SchedSequence]) -> bool:
-        """Whether a step of these decode rows could speculate (then it is not fed)."""
-        if self.proposer is None or self.spec_gate is None or not seqs:
-            return False
-        if not self.spec_gate.step_allowed(len(seqs)):
-            return False
-        return any(s.status is Status.RUNNING and self._may_speculate(s) for s in seqs)
-
-    def _propose(self) -> None:
-        """Ask the proposer for drafts of the decoding sequences that may speculate; the
-        scheduler caps them and gives them to the next plan (`spec_token_ids`)."""
-        proposer, gate = self.proposer, self.spec_gate
-        if proposer is None or gate is None:
-            return
-        decoding = [s for s in self.scheduler.running if s.is_decoding()]
-        if not decoding or not gate.step_allowed(len(decoding)):
-            return
-        requests: list[DraftRequest] = []
-        asking: list[SchedSequence] = []
-        for seq in decoding:
-            room = min(self.num_speculative_tokens, self.scheduler.draft_room(seq))
-            if room <= 0 or not self._may_speculate(seq):
-                if seq.lookup_tenant is not None:
-                    proposer.observe(seq.seq_id, seq.all_tokens, seq.lookup_tenant)
-                continue
-            asking.append(seq)
-            requests.append(
-                DraftRequest(seq.seq_id, seq.all_tokens, seq.prompt_len, room, seq.lookup_tenant)
-            )
-        if not requests:
-            return
-        drafts = proposer.propose(requests)
-        vocab = self.vocab_size
-        for seq, request, draft in zip(asking, requests, drafts, strict=True):
-            tokens = [int(t) for t in draft[: request.max_drafts]]
-            if any(not 0 <= t < vocab for t in tokens):
-                raise ValueError(
-                    f"proposer {proposer.name!r} proposed a token outside the vocabulary"
-                )
-            seq.spec_token_ids = tokens
-
-    def _record_speculation(self, step: _InFlight, committed: list[Committed]) -> None:
-        """Feed a read-back step's verdicts and cost to the proposer, the gate and the
-        counters."""
-        gate, proposer = self.spec_gate, self.proposer
-        if gate is None or proposer is None:
-            return
-        plan = step.plan
-        now = time.perf_counter()
-        if plan.decode and not plan.prefill:
-            seconds = now - max(self._last_read, step.started)
-            rows = plan.num_tokens
-            gate.record_step(len(plan.decode), rows, seconds, len(committed), plan.is_verify)
-        if not plan.is_verify:
-            return
-        self.spec_stats.verify_steps += 1
-        for c in committed:
-            if c.drafted:
-                self.spec_stats.record(c.drafted, c.accepted)
-                proposer.on_verified(c.seq.seq_id, c.drafted, c.accepted)
-                gate.record_verify(c.seq.seq_id, c.drafted, c.accepted, len(c.seq.output_token_ids))
+            self.speculation.forget(choice.seq)

@@ -351,7 +351,7 @@ def test_suffix_lookup_never_proposes_another_tenants_tokens() -> None:
 def test_startup_log_names_the_proposer_and_k(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    with caplog.at_level(logging.INFO, logger="metrale.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="metrale"):
         LLM(
             str(build(LLAMA)),
             device="cpu",
