@@ -203,6 +203,10 @@ class Engine:
         return self.speculation.disabled
 
     @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculation.k
+
+    @property
     def served_model_name(self) -> str:
         if self.config.served_model_name:
             return self.config.served_model_name

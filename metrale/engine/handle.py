@@ -344,9 +344,11 @@ class HandleBase(Generic[E]):
             entries = list(self._streams.items())
             self._streams.clear()
             unanswered = self._take_unanswered()
+        # Before anyone hears of the death: a caller woken by the error below must already
+        # read a dead snapshot.
+        self._mark_dead()
         for loop, accepted in unanswered:
             settle_from_thread(loop, accepted, copy.copy(error))
         for request_id, entry in entries:
             self._forget_dead(request_id)
             self._stream_of(entry)._post(copy.copy(error))
-        self._mark_dead()
