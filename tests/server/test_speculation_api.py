@@ -260,9 +260,9 @@ def test_spec_counters_cross_the_snapshot_into_the_exposition(
     stats.record(2, 1)
     gate = SpecGate(3)
     gate.counters.update(global_off=1, global_on=2, row_off=3, row_on=4)
-    monkeypatch.setattr(engine, "spec_stats", stats)
-    monkeypatch.setattr(engine, "spec_gate", gate)
-    monkeypatch.setattr(engine, "num_speculative_tokens", 4)
+    monkeypatch.setattr(engine.speculation, "stats", stats)
+    monkeypatch.setattr(engine.speculation, "gate", gate)
+    monkeypatch.setattr(engine.speculation, "k", 4)
     snap = pickle.loads(pickle.dumps(SnapshotTaker(engine).take()))  # it crosses the pipe
     assert snap.spec == stats and snap.spec is not engine.spec_stats
     assert snap.spec_gate == gate.counters and snap.num_speculative_tokens == 4
