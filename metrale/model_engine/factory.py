@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
@@ -206,7 +207,7 @@ def _capture_graphs(
     query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
     runner = DecodeGraphRunner(
         model.module, model.kv_cache.layers, model.device, config.max_num_seqs,
-        -(-max_model_len // config.block_size), config.block_size, query_lens,
+        blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner
@@ -236,7 +237,7 @@ def _kv_blocks(
     per_block = PagedKVCache.bytes_per_block(
         kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
-    blocks_per_seq = -(-max_model_len // config.block_size)
+    blocks_per_seq = blocks_for(max_model_len, config.block_size)
     if device.type == "cuda" and activation_peak is not None:
         budget = cuda_kv_budget(config.gpu_memory_utilization, activation_peak, device)
     elif device.type == "cuda":

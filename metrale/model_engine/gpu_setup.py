@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.model_engine.traits import PrefillSlice
 
@@ -65,7 +66,7 @@ def profile_activation_peak(
     """Peak bytes one forward of `tokens` prefill tokens allocates beyond weights and KV."""
     device = model_args["device"]
     cfg = model_args["config"]
-    blocks = -(-tokens // block_size) + max(1, tokens // max(1, max_model_len - 1)) + 2
+    blocks = blocks_for(tokens, block_size) + max(1, tokens // max(1, max_model_len - 1)) + 2
     kv = PagedKVCache(
         module.kv_layer_count, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
         model_args["dtype"], device,
@@ -111,7 +112,7 @@ def warm_forward_shapes(model: Any, max_num_seqs: int) -> float:
     vocab = model.config.vocab_size
     for count in sorted({1, 2, 3, 4, 8, 16, min(32, max_num_seqs)}):
         for length in (128, 127):
-            need = count * (-(-(length + 8) // model.block_size) + 1)
+            need = count * (blocks_for(length + 8, model.block_size) + 1)
             if count > max_num_seqs or need > model.num_free_blocks() // 2:
                 continue
             prompts = [

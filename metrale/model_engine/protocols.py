@@ -104,6 +104,11 @@ class ModelLifecycle(ABC):
         """Free KV blocks; 0 with `num_total_blocks() == 0` means no pool."""
         return 0
 
+    def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int:
+        """KV blocks `seq` must add to hold `new_tokens` more tokens (a metrale extension):
+        what a forward of that many rows allocates. 0 without a paged KV pool."""
+        return 0
+
     def num_total_blocks(self) -> int:
         return 0
 

@@ -55,16 +55,12 @@ from metrale.model_engine.traits import (
     SequenceState,
     Stream,
     VerifyBatchedOpts,
+    blocks_for,
+    blocks_needed,
 )
 from metrale.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-def blocks_needed(seq: SequenceState, new_tokens: int, block_size: int) -> int:
-    """How many blocks `seq` must add to hold `new_tokens` more tokens."""
-    total = -(-(seq.seq_len + new_tokens) // block_size)
-    return max(0, total - len(seq.block_table))
 
 
 class TransformerModel(Model):
@@ -241,6 +237,9 @@ class TransformerModel(Model):
 
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free
+
+    def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int:
+        return blocks_needed(seq, new_tokens, self.block_size)
 
     def num_total_blocks(self) -> int:
         return self.block_pool.num_usable
@@ -424,7 +423,7 @@ class TransformerModel(Model):
             ForwardRow(s, [int(t), *map(int, d), *[int(t)] * (q - 1 - len(d))], True)
             for t, d, s in zip(decode_tokens, drafts, seqs)
         ]
-        need = sum(blocks_needed(r.seq, q, self.block_size) for r in padded)
+        need = sum(self.blocks_needed(r.seq, q) for r in padded)
         if need > self.block_pool.num_free:
             return None
         self._allocate_blocks(padded)
@@ -451,7 +450,7 @@ class TransformerModel(Model):
         ]
         self._advance(rows)
         for s in seqs:  # the padding's blocks: nothing past seq_len is kept
-            keep = -(-s.seq_len // self.block_size)
+            keep = blocks_for(s.seq_len, self.block_size)
             if len(s.block_table) > keep:
                 self.block_pool.decref(s.block_table[keep:])
                 del s.block_table[keep:]
@@ -503,7 +502,7 @@ class TransformerModel(Model):
             seq.seq_len -= drop
             del seq.tokens[seq.seq_len :]
             seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
-        keep = -(-seq.seq_len // self.block_size)
+        keep = blocks_for(seq.seq_len, self.block_size)
         if len(seq.block_table) > keep:
             self.block_pool.decref(seq.block_table[keep:])
             del seq.block_table[keep:]
@@ -581,7 +580,7 @@ class TransformerModel(Model):
                 )
 
     def _allocate_blocks(self, rows: list[ForwardRow]) -> None:
-        needs = [blocks_needed(r.seq, len(r.tokens), self.block_size) for r in rows]
+        needs = [self.blocks_needed(r.seq, len(r.tokens)) for r in rows]
         for r in rows:
             if r.seq.seq_len + len(r.tokens) > self.max_model_len:
                 raise InvalidRequestError(

@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from metrale.errors import CapacityError, KVCacheExhausted, QueueFullError
-from metrale.model_engine.traits import FED_TOKEN, Model
+from metrale.model_engine.traits import FED_TOKEN, Model, blocks_for, blocks_needed
 from metrale.scheduler.plan import PrefillWork, StepPlan
 from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
 
@@ -130,9 +130,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
 
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def add(self, seq: SchedSequence) -> None:
         """Queue a sequence; refuses one that could never fit, or a full queue."""
         if seq.seq_id in self.by_id:
@@ -140,9 +137,10 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
         peak = min(seq.prompt_len + seq.max_tokens, self.config.max_model_len)
-        if self.blocks_for(peak) > self.model.num_total_blocks():
+        need = blocks_for(peak, self.block_size)
+        if need > self.model.num_total_blocks():
             raise CapacityError(
-                f"request needs {self.blocks_for(peak)} KV blocks for {peak} tokens but the pool "
+                f"request needs {need} KV blocks for {peak} tokens but the pool "
                 f"has {self.model.num_total_blocks()}; it can never be served (lower max_tokens "
                 "or the prompt, or enlarge the KV pool)",
                 param="max_tokens",
@@ -323,7 +321,8 @@ class Scheduler:
             assert state is not None
             remaining = seq.num_known - state.seq_len
             if remaining > 1 or not seq.output_token_ids:
-                total += max(0, self.blocks_for(seq.num_known + 1) - len(state.block_table))
+                # Its known tokens and the one it samples when the chunk completes.
+                total += blocks_needed(state, seq.num_known + 1 - state.seq_len, self.block_size)
         return total
 
     def _available_blocks(self) -> int:
@@ -337,8 +336,7 @@ class Scheduler:
             if decoding is not None or seq.is_decoding():
                 state = seq.state
                 assert state is not None
-                rows = 1 + len(seq.spec_token_ids)
-                need += max(0, self.blocks_for(state.seq_len + rows) - len(state.block_table))
+                need += blocks_needed(state, 1 + len(seq.spec_token_ids), self.block_size)
         return need
 
     def _make_room_for_decode(self) -> None:
@@ -436,11 +434,11 @@ class Scheduler:
     def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
         """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""
         if seq.swap is not None:
-            return self.blocks_for(seq.num_known + 1), 0
+            return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
         if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
             matched = self.model.prefix_match_len(seq.all_tokens, seq.adapter_id)
-        return self.blocks_for(seq.num_known + 1) - matched // self.block_size, matched
+        return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
         while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
