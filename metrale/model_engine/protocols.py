@@ -77,7 +77,10 @@ class ModelLifecycle(ABC):
         """A new sequence with its layer states (takes an SSM slot on hybrid models)."""
 
     def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
-        """Same as `alloc_sequence`, sized for `budget_tokens` where that matters."""
+        """The seed's sized allocation; same as `alloc_sequence` here. The scheduler calls
+        `alloc_sequence`: KV blocks are taken a forward at a time (`blocks_needed`), so no
+        model of this engine sizes a sequence up front, and `add` already refuses a request
+        whose peak the pool could never hold."""
         return self.alloc_sequence()
 
     @abstractmethod

@@ -480,7 +480,7 @@ class Scheduler:
 
     def _start(self, seq: SchedSequence) -> None:
         """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
-        state = self.model.alloc_sequence_for(seq.prompt_len + seq.max_tokens)
+        state = self.model.alloc_sequence()  # blocks come a forward at a time
         state.adapter_id = seq.adapter_id
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
