@@ -72,6 +72,38 @@ class ModelLifecycle(ABC):
         """Bind the device context to the calling thread (a no-op where torch does it)."""
         return None
 
+    def max_context_len(self) -> int | None:
+        """Most tokens (prompt + output) one sequence may hold: the model's `max_model_len`
+        (a metrale extension; the engine validates requests against it). None: no limit of
+        its own (the engine uses `EngineConfig.max_model_len`)."""
+        return None
+
+    def device_name(self) -> str | None:
+        """The device the model runs on ("cpu", "cuda", "cuda:1"); None: not known."""
+        return None
+
+    def dtype_name(self) -> str | None:
+        """The weights' dtype ("float32", "bfloat16"...); None: not known."""
+        return None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids the checkpoint's config names (the tokenizer may add more)."""
+        return frozenset()
+
+    def sampling_ops(self) -> Any | None:
+        """The kernel op set the engine's sampler should use (`argmax`,
+        `top_k_top_p_sample`); None: the sampler's torch reference ops."""
+        return None
+
+    def forward_counters(self) -> dict[str, int]:
+        """Forwards replayed from a CUDA graph (`graph_forwards`) and run eagerly
+        (`eager_forwards`), for metrics; empty when the model does not count them."""
+        return {}
+
+    def cache_only_blocks(self) -> int:
+        """KV blocks held only by the prefix cache (reclaimable on demand); walks the cache."""
+        return 0
+
     @abstractmethod
     def alloc_sequence(self) -> SequenceState:
         """A new sequence with its layer states (takes an SSM slot on hybrid models)."""

@@ -121,6 +121,34 @@ class TransformerModel(Model):
         seq.disk_last_offloaded_per_layer = [0] * self.module.kv_layer_count
         return seq
 
+    # ------------------------------------------------------------------ facts
+
+    def max_context_len(self) -> int:
+        return self.max_model_len
+
+    def fits_context(self, seq: SequenceState, new_tokens: int) -> bool:
+        """Whether `seq` stays within `max_model_len` after `new_tokens` more tokens."""
+        return seq.seq_len + new_tokens <= self.max_model_len
+
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.config.eos_token_ids or ())
+
+    def sampling_ops(self) -> KernelOps | None:
+        return self.kernel_ops
+
+    def forward_counters(self) -> dict[str, int]:
+        replays = self.graph_runner.replays if self.graph_runner is not None else 0
+        return {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+
+    def cache_only_blocks(self) -> int:
+        return self.prefix_cache.cache_only_blocks() if self.prefix_cache is not None else 0
+
     # ------------------------------------------------------------------ SSM slots
 
     def has_ssm_layers(self) -> bool:
@@ -417,7 +445,7 @@ class TransformerModel(Model):
         q = next((q for q in runner.query_lens if q >= longest), None)
         if q is None or q == 1 or not runner.can_run(len(seqs), q):
             return None
-        if any(s.seq_len + q > self.max_model_len for s in seqs):
+        if not all(self.fits_context(s, q) for s in seqs):
             return None
         padded = [
             ForwardRow(s, [int(t), *map(int, d), *[int(t)] * (q - 1 - len(d))], True)
@@ -582,7 +610,7 @@ class TransformerModel(Model):
     def _allocate_blocks(self, rows: list[ForwardRow]) -> None:
         needs = [self.blocks_needed(r.seq, len(r.tokens)) for r in rows]
         for r in rows:
-            if r.seq.seq_len + len(r.tokens) > self.max_model_len:
+            if not self.fits_context(r.seq, len(r.tokens)):
                 raise InvalidRequestError(
                     f"sequence would reach {r.seq.seq_len + len(r.tokens)} tokens, over "
                     f"max_model_len {self.max_model_len}"
