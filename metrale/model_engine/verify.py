@@ -47,15 +47,7 @@ class VerifyForwards:
     graph_runner: DecodeGraphRunner | None
     _last_hidden: torch.Tensor | None
 
-    if TYPE_CHECKING:  # provided by `TransformerModel` and `PagedKvLifecycle`
-
-        def _mixed(
-            self,
-            decode_tokens: Sequence[int],
-            drafts: Sequence[Sequence[int]] | None,
-            decode_seqs: Sequence[SequenceState],
-            prefill_streams: Sequence[PrefillSlice],
-        ) -> MixedBatchResult: ...
+    if TYPE_CHECKING:  # provided by `TransformerModel` (and `_mixed`, its forward)
 
         def _allocate_blocks(self, rows: list[ForwardRow]) -> None: ...
 

@@ -24,12 +24,10 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from metrale.errors import KVCacheExhausted
-from metrale.model_engine.traits import Model, blocks_for
-from metrale.scheduler.plan import PrefillWork, StepPlan
+from metrale.model_engine.traits import blocks_for
+from metrale.scheduler.parts import SchedulerParts
+from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence, Status
-
-if TYPE_CHECKING:
-    from metrale.scheduler.core import SchedulerConfig, SchedulerStats
 
 
 def tenant_key(tenant: str | None) -> int | None:
@@ -40,29 +38,10 @@ def tenant_key(tenant: str | None) -> int | None:
     return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
 
 
-class Admission:
+class Admission(SchedulerParts):
     """Admit from the swapped and waiting queues (a mixin of `Scheduler`)."""
 
-    model: Model
-    config: SchedulerConfig
-    stats: SchedulerStats
-    block_size: int
-    waiting: deque[SchedSequence]
-    swapped: deque[SchedSequence]
-    running: list[SchedSequence]
-    _swap_bytes: int
-
-    if TYPE_CHECKING:  # provided by `Scheduler` and `Preemption`
-
-        def _chunk(self, seq: SchedSequence, budget: int) -> PrefillWork: ...
-
-        def _drop_swap(self, seq: SchedSequence) -> None: ...
-
-        def _available_blocks(self) -> int: ...
-
-        def _reserved_blocks(self) -> int: ...
-
-        def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int: ...
+    if TYPE_CHECKING:  # provided by `Preemption`
 
         @staticmethod
         def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None: ...

@@ -22,42 +22,17 @@ from __future__ import annotations
 import io
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
-from metrale.model_engine.traits import Model
+from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
-
-if TYPE_CHECKING:
-    from metrale.scheduler.core import SchedulerConfig, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 PREEMPT_IMMUNITY_TOKENS = 64
 
 
-class Preemption:
+class Preemption(SchedulerParts):
     """Reclaim, drop drafts, preempt (a mixin of `Scheduler`)."""
-
-    model: Model
-    config: SchedulerConfig
-    stats: SchedulerStats
-    block_size: int
-    waiting: deque[SchedSequence]
-    swapped: deque[SchedSequence]
-    running: list[SchedSequence]
-    _swap_bytes: int
-
-    if TYPE_CHECKING:  # provided by `Scheduler`
-
-        def finish(
-            self, seq: SchedSequence, reason: str, stop_reason: int | str | None = None
-        ) -> None: ...
-
-        def _release(self, seq: SchedSequence, offer_to_cache: bool) -> None: ...
-
-        def _available_blocks(self) -> int: ...
-
-        def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int: ...
 
     def _make_room_for_decode(self) -> None:
         need = self._decode_need()
