@@ -8,6 +8,9 @@ Invariants:
   component re-validates or silently clamps a setting.
 - `None` means "derive it": from the checkpoint (max_model_len), the device (dtype, token
   budget) or free memory (KV pool size); `resolve_*` helpers do the deriving.
+- Every running sequence can decode each step: a given `max_num_batched_tokens` below
+  `max_num_seqs` is refused at construction; a derived one (None: 2048 on the CPU, 8192 on
+  CUDA) is raised to `max_num_seqs` by `resolved_batched_tokens`, which the engine logs.
 """
 
 from __future__ import annotations
@@ -90,6 +93,15 @@ class EngineConfig:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.max_num_seqs
+        ):
+            raise bad(
+                "max_num_batched_tokens",
+                f"must be >= max_num_seqs ({self.max_num_seqs}) so every running sequence can "
+                f"decode each step, got {self.max_num_batched_tokens}",
+            )
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise bad("block_size", f"must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
@@ -145,10 +157,16 @@ class EngineConfig:
         """True when the checkpoint's generation_config.json supplies sampling defaults."""
         return self.generation_config == "auto"
 
+    @staticmethod
+    def default_batched_tokens(device_type: str) -> int:
+        """The token budget derived from the device alone: 8192 on CUDA, 2048 elsewhere."""
+        return 8192 if device_type == "cuda" else 2048
+
     def resolved_batched_tokens(self, device_type: str) -> int:
+        """The token budget: as given, or the device default raised to `max_num_seqs`."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return 8192 if device_type == "cuda" else 2048
+        return max(self.default_batched_tokens(device_type), self.max_num_seqs)
 
     @classmethod
     def field_names(cls) -> list[str]:

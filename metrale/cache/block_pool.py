@@ -8,6 +8,8 @@ Invariants:
 - A block is on the free list exactly when its reference count is 0.
 - `free_count + blocks with refcount > 0 == num_blocks - 1` at all times.
 - Decrementing a block at count 0 is a bug and raises, so double frees surface at once.
+- `blocks_for` is the one ceiling division of tokens by the block size: every count of the
+  blocks a number of tokens occupies (scheduler, model engine, start-up sizing) calls it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from collections.abc import Iterable
 from metrale.errors import KVCacheExhausted
 
 NULL_BLOCK = 0
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` tokens that hold `tokens` tokens (a ceiling division)."""
+    return -(-tokens // block_size)
 
 
 class BlockPool:

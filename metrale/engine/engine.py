@@ -142,12 +142,19 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer.from_dir(
             config.tokenizer or self.model_dir, chat_template=config.chat_template
         )
-        self.max_model_len = int(getattr(model, "max_model_len", config.max_model_len or 0))
-        device_type = str(getattr(model, "device", "cpu")).split(":")[0]
+        limit = model.max_context_len()
+        #: The context limit every request is checked against (`check_prompt`).
+        self.max_model_len = int(limit if limit is not None else config.max_model_len or 0)
+        device_type = (model.device_name() or "cpu").split(":")[0]
         batched = config.resolved_batched_tokens(device_type)
-        if batched < config.max_num_seqs:
-            batched = config.max_num_seqs
-            logger.info("max_num_batched_tokens raised to max_num_seqs (%d)", batched)
+        if config.max_num_batched_tokens is None and batched > config.default_batched_tokens(
+            device_type
+        ):
+            logger.info(
+                "max_num_batched_tokens (derived) raised to max_num_seqs (%d) so every running "
+                "sequence can decode each step",
+                batched,
+            )
         self.scheduler = Scheduler(
             model,
             SchedulerConfig(
@@ -161,12 +168,10 @@ class Engine:
                 max_queue=config.max_queue,
             ),
         )
-        self.sampler = Sampler(seed=config.seed, ops=getattr(model, "kernel_ops", None))
+        self.sampler = Sampler(seed=config.seed, ops=model.sampling_ops())
         self.requests: dict[str, RequestState] = {}
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
-            getattr(getattr(model, "config", None), "eos_token_ids", ()) or ()
-        )
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | model.eos_token_ids()
         self.vocab_size = model.vocab_size()
         self.num_steps = 0
         #: Steps launched on the device token feed, and fed-eligible steps that had to be read
@@ -245,9 +250,7 @@ class Engine:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
-        text, ids = self._prompt_ids(prompt, prompt_token_ids)
-        params.validate_for_vocab(self.vocab_size)
-        max_tokens = self._resolve_max_tokens(len(ids), params)
+        text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -281,6 +284,21 @@ class Engine:
         self.requests[request_id] = state
         for choice in state.choices:
             self._choice_of[choice.seq.seq_id] = (state, choice)
+
+    def check_prompt(
+        self,
+        prompt: str | Sequence[int] | None,
+        prompt_token_ids: Sequence[int] | None,
+        params: SamplingParams,
+    ) -> tuple[str | None, list[int], int]:
+        """Validate a request's prompt and sampling parameters without queueing anything:
+        returns (prompt text or None, prompt token ids, the resolved output budget). The one
+        home of the context-length rule for requests: the prompt must leave room for output,
+        and `max_tokens` (None: all the room left) must fit `max_model_len`. Raises
+        `InvalidRequestError` / `ContextLengthError` naming the offending parameter."""
+        text, ids = self._prompt_ids(prompt, prompt_token_ids)
+        params.validate_for_vocab(self.vocab_size)
+        return text, ids, self._resolve_max_tokens(len(ids), params)
 
     def _prompt_ids(
         self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None

@@ -86,8 +86,7 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in work]
         # Validate all first: prompt ids and token budgets, without queueing anything.
         for (text, token_ids), sp in work:
-            _, checked = engine._prompt_ids(text if token_ids is None else None, token_ids)
-            engine._resolve_max_tokens(len(checked), sp)
+            engine.check_prompt(text if token_ids is None else None, token_ids, sp)
         added: list[str] = []
         try:
             for rid, ((text, token_ids), sp) in zip(ids, work):

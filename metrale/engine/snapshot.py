@@ -75,6 +75,7 @@ class SnapshotTaker:
     def take(self, alive: bool = True) -> EngineSnapshot:
         engine = self.engine
         scheduler = engine.scheduler
+        counters = engine.model.forward_counters()
         return EngineSnapshot(
             num_waiting=len(scheduler.waiting),
             num_running=len(scheduler.running),
@@ -89,20 +90,17 @@ class SnapshotTaker:
             alive=alive,
             stats=copy.deepcopy(scheduler.stats),
             prefix_cache=dict(engine.model.prefix_cache_stats()),
-            graph_forwards=int(getattr(getattr(engine.model, "graph_runner", None), "replays", 0)),
-            eager_forwards=int(getattr(engine.model, "eager_forwards", 0)),
+            graph_forwards=counters.get("graph_forwards", 0),
+            eager_forwards=counters.get("eager_forwards", 0),
             spec=copy.deepcopy(engine.spec_stats),
             spec_gate=dict(engine.spec_gate.counters) if engine.spec_gate is not None else {},
             num_speculative_tokens=engine.num_speculative_tokens,
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:
-        cache = getattr(self.engine.model, "prefix_cache", None)
-        if cache is None:
-            return 0
         now = time.monotonic()
         if idle or now - self._cache_scanned_at >= _CACHE_SCAN_INTERVAL_S:
-            self._cache_only = int(cache.cache_only_blocks())
+            self._cache_only = int(self.engine.model.cache_only_blocks())
             self._cache_scanned_at = now
         return self._cache_only
 
@@ -128,8 +126,8 @@ def engine_info(engine: Engine) -> EngineInfo:
         served_model_name=engine.served_model_name,
         model_dir=engine.model_dir,
         max_model_len=engine.max_model_len,
-        device=str(getattr(model, "device", engine.config.device)),
-        dtype=str(getattr(model, "dtype", engine.config.dtype)).removeprefix("torch."),
+        device=model.device_name() or engine.config.device,
+        dtype=model.dtype_name() or engine.config.dtype,
         num_total_blocks=model.num_total_blocks(),
         kv_block_size=model.kv_block_size() or 0,
         sampling_defaults=engine.sampling_defaults,

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.model_engine.traits import DECODE_BATCH_LADDER, padded_batch_n
+from metrale.model_engine.traits import DECODE_BATCH_LADDER, blocks_for, padded_batch_n
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class DecodeGraphRunner:
         stage_lens[rows:] = query_len
         stage_lens[:rows] = lens
         # The block table changes only when a row gains a block: most steps skip it.
-        null_cols = -(-query_len // self.block_size)  # padding rows read these columns
+        null_cols = blocks_for(query_len, self.block_size)  # padding rows read these columns
         sent = self._sent_tables
         send_tables = not (
             sent is not None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
@@ -32,12 +33,11 @@ from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     StartupBreakdown,
-    cuda_kv_budget,
-    profile_activation_peak,
+    kv_budget_bytes,
     warm_forward_shapes,
 )
 from metrale.model_engine.transformer_model import TransformerModel
-from metrale.models.config import ModelConfig, parse_model_config, read_config_json
+from metrale.models.config import parse_model_config, read_config_json
 from metrale.models.loader import load_weights
 from metrale.models.registry import resolve_architecture
 
@@ -134,21 +134,17 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     breakdown = StartupBreakdown(
         weights_bytes=weights_bytes, load_seconds=time.perf_counter() - start
     )
-    activation_peak = None
-    if device.type == "cuda" and config.num_kv_blocks is None and ssm_pool is None:
-        t0 = time.perf_counter()
-        activation_peak = profile_activation_peak(
-            module, TransformerModel,
-            dict(config=mcfg, device=device, dtype=dtype, max_model_len=max_model_len),
-            tokens=config.resolved_batched_tokens("cuda"), max_model_len=max_model_len,
-            block_size=config.block_size,
+    per_block = PagedKVCache.bytes_per_block(
+        module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+    )
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        budget = kv_budget_bytes(
+            config, mcfg, module, device, dtype, max_model_len, ssm_bytes, breakdown,
+            hybrid=ssm_pool is not None,
         )  # fmt: skip
-        breakdown.activation_peak_bytes = activation_peak
-        breakdown.profile_seconds = time.perf_counter() - t0
-    num_blocks = _kv_blocks(
-        config, mcfg, module.kv_layer_count, dtype, device, max_model_len, ssm_bytes,
-        activation_peak,
-    )  # fmt: skip
+        num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
     kv = PagedKVCache(
         module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
@@ -158,9 +154,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     )
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
-    kv_bytes = num_blocks * PagedKVCache.bytes_per_block(
-        module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
-    )
+    kv_bytes = num_blocks * per_block
     breakdown.kv_bytes = kv_bytes
     if device.type == "cuda" and not config.enforce_eager:
         _capture_graphs(model, config, max_model_len, breakdown, ops.implementations)
@@ -177,9 +171,10 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
             ssm_pool.num_slots, len(ssm_specs), ssm_bytes / 2**20,
         )  # fmt: skip
     logger.info(
-        "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d blocks (%.1f MiB) in %.2fs",
+        "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d usable blocks (+1 null, %.1f MiB) "
+        "in %.2fs",
         model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
-        num_blocks, kv_bytes / 2**20, report.load_seconds,
+        num_blocks - 1, kv_bytes / 2**20, report.load_seconds,
     )  # fmt: skip
     if device.type == "cuda":
         logger.info("startup: %s; total %.1fs", breakdown.summary(), report.load_seconds)
@@ -206,7 +201,7 @@ def _capture_graphs(
     query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
     runner = DecodeGraphRunner(
         model.module, model.kv_cache.layers, model.device, config.max_num_seqs,
-        -(-max_model_len // config.block_size), config.block_size, query_lens,
+        blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner
@@ -219,34 +214,10 @@ def _capture_graphs(
         )  # fmt: skip
 
 
-def _kv_blocks(
-    config: EngineConfig,
-    mcfg: ModelConfig,
-    kv_layers: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    max_model_len: int,
-    reserved_bytes: int = 0,
-    activation_peak: int | None = None,
-) -> int:
-    """KV blocks; `reserved_bytes` (the SSM pool) come out of the CPU budget (on CUDA the
-    free-memory reading already excludes the allocated pool)."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = PagedKVCache.bytes_per_block(
-        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
-    )
-    blocks_per_seq = -(-max_model_len // config.block_size)
-    if device.type == "cuda" and activation_peak is not None:
-        budget = cuda_kv_budget(config.gpu_memory_utilization, activation_peak, device)
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        budget = (
-            int(total * config.gpu_memory_utilization) - used - _activation_reserve(config, mcfg)
-        )
-    else:
-        budget = int(config.cpu_kv_cache_gb * 2**30) - reserved_bytes
+def _blocks_in_budget(config: EngineConfig, per_block: int, max_model_len: int, budget: int) -> int:
+    """KV blocks (the null block included) that `budget` bytes hold, capped at what
+    `max_num_seqs` sequences of `max_model_len` tokens can use; at least one such sequence."""
+    blocks_per_seq = blocks_for(max_model_len, config.block_size)
     wanted = config.max_num_seqs * blocks_per_seq + 1
     blocks = min(max(budget // per_block, 0), wanted)
     if blocks < blocks_per_seq + 1:
@@ -256,10 +227,3 @@ def _kv_blocks(
             "max_model_len or raise the KV memory budget"
         )
     return blocks
-
-
-def _activation_reserve(config: EngineConfig, mcfg: ModelConfig) -> int:
-    """Bytes kept free for one forward's activations and logits at the token budget."""
-    tokens = config.resolved_batched_tokens("cuda")
-    width = max(mcfg.hidden_size * 4, mcfg.intermediate_size * 3, mcfg.vocab_size)
-    return tokens * width * 4 + (1 << 30)

@@ -1,13 +1,15 @@
-"""CUDA start-up: measuring one forward's activation peak, sizing the KV pool from the memory
-left under `gpu_memory_utilization`, capturing the decode graphs, and compiling the prefill and
-mixed-batch kernels for the shapes serving meets first.
+"""Start-up sizing and warm-up: the KV budget (measuring one forward's activation peak on
+CUDA), capturing the decode graphs' reserve, and compiling the prefill and mixed-batch kernels
+for the shapes serving meets first.
 
-Owner: model-engine (called by the factory on CUDA only).
+Owner: model-engine (called by the factory).
 
 Invariants:
-- The KV budget is `total * utilization - memory in use after weights - activation peak of a
-  forward at the token budget - graph reserve`; it is computed after a real profiling forward,
-  never guessed from the config alone.
+- `kv_budget_bytes` is the one KV-budget formula. On CUDA it is `total * utilization - memory
+  in use after weights - activation peak of a forward at the token budget - graph reserve`;
+  the activation peak is measured by a real profiling forward, except on hybrid models (the
+  probe has no SSM pool), where it is the widest activation at the token budget. On the CPU
+  it is `cpu_kv_cache_gb` less the bytes already reserved (the SSM pool).
 - Capture happens after the KV pool exists (graphs bake in its addresses); the memory it took
   is measured and logged next to the reserve it was given.
 - `warm_forward_shapes` runs throwaway sequences only and frees every block it took: the pool
@@ -24,8 +26,12 @@ from typing import Any
 
 import torch
 
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.config import EngineConfig
 from metrale.model_engine.traits import PrefillSlice
+from metrale.model_engine.transformer_model import TransformerModel
+from metrale.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,23 +60,64 @@ class StartupBreakdown:
         )
 
 
-def profile_activation_peak(
+def kv_budget_bytes(
+    config: EngineConfig,
+    mcfg: ModelConfig,
     module: torch.nn.Module,
-    model_cls: type,
-    model_args: dict,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    ssm_bytes: int,
+    breakdown: StartupBreakdown,
+    *,
+    hybrid: bool,
+) -> int:
+    """Bytes the KV pool may take (see the invariants). `ssm_bytes` (the SSM slot pool) come
+    out of the CPU budget; on CUDA the free-memory reading already excludes the allocated
+    pool. A `hybrid` model's activation peak is estimated, not profiled."""
+    if device.type != "cuda":
+        return int(config.cpu_kv_cache_gb * 2**30) - ssm_bytes
+    tokens = config.resolved_batched_tokens("cuda")
+    if hybrid:
+        activation_peak = _estimated_activation_peak(tokens, mcfg)
+    else:
+        t0 = time.perf_counter()
+        activation_peak = _profile_activation_peak(
+            module, mcfg, device, dtype, tokens, max_model_len, config.block_size
+        )
+        breakdown.activation_peak_bytes = activation_peak
+        breakdown.profile_seconds = time.perf_counter() - t0
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free
+    return (
+        int(total * config.gpu_memory_utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
+    )
+
+
+def _estimated_activation_peak(tokens: int, mcfg: ModelConfig) -> int:
+    """One forward's activations and logits at `tokens` tokens, from the widest layer."""
+    width = max(mcfg.hidden_size * 4, mcfg.intermediate_size * 3, mcfg.vocab_size)
+    return tokens * width * 4
+
+
+def _profile_activation_peak(
+    module: torch.nn.Module,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
     tokens: int,
     max_model_len: int,
     block_size: int,
 ) -> int:
     """Peak bytes one forward of `tokens` prefill tokens allocates beyond weights and KV."""
-    device = model_args["device"]
-    cfg = model_args["config"]
-    blocks = -(-tokens // block_size) + max(1, tokens // max(1, max_model_len - 1)) + 2
+    blocks = blocks_for(tokens, block_size) + max(1, tokens // max(1, max_model_len - 1)) + 2
     kv = PagedKVCache(
         module.kv_layer_count, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-        model_args["dtype"], device,
+        dtype, device,
     )  # fmt: skip
-    probe = model_cls(module=module, kv_cache=kv, enable_prefix_caching=False, **model_args)
+    probe = TransformerModel(
+        module, cfg, kv, device, dtype, max_model_len, enable_prefix_caching=False
+    )
     per_seq = max(1, max_model_len - 1)
     slices = []
     remaining = tokens
@@ -93,12 +140,6 @@ def profile_activation_peak(
     return peak
 
 
-def cuda_kv_budget(utilization: float, activation_peak: int, device: torch.device) -> int:
-    free, total = torch.cuda.mem_get_info(device)
-    in_use = total - free
-    return int(total * utilization) - in_use - activation_peak - GRAPH_RESERVE_BYTES
-
-
 def warm_forward_shapes(model: Any, max_num_seqs: int) -> float:
     """Run the prefill, chunked-prefill and mixed decode+prefill forwards once for a spread of
     batch shapes (1 to 32 sequences, chunk lengths on and off a multiple of 16) so that Triton
@@ -111,7 +152,7 @@ def warm_forward_shapes(model: Any, max_num_seqs: int) -> float:
     vocab = model.config.vocab_size
     for count in sorted({1, 2, 3, 4, 8, 16, min(32, max_num_seqs)}):
         for length in (128, 127):
-            need = count * (-(-(length + 8) // model.block_size) + 1)
+            need = count * (blocks_for(length + 8, model.block_size) + 1)
             if count > max_num_seqs or need > model.num_free_blocks() // 2:
                 continue
             prompts = [

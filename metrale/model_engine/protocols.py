@@ -72,12 +72,47 @@ class ModelLifecycle(ABC):
         """Bind the device context to the calling thread (a no-op where torch does it)."""
         return None
 
+    def max_context_len(self) -> int | None:
+        """Most tokens (prompt + output) one sequence may hold: the model's `max_model_len`
+        (a metrale extension; the engine validates requests against it). None: no limit of
+        its own (the engine uses `EngineConfig.max_model_len`)."""
+        return None
+
+    def device_name(self) -> str | None:
+        """The device the model runs on ("cpu", "cuda", "cuda:1"); None: not known."""
+        return None
+
+    def dtype_name(self) -> str | None:
+        """The weights' dtype ("float32", "bfloat16"...); None: not known."""
+        return None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """End-of-sequence ids the checkpoint's config names (the tokenizer may add more)."""
+        return frozenset()
+
+    def sampling_ops(self) -> Any | None:
+        """The kernel op set the engine's sampler should use (`argmax`,
+        `top_k_top_p_sample`); None: the sampler's torch reference ops."""
+        return None
+
+    def forward_counters(self) -> dict[str, int]:
+        """Forwards replayed from a CUDA graph (`graph_forwards`) and run eagerly
+        (`eager_forwards`), for metrics; empty when the model does not count them."""
+        return {}
+
+    def cache_only_blocks(self) -> int:
+        """KV blocks held only by the prefix cache (reclaimable on demand); walks the cache."""
+        return 0
+
     @abstractmethod
     def alloc_sequence(self) -> SequenceState:
         """A new sequence with its layer states (takes an SSM slot on hybrid models)."""
 
     def alloc_sequence_for(self, budget_tokens: int) -> SequenceState:
-        """Same as `alloc_sequence`, sized for `budget_tokens` where that matters."""
+        """The seed's sized allocation; same as `alloc_sequence` here. The scheduler calls
+        `alloc_sequence`: KV blocks are taken a forward at a time (`blocks_needed`), so no
+        model of this engine sizes a sequence up front, and `add` already refuses a request
+        whose peak the pool could never hold."""
         return self.alloc_sequence()
 
     @abstractmethod
@@ -102,6 +137,11 @@ class ModelLifecycle(ABC):
 
     def num_free_blocks(self) -> int:
         """Free KV blocks; 0 with `num_total_blocks() == 0` means no pool."""
+        return 0
+
+    def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int:
+        """KV blocks `seq` must add to hold `new_tokens` more tokens (a metrale extension):
+        what a forward of that many rows allocates. 0 without a paged KV pool."""
         return 0
 
     def num_total_blocks(self) -> int:

@@ -1,7 +1,7 @@
 """The seed's per-sequence state and pass I/O types: `SequenceState`, `PrefillSlice`,
 `MixedForwardResult`, `MixedBatchResult`, `ChunkedPrefillPageMetadata`, `PromptTokenLogprob`,
 `BeamReq`, `VerifyBatchedOpts`, `PrefixReclaim` and the decode batch ladder, mirroring
-`spec/traits.rs`. `metrale.model_engine.traits` re-exports all of them.
+`spec/traits.rs`; and `blocks_needed`, the one count of the KV blocks a sequence must add. `metrale.model_engine.traits` re-exports all of them.
 
 Owner: model-engine.
 
@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+
+from metrale.cache.block_pool import blocks_for
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -280,3 +282,11 @@ class SequenceState:
 
 # --------------------------------------------------------------------------------------------
 # The Model protocols
+
+
+def blocks_needed(seq: SequenceState, new_tokens: int, block_size: int) -> int:
+    """How many blocks `seq` must add to its `block_table` to hold `new_tokens` more tokens.
+
+    The one answer to that question: `TransformerModel` allocates exactly this many before a
+    forward, and the scheduler counts with it when it reserves blocks and plans decode rows."""
+    return max(0, blocks_for(seq.seq_len + new_tokens, block_size) - len(seq.block_table))

@@ -57,6 +57,8 @@ from metrale.model_engine.sequence import (
     Stream,
     Tensor,
     VerifyBatchedOpts,
+    blocks_for,
+    blocks_needed,
     padded_batch_n,
 )
 
@@ -92,6 +94,8 @@ __all__ = [
     "Stream",
     "Tensor",
     "VerifyBatchedOpts",
+    "blocks_for",
+    "blocks_needed",
     "padded_batch_n",
 ]
 

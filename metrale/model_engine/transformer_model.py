@@ -1,7 +1,10 @@
 """`TransformerModel`: the `Model` implementation that binds an architecture module to the paged
 KV cache, the block pool, batch metadata and the logits of each forward.
 
-Owner: model-engine. The scheduler drives it only through the `Model` interface.
+Owner: model-engine. The scheduler drives it only through the `Model` interface. This module
+holds the forward passes; the KV lifecycle between forwards (prefix cache, release, block
+counts, swap) is the `PagedKvLifecycle` mixin (`kv_lifecycle.py`) and speculative verify the
+`VerifyForwards` mixin (`verify.py`), each with its own invariants.
 
 Invariants:
 - Every forward (decode rows, prefill chunks or both) is one call of the architecture module.
@@ -9,16 +12,11 @@ Invariants:
   sequence has changed.
 - After a forward each row's sequence has `tokens` extended by the row's tokens, `seq_len`
   advanced by the same count and `kv_valid_tokens == seq_len`.
-- `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
-  refs, its slots) and leaves it empty, so a second call releases nothing.
 - Logits rows are float32 `[rows, vocab_size]`.
 - A fed decode step (`decode_batch_fed`, the device token feed) advances its sequences like
   any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
   of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
-- A verify row (`mixed_verify_batch`: a decode row with drafts) advances by its last token
-  plus its drafts and returns logits for each; `commit_accepted_prefix` then drops the
-  rejected drafts from `seq_len`, `tokens` and `kv_valid_tokens` and returns the blocks past
-  the kept tokens, which only that verify had allocated. Refused on hybrid models.
+- No forward takes a sequence past `max_model_len` (`fits_context`, the model's one check).
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
@@ -28,9 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Sequence
-from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -39,10 +35,11 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
-from metrale.errors import InvalidRequestError, KVCacheExhausted, Unsupported
+from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
     FED_TOKEN,
@@ -50,24 +47,20 @@ from metrale.model_engine.traits import (
     MixedBatchResult,
     Model,
     PrefillSlice,
-    PrefixReclaim,
     PromptTokenLogprob,
     SequenceState,
     Stream,
-    VerifyBatchedOpts,
+    blocks_needed,
 )
+from metrale.model_engine.verify import VerifyForwards
 from metrale.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-
-def blocks_needed(seq: SequenceState, new_tokens: int, block_size: int) -> int:
-    """How many blocks `seq` must add to hold `new_tokens` more tokens."""
-    total = -(-(seq.seq_len + new_tokens) // block_size)
-    return max(0, total - len(seq.block_table))
+__all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(Model):
+class TransformerModel(PagedKvLifecycle, VerifyForwards, Model):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -125,6 +118,31 @@ class TransformerModel(Model):
         seq.disk_last_offloaded_per_layer = [0] * self.module.kv_layer_count
         return seq
 
+    # ------------------------------------------------------------------ facts
+
+    def max_context_len(self) -> int:
+        return self.max_model_len
+
+    def fits_context(self, seq: SequenceState, new_tokens: int) -> bool:
+        """Whether `seq` stays within `max_model_len` after `new_tokens` more tokens."""
+        return seq.seq_len + new_tokens <= self.max_model_len
+
+    def device_name(self) -> str:
+        return str(self.device)
+
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.config.eos_token_ids or ())
+
+    def sampling_ops(self) -> KernelOps | None:
+        return self.kernel_ops
+
+    def forward_counters(self) -> dict[str, int]:
+        replays = self.graph_runner.replays if self.graph_runner is not None else 0
+        return {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+
     # ------------------------------------------------------------------ SSM slots
 
     def has_ssm_layers(self) -> bool:
@@ -153,128 +171,6 @@ class TransformerModel(Model):
             seq.ssm_slot = None
         seq.slot_idx = DETACHED_SLOT
 
-    def cache_sequence(self, seq: SequenceState) -> None:
-        """Index the sequence's fully written blocks in the prefix cache (if there is one)."""
-        if self.prefix_cache is None or not seq.block_table:
-            return
-        valid = min(seq.kv_valid_tokens, seq.seq_len, len(seq.tokens))
-        while valid and seq.tokens[valid - 1] == FED_TOKEN:  # a fed step's unknown token
-            valid -= 1
-        self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
-
-    def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
-        if self.prefix_cache is None:
-            return 0
-        return self.prefix_cache.match(tokens, adapter_id).reused
-
-    def lookup_prefix(self, seq: SequenceState, tokens: Sequence[int]) -> int:
-        if seq.prefix_lookup_applied:
-            return seq.reused_prefix_tokens
-        if seq.seq_len or seq.block_table:
-            raise ValueError("the prefix lookup must run before the sequence's first chunk")
-        seq.prefix_lookup_applied = True
-        if self.prefix_cache is None:
-            self.prefix_cache_bypasses += self._prefix_bypassed
-            return 0
-        match = self.prefix_cache.match(tokens, seq.adapter_id)
-        if not match.nodes:
-            return 0
-        blocks = [node.block for node in match.nodes]
-        if match.copy_last:
-            private = self.block_pool.allocate(1)[0]
-            self.kv_cache.copy_block(blocks[-1], private)
-            self.block_pool.incref(blocks[:-1])
-            seq.block_table = [*blocks[:-1], private]
-        else:
-            self.block_pool.incref(blocks)
-            seq.block_table = blocks
-        self.prefix_cache.touch(match.nodes)
-        matched = len(blocks) * self.block_size
-        seq.tokens = list(tokens[: match.reused])
-        seq.seq_len = seq.kv_valid_tokens = match.reused
-        seq.cached_prefix_tokens = matched
-        seq.cached_prefix_blocks = len(blocks)
-        seq.prefix_ref_tokens = list(tokens[:matched])
-        seq.reused_prefix_tokens = match.reused
-        seq.prefix_lookup_skip = True
-        return match.reused
-
-    def reclaim_prefix_blocks(self, n: int) -> int:
-        return self.prefix_cache.evict(n) if self.prefix_cache is not None else 0
-
-    def reclaim_prefix_blocks_for(
-        self, prompt: Sequence[int], adapter_slot: int, blocks_needed: int
-    ) -> PrefixReclaim:
-        """Evict until `blocks_needed` are free, never the prefix `prompt` will reuse.
-        (`adapter_slot` is the prefix-cache namespace, i.e. the adapter id.)"""
-        cache = self.prefix_cache
-        short = blocks_needed - self.block_pool.num_free
-        if cache is not None and short > 0:
-            protected = cache.protected_blocks(prompt, adapter_slot) if prompt else set()
-            cache.evict(short, protected)
-        return PrefixReclaim(target=blocks_needed, free=self.block_pool.num_free)
-
-    def prefix_cache_stats(self) -> dict[str, int]:
-        stats = {"bypassed_lookups": self.prefix_cache_bypasses}
-        if self.prefix_cache is not None:
-            c = self.prefix_cache.stats
-            stats.update(
-                evicted_blocks=c.evicted_blocks,
-                inserted_blocks=c.inserted_blocks,
-                cached_blocks=c.cached_blocks,
-            )
-        return stats
-
-    def free_sequence(self, seq: SequenceState) -> None:
-        if seq.block_table:
-            self.block_pool.decref(seq.block_table)
-        seq.block_table = []
-        seq.seq_len = 0
-        seq.tokens = []
-        seq.kv_valid_tokens = 0
-        if seq.ssm_slot is not None:
-            seq.ssm_slot.release()
-            seq.ssm_slot = None
-        if seq.acquired_adapter_slot >= 0:
-            self.release_adapter_slot(seq.acquired_adapter_slot)
-            seq.acquired_adapter_slot = -1
-
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free
-
-    def num_total_blocks(self) -> int:
-        return self.block_pool.num_usable
-
-    def kv_block_size(self) -> int:
-        return self.block_size
-
-    def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
-        """Serialise the sequence's written KV blocks and its SSM slot state (host copies)
-        for swap-out."""
-        data = self.kv_cache.read_blocks(seq.block_table) if seq.block_table else []
-        payload: dict[str, Any] = {"num_blocks": len(seq.block_table), "kv": data}
-        slot = seq.ssm_slot_idx()
-        if self.ssm_pool is not None and slot is not None:
-            payload["ssm"] = self.ssm_pool.read_slot(slot)
-        pickle.dump(payload, writer)
-
-    def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
-        """Allocate `num_blocks` blocks and fill them from `save_sequence_state` output."""
-        payload: dict[str, Any] = pickle.load(reader)
-        if payload["num_blocks"] != num_blocks:
-            raise ValueError(
-                f"swap record holds {payload['num_blocks']} blocks, expected {num_blocks}"
-            )
-        slot = seq.ssm_slot_idx()
-        if self.ssm_pool is not None and (slot is None or "ssm" not in payload):
-            raise ValueError("swap-in of a hybrid sequence needs its SSM state and a slot")
-        blocks = self.block_pool.allocate(num_blocks)
-        if num_blocks:
-            self.kv_cache.write_blocks(blocks, payload["kv"])
-        seq.block_table = blocks
-        if self.ssm_pool is not None and slot is not None:
-            self.ssm_pool.write_slot(slot, payload["ssm"])
-
     # ------------------------------------------------------------------ forward
 
     def prefill_chunk(
@@ -302,11 +198,6 @@ class TransformerModel(Model):
         self, slices: Sequence[PrefillSlice], stream: Stream = None
     ) -> list[torch.Tensor | None]:
         return self.mixed_forward_batch([], [], slices, stream).prefill_logits
-
-    def prefill_batch_chunk_rows(
-        self, slices: Sequence[PrefillSlice], stream: Stream = None, row_base: int = 0
-    ) -> list[torch.Tensor | None]:
-        return self.prefill_batch_chunk(slices, stream)
 
     def mixed_forward_batch(
         self,
@@ -373,140 +264,6 @@ class TransformerModel(Model):
             )
         self._advance(rows)
         return MixedBatchResult(decode_logits, prefill_logits)
-
-    # ------------------------------------------------------------------- verify
-
-    def can_batch_verify(self, ks: Sequence[int]) -> bool:
-        """Any mix of row counts verifies in one forward, on models without recurrent
-        layers (SSM rollback is not built yet)."""
-        return self.ssm_pool is None
-
-    def mixed_verify_batch(
-        self,
-        decode_tokens: Sequence[int],
-        drafts: Sequence[Sequence[int]],
-        decode_seqs: Sequence[SequenceState],
-        prefill_streams: Sequence[PrefillSlice],
-        stream: Stream = None,
-    ) -> MixedBatchResult:
-        if self.ssm_pool is not None and any(drafts):
-            raise Unsupported(
-                "speculative verify on a hybrid (SSM) model needs recurrent-state rollback, "
-                "which this model does not have yet"
-            )
-        if not prefill_streams and decode_seqs:
-            graphed = self._verify_graphed(decode_tokens, drafts, decode_seqs)
-            if graphed is not None:
-                return MixedBatchResult(graphed, [])
-        return self._mixed(decode_tokens, drafts, decode_seqs, prefill_streams)
-
-    def _verify_graphed(
-        self,
-        decode_tokens: Sequence[int],
-        drafts: Sequence[Sequence[int]],
-        seqs: Sequence[SequenceState],
-    ) -> torch.Tensor | None:
-        """A verify-only step replayed from the (batch, Q) graph whose Q covers every row's
-        drafts; rows with fewer drafts are padded by repeating their last token, and the
-        padding's KV lands past the row's new `seq_len` (blocks taken for it go back at
-        once). None when no captured graph fits, or the padding's blocks or context are not
-        available: the caller runs the step eagerly."""
-        runner = self.graph_runner
-        if runner is None or len(decode_tokens) != len(seqs) or len(drafts) != len(seqs):
-            return None
-        longest = max(len(d) for d in drafts) + 1
-        q = next((q for q in runner.query_lens if q >= longest), None)
-        if q is None or q == 1 or not runner.can_run(len(seqs), q):
-            return None
-        if any(s.seq_len + q > self.max_model_len for s in seqs):
-            return None
-        padded = [
-            ForwardRow(s, [int(t), *map(int, d), *[int(t)] * (q - 1 - len(d))], True)
-            for t, d, s in zip(decode_tokens, drafts, seqs)
-        ]
-        need = sum(blocks_needed(r.seq, q, self.block_size) for r in padded)
-        if need > self.block_pool.num_free:
-            return None
-        self._allocate_blocks(padded)
-        tokens = np.asarray([r.tokens for r in padded], dtype=np.int64)
-        starts = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=len(seqs))
-        width = max(len(s.block_table) for s in seqs)
-        tables = np.zeros((len(seqs), width), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        with torch.inference_mode():
-            logits = runner.run_verify(tokens, starts, tables)
-            if all(len(d) + 1 == q for d in drafts):
-                selected = logits  # no padding: every row is the graph's rows
-            else:
-                index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-                host = torch.tensor(index, dtype=torch.int64)
-                if logits.device.type == "cuda":
-                    host = host.pin_memory()
-                selected = logits.index_select(0, host.to(logits.device, non_blocking=True))
-        self._last_hidden = None
-        rows = [
-            ForwardRow(s, [int(t), *map(int, d)], True)
-            for t, d, s in zip(decode_tokens, drafts, seqs)
-        ]
-        self._advance(rows)
-        for s in seqs:  # the padding's blocks: nothing past seq_len is kept
-            keep = -(-s.seq_len // self.block_size)
-            if len(s.block_table) > keep:
-                self.block_pool.decref(s.block_table[keep:])
-                del s.block_table[keep:]
-        return selected
-
-    def decode_verify(
-        self, tokens: Sequence[int], seq: SequenceState, stream: Stream = None
-    ) -> list[int]:
-        """`[last_verified, draft0, ...]` through one forward; the argmax at each position.
-        The sequence advances by `len(tokens)`; `commit_accepted_prefix` rewinds it."""
-        return self.decode_verify_batched(tokens, [len(tokens)], [seq], stream)
-
-    def decode_verify_batched(
-        self,
-        tokens: Sequence[int],
-        ks: Sequence[int],
-        seqs: Sequence[SequenceState],
-        stream: Stream = None,
-        opts: VerifyBatchedOpts | None = None,
-    ) -> list[int]:
-        """Sequence `i` feeds `ks[i]` rows (its last verified token and `ks[i] - 1` drafts),
-        flat and sequence-major in `tokens`; returns the argmax id of every row."""
-        if len(ks) != len(seqs) or sum(ks) != len(tokens) or any(k < 1 for k in ks):
-            raise ValueError("decode_verify_batched: tokens, ks and seqs do not line up")
-        firsts: list[int] = []
-        drafts: list[list[int]] = []
-        offset = 0
-        for k in ks:
-            firsts.append(int(tokens[offset]))
-            drafts.append([int(t) for t in tokens[offset + 1 : offset + k]])
-            offset += k
-        result = self.mixed_verify_batch(firsts, drafts, seqs, [], stream)
-        assert result.decode_logits is not None
-        return [int(t) for t in result.decode_logits.argmax(dim=-1).tolist()]
-
-    def commit_accepted_prefix(self, seq: SequenceState, num_accepted: int, k: int) -> None:
-        """Keep the last verify's input token and its first `num_accepted` of `k` drafts:
-        `seq_len`, `tokens` and `kv_valid_tokens` drop the rejected `k - num_accepted`, and
-        blocks past the kept tokens go back to the pool (they were allocated by the verify,
-        so nothing shares them). The slots left past `seq_len` are overwritten later."""
-        if not 0 <= num_accepted <= k:
-            raise ValueError(f"num_accepted {num_accepted} is outside [0, {k}]")
-        if k > seq.seq_len:
-            raise ValueError(f"cannot roll back {k} drafts of a {seq.seq_len}-token sequence")
-        drop = k - num_accepted
-        if drop and self.ssm_pool is not None:
-            raise Unsupported("rolling back a hybrid (SSM) model's recurrent state")
-        if drop:
-            seq.seq_len -= drop
-            del seq.tokens[seq.seq_len :]
-            seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
-        keep = -(-seq.seq_len // self.block_size)
-        if len(seq.block_table) > keep:
-            self.block_pool.decref(seq.block_table[keep:])
-            del seq.block_table[keep:]
 
     def _advance(self, rows: list[ForwardRow]) -> None:
         for row in rows:
@@ -581,9 +338,9 @@ class TransformerModel(Model):
                 )
 
     def _allocate_blocks(self, rows: list[ForwardRow]) -> None:
-        needs = [blocks_needed(r.seq, len(r.tokens), self.block_size) for r in rows]
+        needs = [self.blocks_needed(r.seq, len(r.tokens)) for r in rows]
         for r in rows:
-            if r.seq.seq_len + len(r.tokens) > self.max_model_len:
+            if not self.fits_context(r.seq, len(r.tokens)):
                 raise InvalidRequestError(
                     f"sequence would reach {r.seq.seq_len + len(r.tokens)} tokens, over "
                     f"max_model_len {self.max_model_len}"

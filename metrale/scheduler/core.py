@@ -3,6 +3,8 @@
 Owner: scheduler. Pure Python: it reaches the model only through the `Model` interface
 (block counts, sequence allocation and release, prefix lookups, swap) and never imports
 torch. Each `schedule()` returns a `StepPlan`; `commit()` applies the sampled tokens.
+Admission (`admission.py`) and making room by preemption (`preemption.py`) are mixins of
+`Scheduler`, each stating its own invariants; this module plans, speculates and commits.
 
 One rule plans every step: a running sequence's computed tokens catch up with its known tokens
 (prompt + output). A sequence one generated token behind is a decode row; anything further
@@ -21,10 +23,10 @@ Invariants:
 - A running sequence's remaining prompt blocks are reserved from admission on, so an admitted
   prefill always finishes without preempting anyone.
 - A decode row's drafts fit its `max_tokens` and the context (`draft_room`), cost one token
-  of the step budget each, and their blocks count in the row's need; when decode rows need
-  more blocks than are free, prefix-cache blocks are reclaimed first, then every draft is
-  dropped, then victims are preempted: fewest generated tokens, latest arrival on ties; sequences
-  resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are immune unless all are.
+  of the step budget each, and their blocks count in the row's need (drafts are dropped
+  before anyone is preempted for them: `preemption.py`).
+- Block counts use `traits.blocks_for` / `traits.blocks_needed`, the formulas the model
+  allocates with.
 - Every exit path (finish, abort, timeout, error, preemption) releases the sequence's device
   state exactly once, after offering its written KV to the prefix cache.
 - A non-final prefill chunk ends on a KV block boundary whenever the budget reaches one; a
@@ -41,22 +43,29 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import io
 import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from metrale.errors import CapacityError, KVCacheExhausted, QueueFullError
-from metrale.model_engine.traits import FED_TOKEN, Model
+from metrale.errors import CapacityError, QueueFullError
+from metrale.model_engine.traits import FED_TOKEN, Model, blocks_for, blocks_needed
+from metrale.scheduler.admission import Admission, tenant_key
 from metrale.scheduler.plan import PrefillWork, StepPlan
-from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
+from metrale.scheduler.preemption import PREEMPT_IMMUNITY_TOKENS, Preemption
+from metrale.scheduler.sequence import SchedSequence, Status
 
 logger = logging.getLogger(__name__)
 
-PREEMPT_IMMUNITY_TOKENS = 64
+__all__ = [
+    "PREEMPT_IMMUNITY_TOKENS",
+    "Committed",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "tenant_key",
+]
 
 
 @dataclass
@@ -103,7 +112,7 @@ class Committed:
     accepted: int = 0
 
 
-class Scheduler:
+class Scheduler(Admission, Preemption):
     def __init__(
         self, model: Model, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -130,9 +139,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
 
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def add(self, seq: SchedSequence) -> None:
         """Queue a sequence; refuses one that could never fit, or a full queue."""
         if seq.seq_id in self.by_id:
@@ -140,9 +146,10 @@ class Scheduler:
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
         peak = min(seq.prompt_len + seq.max_tokens, self.config.max_model_len)
-        if self.blocks_for(peak) > self.model.num_total_blocks():
+        need = blocks_for(peak, self.block_size)
+        if need > self.model.num_total_blocks():
             raise CapacityError(
-                f"request needs {self.blocks_for(peak)} KV blocks for {peak} tokens but the pool "
+                f"request needs {need} KV blocks for {peak} tokens but the pool "
                 f"has {self.model.num_total_blocks()}; it can never be served (lower max_tokens "
                 "or the prompt, or enlarge the KV pool)",
                 param="max_tokens",
@@ -323,7 +330,8 @@ class Scheduler:
             assert state is not None
             remaining = seq.num_known - state.seq_len
             if remaining > 1 or not seq.output_token_ids:
-                total += max(0, self.blocks_for(seq.num_known + 1) - len(state.block_table))
+                # Its known tokens and the one it samples when the chunk completes.
+                total += blocks_needed(state, seq.num_known + 1 - state.seq_len, self.block_size)
         return total
 
     def _available_blocks(self) -> int:
@@ -337,89 +345,8 @@ class Scheduler:
             if decoding is not None or seq.is_decoding():
                 state = seq.state
                 assert state is not None
-                rows = 1 + len(seq.spec_token_ids)
-                need += max(0, self.blocks_for(state.seq_len + rows) - len(state.block_table))
+                need += blocks_needed(state, 1 + len(seq.spec_token_ids), self.block_size)
         return need
-
-    def _make_room_for_decode(self) -> None:
-        need = self._decode_need()
-        if need <= self._available_blocks():
-            return
-        self.model.reclaim_prefix_blocks(need - self._available_blocks())
-        if self._decode_need() > self._available_blocks():
-            # Drafts are optional: give up speculating before preempting anyone for it.
-            for seq in self.running:
-                seq.spec_token_ids = []
-        while self._decode_need() > self._available_blocks():
-            if len(self.running) <= 1:
-                # A lone sequence always fits (`add` checks its peak); a shortfall here means
-                # blocks leaked. End it with an error rather than stall the engine.
-                for seq in list(self.running):
-                    logger.error("KV pool cannot hold the only running sequence %s", seq.seq_id)
-                    self.finish(seq, "error")
-                return
-            self._preempt(self._choose_victim())
-
-    def _choose_victim(self) -> SchedSequence:
-        def immune(s: SchedSequence) -> bool:
-            return (
-                s.resumed_at is not None
-                and len(s.output_token_ids) - s.resumed_at < PREEMPT_IMMUNITY_TOKENS
-            )
-
-        candidates = [s for s in self.running if not immune(s)] or list(self.running)
-        return min(candidates, key=lambda s: (len(s.output_token_ids), -s.arrival))
-
-    def _preempt(self, seq: SchedSequence) -> None:
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        state = seq.state
-        assert state is not None
-        if self.config.preemption_mode == "swap" and self._try_swap_out(seq):
-            return
-        if seq.wants_prompt_logprobs:
-            state.prompt_logprobs.clear()
-        self._release(seq, offer_to_cache=True)
-        seq.status = Status.WAITING
-        seq.resumed_at = len(seq.output_token_ids)
-        self._requeue_front(self.waiting, seq)
-        self.stats.preemptions_recompute += 1
-        logger.debug("preempted %s for recompute at %d tokens", seq.seq_id, seq.num_known)
-
-    def _try_swap_out(self, seq: SchedSequence) -> bool:
-        state = seq.state
-        assert state is not None
-        if seq.wants_prompt_logprobs:
-            return False
-        buffer = io.BytesIO()
-        self.model.save_sequence_state(state, buffer)
-        nbytes = buffer.tell()
-        if self._swap_bytes + nbytes > self.config.swap_space_bytes:
-            self.stats.swap_fallbacks += 1
-            logger.warning(
-                "swap space full (%d of %d bytes); preempting %s for recompute instead",
-                self._swap_bytes, self.config.swap_space_bytes, seq.seq_id,
-            )  # fmt: skip
-            return False
-        buffer.seek(0)
-        seq.swap = SwapRecord(buffer, len(state.block_table), state.seq_len, nbytes)
-        self._swap_bytes += nbytes
-        self.stats.swapped_out_blocks += len(state.block_table)
-        self.stats.preemptions_swap += 1
-        self._release(seq, offer_to_cache=False)
-        seq.status = Status.SWAPPED
-        seq.resumed_at = len(seq.output_token_ids)
-        self._requeue_front(self.swapped, seq)
-        return True
-
-    @staticmethod
-    def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None:
-        """Insert keeping arrival order, so older preempted sequences resume first."""
-        for i, other in enumerate(queue):
-            if other.arrival > seq.arrival:
-                queue.insert(i, seq)
-                return
-        queue.append(seq)
 
     def _chunk(self, seq: SchedSequence, budget: int) -> PrefillWork:
         start = seq.num_computed
@@ -432,89 +359,6 @@ class Scheduler:
             if aligned_end > start:
                 length = aligned_end - start
         return PrefillWork(seq, start, length)
-
-    def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
-        """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""
-        if seq.swap is not None:
-            return self.blocks_for(seq.num_known + 1), 0
-        matched = 0
-        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
-            matched = self.model.prefix_match_len(seq.all_tokens, seq.adapter_id)
-        return self.blocks_for(seq.num_known + 1) - matched // self.block_size, matched
-
-    def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
-        while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
-            free_slots = self.model.num_free_slots()
-            if free_slots is not None and free_slots <= 0:
-                break
-            from_swap = bool(self.swapped)
-            queue = self.swapped if from_swap else self.waiting
-            seq = queue[0]
-            need, _ = self._admission_need(seq)
-            if need > available:
-                tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
-                target = need + self._reserved_blocks() + self._decode_need()
-                self.model.reclaim_prefix_blocks_for(tokens, seq.adapter_id, target)
-                available = self._available_blocks() - self._decode_need()
-                need, _ = self._admission_need(seq)
-                if need > available:
-                    break
-            if not from_swap and budget <= 0:
-                break
-            queue.popleft()
-            try:
-                self._start(seq)
-            except KVCacheExhausted:
-                # The pool changed under us (should not happen single-threaded): retry later.
-                self._requeue_front(queue, seq)
-                break
-            self.running.append(seq)
-            available = self._available_blocks() - self._decode_need()
-            if seq.is_decoding():
-                if budget > 0:
-                    plan.decode.append(seq)
-                    budget -= 1
-            elif budget > 0:
-                work = self._chunk(seq, budget)
-                plan.prefill.append(work)
-                budget -= work.length
-        return budget
-
-    def _start(self, seq: SchedSequence) -> None:
-        """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
-        state = self.model.alloc_sequence_for(seq.prompt_len + seq.max_tokens)
-        state.adapter_id = seq.adapter_id
-        state.prompt_len = seq.prompt_len
-        state.lookup_tenant = tenant_key(seq.lookup_tenant)
-        seq.state = state
-        seq.status = Status.RUNNING
-        try:
-            if seq.swap is not None:
-                record = seq.swap
-                record.data.seek(0)
-                self.model.restore_sequence_state(state, record.num_blocks, record.data)
-                state.tokens = seq.all_tokens[: record.seq_len]
-                state.seq_len = record.seq_len
-                state.kv_valid_tokens = record.seq_len
-                self.stats.swapped_in_blocks += record.num_blocks
-                self._drop_swap(seq)
-                return
-            if seq.wants_prompt_logprobs:
-                state.collect_prompt_logprobs = seq.params.prompt_logprobs
-                return
-            if self.config.enable_prefix_caching:
-                self.stats.prefix_queries += 1
-                reused = self.model.lookup_prefix(state, seq.all_tokens)
-                if reused:
-                    self.stats.prefix_hit_requests += 1
-                    self.stats.prefix_hit_tokens += reused
-                if seq.resumed_at is None:
-                    seq.num_cached_tokens = reused
-        except BaseException:
-            seq.state = None
-            seq.status = Status.WAITING
-            self.model.free_sequence(state)
-            raise
 
     # ------------------------------------------------------------------ commit
 
@@ -603,14 +447,6 @@ class Scheduler:
     def _ends_by_length(self, seq: SchedSequence, n_out: int) -> bool:
         """Whether `n_out` generated tokens end `seq` by length (its budget or the context)."""
         return n_out >= seq.max_tokens or seq.prompt_len + n_out >= self.config.max_model_len
-
-
-def tenant_key(tenant: str | None) -> int | None:
-    """The seed's integer `SequenceState.lookup_tenant` of a tenant name (stable across
-    processes: a hash of its bytes, not Python's salted `hash`)."""
-    if tenant is None:
-        return None
-    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
 
 
 def _ssm_slot_key(seq: SchedSequence) -> int:

@@ -9,6 +9,8 @@ Invariants:
   known tokens; when it catches up fully, the last row's logits sample a new token.
 - `state` is not None exactly while the sequence holds device resources (RUNNING).
 - A FINISHED sequence never holds a state, a swap record or a queue position.
+- `max_tokens` is the resolved budget (>= 1, within the context); the scheduler never reads
+  `params.max_tokens`.
 - `spec_token_ids` are draft tokens for the next step only: never part of `all_tokens`, set
   by the engine's proposer before `Scheduler.schedule` and cleared by it (a row computes its
   last token plus the drafts the plan gave it; the verdict commits the accepted prefix).
@@ -47,7 +49,9 @@ class SchedSequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    #: Resolved token budget for this stream's output.
+    #: The output budget, resolved by `Engine.check_prompt` (a request's `max_tokens=None`
+    #: becomes the context room left). The one the scheduler reads: `params.max_tokens` is the
+    #: request as written, and nothing after `check_prompt` reads it.
     max_tokens: int
     eos_token_ids: frozenset[int]
     #: Effective sampling seed of this choice (None: the engine's generator).

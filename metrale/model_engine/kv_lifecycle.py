@@ -1,0 +1,180 @@
+"""`PagedKvLifecycle`: the half of `TransformerModel` that holds sequences' KV between
+forwards: the prefix cache (lookup, insert, reclaim), release, block counts and swap.
+
+Owner: model-engine. A mixin of `TransformerModel` (which sets the attributes declared below);
+the forward passes live in `transformer_model.py`, speculative verify in `verify.py`.
+
+Invariants:
+- `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
+  refs, its SSM slot, its adapter slot) and leaves it empty, so a second call releases nothing.
+- `cache_sequence` never indexes a position holding `FED_TOKEN` (a fed step's unread token),
+  nor past `kv_valid_tokens`.
+- `lookup_prefix` runs once per sequence, before its first chunk (a replay returns the first
+  answer); a partially matched last block is copied, never shared, so writes stay private.
+- `blocks_needed` is `traits.blocks_needed` at this pool's block size: what a forward of that
+  many rows allocates, and what the scheduler counts with.
+- A swap record holds the sequence's written KV blocks and (hybrid models) its SSM slot
+  state; restoring it allocates exactly that many blocks.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from metrale.cache.block_pool import BlockPool
+from metrale.cache.kv_cache import PagedKVCache
+from metrale.cache.radix import RadixPrefixCache
+from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.model_engine.traits import (
+    FED_TOKEN,
+    PrefixReclaim,
+    SequenceState,
+    blocks_needed,
+)
+
+
+class PagedKvLifecycle:
+    """Prefix cache, release, block counts and swap over a paged KV pool (a mixin)."""
+
+    block_pool: BlockPool
+    block_size: int
+    kv_cache: PagedKVCache
+    ssm_pool: SsmSlotPool | None
+    prefix_cache: RadixPrefixCache | None
+    #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
+    prefix_cache_bypasses: int
+    _prefix_bypassed: bool
+
+    if TYPE_CHECKING:  # provided through `Model` (ModelAdapters); stubs would shadow it
+
+        def release_adapter_slot(self, slot: int) -> None: ...
+
+    def cache_only_blocks(self) -> int:
+        return self.prefix_cache.cache_only_blocks() if self.prefix_cache is not None else 0
+
+    def cache_sequence(self, seq: SequenceState) -> None:
+        """Index the sequence's fully written blocks in the prefix cache (if there is one)."""
+        if self.prefix_cache is None or not seq.block_table:
+            return
+        valid = min(seq.kv_valid_tokens, seq.seq_len, len(seq.tokens))
+        while valid and seq.tokens[valid - 1] == FED_TOKEN:  # a fed step's unknown token
+            valid -= 1
+        self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
+
+    def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
+        if self.prefix_cache is None:
+            return 0
+        return self.prefix_cache.match(tokens, adapter_id).reused
+
+    def lookup_prefix(self, seq: SequenceState, tokens: Sequence[int]) -> int:
+        if seq.prefix_lookup_applied:
+            return seq.reused_prefix_tokens
+        if seq.seq_len or seq.block_table:
+            raise ValueError("the prefix lookup must run before the sequence's first chunk")
+        seq.prefix_lookup_applied = True
+        if self.prefix_cache is None:
+            self.prefix_cache_bypasses += self._prefix_bypassed
+            return 0
+        match = self.prefix_cache.match(tokens, seq.adapter_id)
+        if not match.nodes:
+            return 0
+        blocks = [node.block for node in match.nodes]
+        if match.copy_last:
+            private = self.block_pool.allocate(1)[0]
+            self.kv_cache.copy_block(blocks[-1], private)
+            self.block_pool.incref(blocks[:-1])
+            seq.block_table = [*blocks[:-1], private]
+        else:
+            self.block_pool.incref(blocks)
+            seq.block_table = blocks
+        self.prefix_cache.touch(match.nodes)
+        matched = len(blocks) * self.block_size
+        seq.tokens = list(tokens[: match.reused])
+        seq.seq_len = seq.kv_valid_tokens = match.reused
+        seq.cached_prefix_tokens = matched
+        seq.cached_prefix_blocks = len(blocks)
+        seq.prefix_ref_tokens = list(tokens[:matched])
+        seq.reused_prefix_tokens = match.reused
+        seq.prefix_lookup_skip = True
+        return match.reused
+
+    def reclaim_prefix_blocks(self, n: int) -> int:
+        return self.prefix_cache.evict(n) if self.prefix_cache is not None else 0
+
+    def reclaim_prefix_blocks_for(
+        self, prompt: Sequence[int], adapter_slot: int, blocks_needed: int
+    ) -> PrefixReclaim:
+        """Evict until `blocks_needed` are free, never the prefix `prompt` will reuse.
+        (`adapter_slot` is the prefix-cache namespace, i.e. the adapter id.)"""
+        cache = self.prefix_cache
+        short = blocks_needed - self.block_pool.num_free
+        if cache is not None and short > 0:
+            protected = cache.protected_blocks(prompt, adapter_slot) if prompt else set()
+            cache.evict(short, protected)
+        return PrefixReclaim(target=blocks_needed, free=self.block_pool.num_free)
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        stats = {"bypassed_lookups": self.prefix_cache_bypasses}
+        if self.prefix_cache is not None:
+            c = self.prefix_cache.stats
+            stats.update(
+                evicted_blocks=c.evicted_blocks,
+                inserted_blocks=c.inserted_blocks,
+                cached_blocks=c.cached_blocks,
+            )
+        return stats
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        if seq.block_table:
+            self.block_pool.decref(seq.block_table)
+        seq.block_table = []
+        seq.seq_len = 0
+        seq.tokens = []
+        seq.kv_valid_tokens = 0
+        if seq.ssm_slot is not None:
+            seq.ssm_slot.release()
+            seq.ssm_slot = None
+        if seq.acquired_adapter_slot >= 0:
+            self.release_adapter_slot(seq.acquired_adapter_slot)
+            seq.acquired_adapter_slot = -1
+
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free
+
+    def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int:
+        return blocks_needed(seq, new_tokens, self.block_size)
+
+    def num_total_blocks(self) -> int:
+        return self.block_pool.num_usable
+
+    def kv_block_size(self) -> int:
+        return self.block_size
+
+    def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
+        """Serialise the sequence's written KV blocks and its SSM slot state (host copies)
+        for swap-out."""
+        data = self.kv_cache.read_blocks(seq.block_table) if seq.block_table else []
+        payload: dict[str, Any] = {"num_blocks": len(seq.block_table), "kv": data}
+        slot = seq.ssm_slot_idx()
+        if self.ssm_pool is not None and slot is not None:
+            payload["ssm"] = self.ssm_pool.read_slot(slot)
+        pickle.dump(payload, writer)
+
+    def restore_sequence_state(self, seq: SequenceState, num_blocks: int, reader: BinaryIO) -> None:
+        """Allocate `num_blocks` blocks and fill them from `save_sequence_state` output."""
+        payload: dict[str, Any] = pickle.load(reader)
+        if payload["num_blocks"] != num_blocks:
+            raise ValueError(
+                f"swap record holds {payload['num_blocks']} blocks, expected {num_blocks}"
+            )
+        slot = seq.ssm_slot_idx()
+        if self.ssm_pool is not None and (slot is None or "ssm" not in payload):
+            raise ValueError("swap-in of a hybrid sequence needs its SSM state and a slot")
+        blocks = self.block_pool.allocate(num_blocks)
+        if num_blocks:
+            self.kv_cache.write_blocks(blocks, payload["kv"])
+        seq.block_table = blocks
+        if self.ssm_pool is not None and slot is not None:
+            self.ssm_pool.write_slot(slot, payload["ssm"])

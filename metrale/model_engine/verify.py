@@ -1,0 +1,190 @@
+"""`VerifyForwards`: the speculative verify passes of `TransformerModel`: a decode row with
+drafts computes its last token and every draft in one forward, and the commit keeps the
+accepted prefix.
+
+Owner: model-engine. A mixin of `TransformerModel`, which provides the forward machinery it
+drives (`_mixed`, `_allocate_blocks`, `_advance`) and the attributes declared below.
+
+Invariants:
+- A verify row advances by its last token plus its drafts and returns logits for each;
+  `commit_accepted_prefix` then drops the rejected drafts from `seq_len`, `tokens` and
+  `kv_valid_tokens` and returns the blocks past the kept tokens, which only that verify had
+  allocated. Refused on hybrid models (no recurrent-state rollback yet).
+- A graphed verify pads rows to the captured query length by repeating their last token; the
+  padding's KV lands past the row's new `seq_len` and its blocks go back at once, so the
+  sequence is exactly as after an eager verify. It never runs past `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from metrale.cache.block_pool import BlockPool
+from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.errors import Unsupported
+from metrale.model_engine.batch import ForwardRow
+from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.traits import (
+    MixedBatchResult,
+    PrefillSlice,
+    SequenceState,
+    Stream,
+    VerifyBatchedOpts,
+    blocks_for,
+)
+
+
+class VerifyForwards:
+    """Speculative verify over `TransformerModel`'s forward (a mixin)."""
+
+    block_pool: BlockPool
+    block_size: int
+    ssm_pool: SsmSlotPool | None
+    graph_runner: DecodeGraphRunner | None
+    _last_hidden: torch.Tensor | None
+
+    if TYPE_CHECKING:  # provided by `TransformerModel` (and `_mixed`, its forward)
+
+        def _allocate_blocks(self, rows: list[ForwardRow]) -> None: ...
+
+        def _advance(self, rows: list[ForwardRow]) -> None: ...
+
+        def fits_context(self, seq: SequenceState, new_tokens: int) -> bool: ...
+
+        def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int: ...
+
+    def can_batch_verify(self, ks: Sequence[int]) -> bool:
+        """Any mix of row counts verifies in one forward, on models without recurrent
+        layers (SSM rollback is not built yet)."""
+        return self.ssm_pool is None
+
+    def mixed_verify_batch(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        decode_seqs: Sequence[SequenceState],
+        prefill_streams: Sequence[PrefillSlice],
+        stream: Stream = None,
+    ) -> MixedBatchResult:
+        if self.ssm_pool is not None and any(drafts):
+            raise Unsupported(
+                "speculative verify on a hybrid (SSM) model needs recurrent-state rollback, "
+                "which this model does not have yet"
+            )
+        if not prefill_streams and decode_seqs:
+            graphed = self._verify_graphed(decode_tokens, drafts, decode_seqs)
+            if graphed is not None:
+                return MixedBatchResult(graphed, [])
+        return self._mixed(decode_tokens, drafts, decode_seqs, prefill_streams)
+
+    def _verify_graphed(
+        self,
+        decode_tokens: Sequence[int],
+        drafts: Sequence[Sequence[int]],
+        seqs: Sequence[SequenceState],
+    ) -> torch.Tensor | None:
+        """A verify-only step replayed from the (batch, Q) graph whose Q covers every row's
+        drafts; rows with fewer drafts are padded by repeating their last token, and the
+        padding's KV lands past the row's new `seq_len` (blocks taken for it go back at
+        once). None when no captured graph fits, or the padding's blocks or context are not
+        available: the caller runs the step eagerly."""
+        runner = self.graph_runner
+        if runner is None or len(decode_tokens) != len(seqs) or len(drafts) != len(seqs):
+            return None
+        longest = max(len(d) for d in drafts) + 1
+        q = next((q for q in runner.query_lens if q >= longest), None)
+        if q is None or q == 1 or not runner.can_run(len(seqs), q):
+            return None
+        if not all(self.fits_context(s, q) for s in seqs):
+            return None
+        padded = [
+            ForwardRow(s, [int(t), *map(int, d), *[int(t)] * (q - 1 - len(d))], True)
+            for t, d, s in zip(decode_tokens, drafts, seqs)
+        ]
+        need = sum(self.blocks_needed(r.seq, q) for r in padded)
+        if need > self.block_pool.num_free:
+            return None
+        self._allocate_blocks(padded)
+        tokens = np.asarray([r.tokens for r in padded], dtype=np.int64)
+        starts = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=len(seqs))
+        width = max(len(s.block_table) for s in seqs)
+        tables = np.zeros((len(seqs), width), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        with torch.inference_mode():
+            logits = runner.run_verify(tokens, starts, tables)
+            if all(len(d) + 1 == q for d in drafts):
+                selected = logits  # no padding: every row is the graph's rows
+            else:
+                index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+                host = torch.tensor(index, dtype=torch.int64)
+                if logits.device.type == "cuda":
+                    host = host.pin_memory()
+                selected = logits.index_select(0, host.to(logits.device, non_blocking=True))
+        self._last_hidden = None
+        rows = [
+            ForwardRow(s, [int(t), *map(int, d)], True)
+            for t, d, s in zip(decode_tokens, drafts, seqs)
+        ]
+        self._advance(rows)
+        for s in seqs:  # the padding's blocks: nothing past seq_len is kept
+            keep = blocks_for(s.seq_len, self.block_size)
+            if len(s.block_table) > keep:
+                self.block_pool.decref(s.block_table[keep:])
+                del s.block_table[keep:]
+        return selected
+
+    def decode_verify(
+        self, tokens: Sequence[int], seq: SequenceState, stream: Stream = None
+    ) -> list[int]:
+        """`[last_verified, draft0, ...]` through one forward; the argmax at each position.
+        The sequence advances by `len(tokens)`; `commit_accepted_prefix` rewinds it."""
+        return self.decode_verify_batched(tokens, [len(tokens)], [seq], stream)
+
+    def decode_verify_batched(
+        self,
+        tokens: Sequence[int],
+        ks: Sequence[int],
+        seqs: Sequence[SequenceState],
+        stream: Stream = None,
+        opts: VerifyBatchedOpts | None = None,
+    ) -> list[int]:
+        """Sequence `i` feeds `ks[i]` rows (its last verified token and `ks[i] - 1` drafts),
+        flat and sequence-major in `tokens`; returns the argmax id of every row."""
+        if len(ks) != len(seqs) or sum(ks) != len(tokens) or any(k < 1 for k in ks):
+            raise ValueError("decode_verify_batched: tokens, ks and seqs do not line up")
+        firsts: list[int] = []
+        drafts: list[list[int]] = []
+        offset = 0
+        for k in ks:
+            firsts.append(int(tokens[offset]))
+            drafts.append([int(t) for t in tokens[offset + 1 : offset + k]])
+            offset += k
+        result = self.mixed_verify_batch(firsts, drafts, seqs, [], stream)
+        assert result.decode_logits is not None
+        return [int(t) for t in result.decode_logits.argmax(dim=-1).tolist()]
+
+    def commit_accepted_prefix(self, seq: SequenceState, num_accepted: int, k: int) -> None:
+        """Keep the last verify's input token and its first `num_accepted` of `k` drafts:
+        `seq_len`, `tokens` and `kv_valid_tokens` drop the rejected `k - num_accepted`, and
+        blocks past the kept tokens go back to the pool (they were allocated by the verify,
+        so nothing shares them). The slots left past `seq_len` are overwritten later."""
+        if not 0 <= num_accepted <= k:
+            raise ValueError(f"num_accepted {num_accepted} is outside [0, {k}]")
+        if k > seq.seq_len:
+            raise ValueError(f"cannot roll back {k} drafts of a {seq.seq_len}-token sequence")
+        drop = k - num_accepted
+        if drop and self.ssm_pool is not None:
+            raise Unsupported("rolling back a hybrid (SSM) model's recurrent state")
+        if drop:
+            seq.seq_len -= drop
+            del seq.tokens[seq.seq_len :]
+            seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
+        keep = blocks_for(seq.seq_len, self.block_size)
+        if len(seq.block_table) > keep:
+            self.block_pool.decref(seq.block_table[keep:])
+            del seq.block_table[keep:]

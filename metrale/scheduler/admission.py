@@ -1,0 +1,130 @@
+"""Admission: moving sequences from the swapped and waiting queues into `running`, and giving
+each its device state (fresh, swapped in, or a prefix-cache hit).
+
+Owner: scheduler. A mixin of `Scheduler` (`core.py`), which provides the queues, the block
+counts and `_chunk`; `Preemption` provides `_requeue_front`. Pure Python: it reaches the model
+only through the `Model` interface.
+
+Invariants:
+- The swapped queue is served before the waiting queue, both FIFO, while fewer than
+  `max_num_seqs` run (and, on hybrid models, an SSM slot is free). Admission stops at the
+  first sequence that does not fit (no head-of-line bypass); before giving up it reclaims
+  prefix-cache blocks, never those of the prefix the sequence itself would reuse.
+- A sequence is admitted only when the blocks for all its known tokens plus the one it will
+  sample (less what the prefix cache supplies) are available after the running prefills'
+  reservations and the decode rows' need, so an admitted prefill finishes without preempting.
+- `_start` leaves nothing behind on failure: the state it allocated is freed and the sequence
+  is WAITING again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import deque
+from typing import TYPE_CHECKING
+
+from metrale.errors import KVCacheExhausted
+from metrale.model_engine.traits import blocks_for
+from metrale.scheduler.parts import SchedulerParts
+from metrale.scheduler.plan import StepPlan
+from metrale.scheduler.sequence import SchedSequence, Status
+
+
+def tenant_key(tenant: str | None) -> int | None:
+    """The seed's integer `SequenceState.lookup_tenant` of a tenant name (stable across
+    processes: a hash of its bytes, not Python's salted `hash`)."""
+    if tenant is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(tenant.encode(), digest_size=8).digest(), "little")
+
+
+class Admission(SchedulerParts):
+    """Admit from the swapped and waiting queues (a mixin of `Scheduler`)."""
+
+    if TYPE_CHECKING:  # provided by `Preemption`
+
+        @staticmethod
+        def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None: ...
+
+    def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
+        """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""
+        if seq.swap is not None:
+            return blocks_for(seq.num_known + 1, self.block_size), 0
+        matched = 0
+        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
+            matched = self.model.prefix_match_len(seq.all_tokens, seq.adapter_id)
+        return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
+
+    def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
+        while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
+            free_slots = self.model.num_free_slots()
+            if free_slots is not None and free_slots <= 0:
+                break
+            from_swap = bool(self.swapped)
+            queue = self.swapped if from_swap else self.waiting
+            seq = queue[0]
+            need, _ = self._admission_need(seq)
+            if need > available:
+                tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
+                target = need + self._reserved_blocks() + self._decode_need()
+                self.model.reclaim_prefix_blocks_for(tokens, seq.adapter_id, target)
+                available = self._available_blocks() - self._decode_need()
+                need, _ = self._admission_need(seq)
+                if need > available:
+                    break
+            if not from_swap and budget <= 0:
+                break
+            queue.popleft()
+            try:
+                self._start(seq)
+            except KVCacheExhausted:
+                # The pool changed under us (should not happen single-threaded): retry later.
+                self._requeue_front(queue, seq)
+                break
+            self.running.append(seq)
+            available = self._available_blocks() - self._decode_need()
+            if seq.is_decoding():
+                if budget > 0:
+                    plan.decode.append(seq)
+                    budget -= 1
+            elif budget > 0:
+                work = self._chunk(seq, budget)
+                plan.prefill.append(work)
+                budget -= work.length
+        return budget
+
+    def _start(self, seq: SchedSequence) -> None:
+        """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
+        state = self.model.alloc_sequence()  # blocks come a forward at a time
+        state.adapter_id = seq.adapter_id
+        state.prompt_len = seq.prompt_len
+        state.lookup_tenant = tenant_key(seq.lookup_tenant)
+        seq.state = state
+        seq.status = Status.RUNNING
+        try:
+            if seq.swap is not None:
+                record = seq.swap
+                record.data.seek(0)
+                self.model.restore_sequence_state(state, record.num_blocks, record.data)
+                state.tokens = seq.all_tokens[: record.seq_len]
+                state.seq_len = record.seq_len
+                state.kv_valid_tokens = record.seq_len
+                self.stats.swapped_in_blocks += record.num_blocks
+                self._drop_swap(seq)
+                return
+            if seq.wants_prompt_logprobs:
+                state.collect_prompt_logprobs = seq.params.prompt_logprobs
+                return
+            if self.config.enable_prefix_caching:
+                self.stats.prefix_queries += 1
+                reused = self.model.lookup_prefix(state, seq.all_tokens)
+                if reused:
+                    self.stats.prefix_hit_requests += 1
+                    self.stats.prefix_hit_tokens += reused
+                if seq.resumed_at is None:
+                    seq.num_cached_tokens = reused
+        except BaseException:
+            seq.state = None
+            seq.status = Status.WAITING
+            self.model.free_sequence(state)
+            raise

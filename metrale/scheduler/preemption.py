@@ -1,0 +1,115 @@
+"""Making room for the decode rows: prefix-cache reclaim, dropping drafts, then preemption
+by recompute or by swap.
+
+Owner: scheduler. A mixin of `Scheduler` (`core.py`), which provides the queues, the block
+counts (`_decode_need`, `_available_blocks`) and the exits (`finish`, `_release`). Pure Python:
+it reaches the model only through the `Model` interface.
+
+Invariants:
+- When decode rows need more blocks than are free, prefix-cache blocks are reclaimed first,
+  then every draft is dropped, then victims are preempted: fewest generated tokens, latest
+  arrival on ties; sequences resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are
+  immune unless all are. A lone sequence that still does not fit ends with "error".
+- A recompute preemption offers the sequence's written KV to the prefix cache and releases it
+  exactly once; a swap saves it to host memory (within `swap_space_bytes`, else it falls back
+  to recompute, counted) and releases it without caching. Either way the sequence goes back
+  to its queue in arrival order, so older preempted sequences resume first.
+- A sequence that wants prompt logprobs is never swapped (its scores are recomputed).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections import deque
+
+from metrale.scheduler.parts import SchedulerParts
+from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
+
+logger = logging.getLogger(__name__)
+
+PREEMPT_IMMUNITY_TOKENS = 64
+
+
+class Preemption(SchedulerParts):
+    """Reclaim, drop drafts, preempt (a mixin of `Scheduler`)."""
+
+    def _make_room_for_decode(self) -> None:
+        need = self._decode_need()
+        if need <= self._available_blocks():
+            return
+        self.model.reclaim_prefix_blocks(need - self._available_blocks())
+        if self._decode_need() > self._available_blocks():
+            # Drafts are optional: give up speculating before preempting anyone for it.
+            for seq in self.running:
+                seq.spec_token_ids = []
+        while self._decode_need() > self._available_blocks():
+            if len(self.running) <= 1:
+                # A lone sequence always fits (`add` checks its peak); a shortfall here means
+                # blocks leaked. End it with an error rather than stall the engine.
+                for seq in list(self.running):
+                    logger.error("KV pool cannot hold the only running sequence %s", seq.seq_id)
+                    self.finish(seq, "error")
+                return
+            self._preempt(self._choose_victim())
+
+    def _choose_victim(self) -> SchedSequence:
+        def immune(s: SchedSequence) -> bool:
+            return (
+                s.resumed_at is not None
+                and len(s.output_token_ids) - s.resumed_at < PREEMPT_IMMUNITY_TOKENS
+            )
+
+        candidates = [s for s in self.running if not immune(s)] or list(self.running)
+        return min(candidates, key=lambda s: (len(s.output_token_ids), -s.arrival))
+
+    def _preempt(self, seq: SchedSequence) -> None:
+        self.running.remove(seq)
+        seq.num_preemptions += 1
+        state = seq.state
+        assert state is not None
+        if self.config.preemption_mode == "swap" and self._try_swap_out(seq):
+            return
+        if seq.wants_prompt_logprobs:
+            state.prompt_logprobs.clear()
+        self._release(seq, offer_to_cache=True)
+        seq.status = Status.WAITING
+        seq.resumed_at = len(seq.output_token_ids)
+        self._requeue_front(self.waiting, seq)
+        self.stats.preemptions_recompute += 1
+        logger.debug("preempted %s for recompute at %d tokens", seq.seq_id, seq.num_known)
+
+    def _try_swap_out(self, seq: SchedSequence) -> bool:
+        state = seq.state
+        assert state is not None
+        if seq.wants_prompt_logprobs:
+            return False
+        buffer = io.BytesIO()
+        self.model.save_sequence_state(state, buffer)
+        nbytes = buffer.tell()
+        if self._swap_bytes + nbytes > self.config.swap_space_bytes:
+            self.stats.swap_fallbacks += 1
+            logger.warning(
+                "swap space full (%d of %d bytes); preempting %s for recompute instead",
+                self._swap_bytes, self.config.swap_space_bytes, seq.seq_id,
+            )  # fmt: skip
+            return False
+        buffer.seek(0)
+        seq.swap = SwapRecord(buffer, len(state.block_table), state.seq_len, nbytes)
+        self._swap_bytes += nbytes
+        self.stats.swapped_out_blocks += len(state.block_table)
+        self.stats.preemptions_swap += 1
+        self._release(seq, offer_to_cache=False)
+        seq.status = Status.SWAPPED
+        seq.resumed_at = len(seq.output_token_ids)
+        self._requeue_front(self.swapped, seq)
+        return True
+
+    @staticmethod
+    def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None:
+        """Insert keeping arrival order, so older preempted sequences resume first."""
+        for i, other in enumerate(queue):
+            if other.arrival > seq.arrival:
+                queue.insert(i, seq)
+                return
+        queue.append(seq)
