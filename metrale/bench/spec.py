@@ -126,7 +126,7 @@ def run_mode(
     drafted = stats.num_draft_tokens - draft_tok0
     accepted = stats.num_accepted_tokens - acc0
     rows = stats.num_drafts - drafts0
-    gate = engine.spec_gate.counters if engine.spec_gate is not None else {}
+    gate = engine.speculation.gate.counters if engine.speculation.gate else {}
     return {
         "seconds": seconds,
         "output_tokens": tokens,

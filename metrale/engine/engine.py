@@ -31,17 +31,9 @@ Invariants:
   synchronous schedule; a row planned for a sequence its previous token ended is computed
   and dropped. At most one step is ever in flight, so `schedule()` always sees every token
   committed.
-- Speculative decoding (`EngineConfig.speculative_config`): before a step is planned from
-  the known tokens, the proposer drafts up to k tokens for each decoding row that may
-  speculate (the request did not opt out, the gate allows its batch width and the row, the
-  proposer is not backing off); the scheduler caps them and plans the row with its drafts;
-  the model verifies them in the step's one forward (`mixed_verify_batch`); `Sampler.verify`
-  accepts a prefix losslessly; the scheduler commits it and rolls the rest back. A step that
-  could speculate is never fed (its drafts need every token known): it drains the pipeline,
-  counted in `spec_stats.drained_for_spec`. Verdicts and step times feed the proposer, the
-  gate and the counters when the step is read back; a finished stream's tokens go to the
-  proposer's shared index of its tenant. A model that cannot roll back (recurrent state)
-  runs without speculation, said at start-up (`spec_disabled`).
+- Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
+  proposed only before a step planned from the known tokens; a step that could speculate
+  drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -56,10 +48,17 @@ from pathlib import Path
 import torch
 
 from metrale.config import EngineConfig
+from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_model_dir: re-exported)
+    BUNDLED_MODEL_DIR,
+    BUNDLED_MODEL_NAME,
+    DEFAULT_TENANT,
+    check_request,
+    resolve_model_dir,
+)
 from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import RequestOutput
 from metrale.engine.speculation import Speculation
-from metrale.errors import ContextLengthError, InvalidRequestError
+from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
@@ -68,18 +67,11 @@ from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, Sampl
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
-from metrale.spec.gate import SpecGate
 from metrale.spec.proposer import Proposer
 from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-code"
-BUNDLED_MODEL_NAME = "metrale-tiny-code"
-#: The cross-request draft lookup's tenant of requests that name none (offline `LLM` calls,
-#: a server without API keys): they share one index.
-DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -98,16 +90,6 @@ class _InFlight:
     batch: SampledBatch
     #: `time.perf_counter()` when the step's planning began (the gate's step cost).
     started: float = 0.0
-
-
-def resolve_model_dir(model: str | None) -> str:
-    if model is not None:
-        return model
-    if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-        raise InvalidRequestError(
-            f"no model given and the bundled model is missing at {BUNDLED_MODEL_DIR}", param="model"
-        )
-    return str(BUNDLED_MODEL_DIR)
 
 
 class Engine:
@@ -190,26 +172,10 @@ class Engine:
         #: When the last step was read back (the gate's step intervals).
         self._last_read = 0.0
 
-    # The speculation state, read by tests, metrics and benchmarks.
+    # Speculation's counters (its proposer, gate and k: `self.speculation`).
     @property
     def spec_stats(self) -> SpecStats:
         return self.speculation.stats
-
-    @property
-    def proposer(self) -> Proposer | None:
-        return self.speculation.proposer
-
-    @property
-    def spec_gate(self) -> SpecGate | None:
-        return self.speculation.gate
-
-    @property
-    def spec_disabled(self) -> str | None:
-        return self.speculation.disabled
-
-    @property
-    def num_speculative_tokens(self) -> int:
-        return self.speculation.k
 
     @property
     def served_model_name(self) -> str:
@@ -292,54 +258,11 @@ class Engine:
         params: SamplingParams,
     ) -> tuple[str | None, list[int], int]:
         """Validate a request's prompt and sampling parameters without queueing anything:
-        returns (prompt text or None, prompt token ids, the resolved output budget). The one
-        home of the context-length rule for requests: the prompt must leave room for output,
-        and `max_tokens` (None: all the room left) must fit `max_model_len`. Raises
-        `InvalidRequestError` / `ContextLengthError` naming the offending parameter."""
-        text, ids = self._prompt_ids(prompt, prompt_token_ids)
-        params.validate_for_vocab(self.vocab_size)
-        return text, ids, self._resolve_max_tokens(len(ids), params)
-
-    def _prompt_ids(
-        self, prompt: str | Sequence[int] | None, prompt_token_ids: Sequence[int] | None
-    ) -> tuple[str | None, list[int]]:
-        if prompt_token_ids is not None:
-            text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", param="prompt")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif prompt is None:
-            raise InvalidRequestError("a prompt (text or token ids) is required", param="prompt")
-        else:
-            text, ids = None, list(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise InvalidRequestError(
-                    f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})",
-                    param="prompt",
-                )
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"prompt has {len(ids)} tokens, leaving no room for output",
-                param="prompt",
-            )
-        return text, ids
-
-    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        if params.max_tokens is None:
-            return room
-        if params.max_tokens > room:
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"prompt has {prompt_len} and max_tokens asks for {params.max_tokens} more",
-                param="max_tokens",
-            )
-        return params.max_tokens
+        (prompt text or None, prompt token ids, the resolved output budget); see
+        `check_request`, the one home of the context-length rule for requests."""
+        return check_request(
+            prompt, prompt_token_ids, params, self.tokenizer, self.vocab_size, self.max_model_len
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is (waiting, prefilling, decoding, swapped)."""

@@ -93,8 +93,8 @@ class SnapshotTaker:
             graph_forwards=counters.get("graph_forwards", 0),
             eager_forwards=counters.get("eager_forwards", 0),
             spec=copy.deepcopy(engine.spec_stats),
-            spec_gate=dict(engine.spec_gate.counters) if engine.spec_gate is not None else {},
-            num_speculative_tokens=engine.num_speculative_tokens,
+            spec_gate=dict(engine.speculation.gate.counters) if engine.speculation.gate else {},
+            num_speculative_tokens=engine.speculation.k,
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:

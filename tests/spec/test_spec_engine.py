@@ -303,7 +303,7 @@ def test_suffix_lookup_never_proposes_another_tenants_tokens() -> None:
         speculative_config={"method": "suffix", "num_speculative_tokens": 4, "gate": "off"},
     )
     engine = llm.engine
-    proposer = engine.proposer
+    proposer = engine.speculation.proposer
     assert proposer is not None and proposer.name == "suffix"
     proposed: dict[str, list[int]] = {}
     original = proposer.propose
@@ -372,7 +372,7 @@ def test_hybrid_model_runs_without_speculation_and_says_so(
     ref = LLM(path, device="cpu").generate(ps, greedy(12))
     with caplog.at_level(logging.WARNING):
         llm = LLM(path, device="cpu", speculative_config=SPEC)
-    assert llm.engine.proposer is None and llm.engine.spec_disabled
+    assert llm.engine.speculation.proposer is None and llm.engine.speculation.disabled
     assert any("speculative decoding is off" in r.getMessage() for r in caplog.records)
     assert_same(ref, llm.generate(ps, greedy(12)))
 

@@ -1,0 +1,99 @@
+"""Checking a request before it is queued: its prompt (text or token ids) and its output
+budget against the vocabulary and the context; and which checkpoint directory serves.
+
+Owner: engine (`Engine.check_prompt` and `Engine.add_request` call `check_request`; the
+offline `LLM` checks every prompt of a call through `Engine.check_prompt` before queueing any).
+
+Invariants:
+- The one home of the context-length rule for requests: a prompt must leave room for at
+  least one output token, and `max_tokens` (None: all the room left) must fit
+  `max_model_len`; a violation is a `ContextLengthError` naming `prompt` or `max_tokens`.
+- Nothing here changes any state: a bad request raises before anything is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from metrale.errors import ContextLengthError, InvalidRequestError
+from metrale.sampling.params import SamplingParams
+from metrale.tokenizer.tokenizer import Tokenizer
+
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-code"
+BUNDLED_MODEL_NAME = "metrale-tiny-code"
+#: The cross-request draft lookup's tenant of requests that name none (offline `LLM` calls,
+#: a server without API keys): they share one index.
+DEFAULT_TENANT = "default"
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The checkpoint directory to serve: `model`, else the bundled model."""
+    if model is not None:
+        return model
+    if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+        raise InvalidRequestError(
+            f"no model given and the bundled model is missing at {BUNDLED_MODEL_DIR}", param="model"
+        )
+    return str(BUNDLED_MODEL_DIR)
+
+
+def check_request(
+    prompt: str | Sequence[int] | None,
+    prompt_token_ids: Sequence[int] | None,
+    params: SamplingParams,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+) -> tuple[str | None, list[int], int]:
+    """(prompt text or None, prompt token ids, resolved output budget), or a clear error."""
+    text, ids = _prompt_ids(prompt, prompt_token_ids, tokenizer, vocab_size, max_model_len)
+    params.validate_for_vocab(vocab_size)
+    return text, ids, _resolve_max_tokens(len(ids), params, max_model_len)
+
+
+def _prompt_ids(
+    prompt: str | Sequence[int] | None,
+    prompt_token_ids: Sequence[int] | None,
+    tokenizer: Tokenizer,
+    vocab_size: int,
+    max_model_len: int,
+) -> tuple[str | None, list[int]]:
+    if prompt_token_ids is not None:
+        text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif prompt is None:
+        raise InvalidRequestError("a prompt (text or token ids) is required", param="prompt")
+    else:
+        text, ids = None, list(prompt)
+    if not ids:
+        raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
+    if len(ids) >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the "
+            f"prompt has {len(ids)} tokens, leaving no room for output",
+            param="prompt",
+        )
+    return text, ids
+
+
+def _resolve_max_tokens(prompt_len: int, params: SamplingParams, max_model_len: int) -> int:
+    room = max_model_len - prompt_len
+    if params.max_tokens is None:
+        return room
+    if params.max_tokens > room:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; the "
+            f"prompt has {prompt_len} and max_tokens asks for {params.max_tokens} more",
+            param="max_tokens",
+        )
+    return params.max_tokens
