@@ -91,23 +91,9 @@ def _attend_tile(
     acc,
     m_i,
     l_i,
-    q,
-    k_ptr,
-    v_ptr,
-    table_row_ptr,
+    rows,
+    kv,
     tile,
-    q_pos,
-    row_ok,
-    seq_len,
-    window,
-    max_blocks,
-    kv_head,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    scale_log2,
-    offs_d,
-    d_mask,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -117,10 +103,16 @@ def _attend_tile(
 ):
     """One online-softmax step over the context tokens `tile*BLOCK_N ..` of one sequence.
 
-    Rows of `q` `[M, D]` sit at positions `q_pos` `[M]`; a row attends to keys at positions
-    `<= q_pos` (and `> q_pos - window` with a window). MASKED=False promises every key of the
-    tile is visible to every row (interior causal tiles), which skips the masking.
+    `rows` = `(q, q_pos, row_ok, offs_d, d_mask, scale_log2, window)`: rows of `q` `[M, D]`
+    (head-dim lanes `offs_d`) sit at positions `q_pos` `[M]`; a row attends to keys at positions
+    `<= q_pos` (and `> q_pos - window` with a window). `kv` = `(k_ptr, v_ptr, table_row_ptr,
+    seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)`: the sequence's paged K/V
+    for one KV head. MASKED=False promises every key of the tile is visible to every row
+    (interior causal tiles), which skips the masking. (Tuples keep each call site one line;
+    constexprs stay separate arguments: inside a tuple they would reach the helper as values.)
     """
+    q, q_pos, row_ok, offs_d, d_mask, scale_log2, window = rows
+    k_ptr, v_ptr, table_row_ptr, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch = kv
     k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     blk = k_pos // BLOCK_SIZE
     in_ctx = (k_pos < seq_len) & (blk < max_blocks)

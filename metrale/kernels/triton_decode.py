@@ -124,34 +124,11 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + row.to(tl.int64) * stride_bt
+    rows = (q, q_pos, h_mask, offs_d, d_mask, scale_log2, window)
+    kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
     for tile in range(t_begin, t_end):
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            table_row,
-            tile,
-            q_pos,
-            h_mask,
-            seq_len,
-            window,
-            max_blocks,
-            kv_head,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            scale_log2,
-            offs_d,
-            d_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            USE_WINDOW,
-            UPCAST,
-            IEEE,
+            acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, UPCAST, IEEE
         )
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]

@@ -81,6 +81,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_bt
+    rows = (q, q_pos, row_ok, offs_d, d_mask, scale_log2, window)
+    kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
     tile_end = tl.cdiv(last_pos + 1, BLOCK_N)
     if USE_WINDOW:
         masked_from = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
@@ -89,61 +91,11 @@ def _prefill_kernel(
         masked_from = (first_pos + 1) // BLOCK_N
         for tile in range(0, masked_from):
             acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_ptr,
-                v_ptr,
-                table_row,
-                tile,
-                q_pos,
-                row_ok,
-                seq_len,
-                window,
-                max_blocks,
-                kv_head,
-                stride_cb,
-                stride_cs,
-                stride_ch,
-                scale_log2,
-                offs_d,
-                d_mask,
-                BLOCK_SIZE,
-                BLOCK_N,
-                False,
-                USE_WINDOW,
-                UPCAST,
-                IEEE,
+                acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, UPCAST, IEEE
             )
     for tile in range(masked_from, tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            table_row,
-            tile,
-            q_pos,
-            row_ok,
-            seq_len,
-            window,
-            max_blocks,
-            kv_head,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            scale_log2,
-            offs_d,
-            d_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            USE_WINDOW,
-            UPCAST,
-            IEEE,
+            acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, UPCAST, IEEE
         )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
