@@ -1,6 +1,6 @@
-"""Building blocks shared by the decoder families: RMSNorm, the gated MLP, and the paged
+"""Building blocks shared by the decoder families: RMSNorm, the gated MLP, the paged
 self-attention block (fused QKV projection; optional q/k norm, rotary and the KV write as one
-kernel op; attention).
+kernel op; attention), and the pre-norm decoder layer's frame (`PreNormLayer`).
 
 Owner: layers. Each block calls hot ops only through the `KernelOps` it was built with.
 
@@ -9,6 +9,8 @@ Invariants:
   `down_proj`, ...) except the fused `qkv_proj` and `gate_up_proj`, which the loader fills
   from the separate checkpoint tensors.
 - Attention reads and writes K/V only through the metadata's slots and block tables.
+- A `PreNormLayer` threads the residual stream the same way in every family: `pre_norm` on
+  entry, the fused residual add before the MLP, `(hidden, residual)` out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
+
+#: What a layer's mixer reads and writes: `(k_cache, v_cache)` for attention, the SSM pool's
+#: `(conv_states, ssm_states)` for a recurrent mixer, None for a layer that holds nothing.
+LayerCache = tuple[torch.Tensor, torch.Tensor] | None
 
 
 class RMSNorm(nn.Module):
@@ -46,6 +52,39 @@ def pre_norm(
     if residual is None:
         return norm(x), x
     return norm.forward_add(x, residual)
+
+
+class PreNormLayer(nn.Module):
+    """A decoder layer's frame: `norm -> mixer -> fused residual-add norm -> MLP`.
+
+    Subclasses implement `mix` (attention, a recurrent mixer, or a block with no cache) and
+    keep their checkpoint's module names, given by `input_norm_name`, `post_norm_name` and
+    `mlp_name`; `post_norm_name = None` ends the layer after the mixer (Nemotron-H's blocks).
+    """
+
+    input_norm_name = "input_layernorm"
+    post_norm_name: str | None = "post_attention_layernorm"
+    mlp_name = "mlp"
+
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
+        hidden = self.mix(positions, hidden, meta, cache)
+        if self.post_norm_name is None:
+            return hidden, residual
+        hidden, residual = getattr(self, self.post_norm_name).forward_add(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class GatedMLP(nn.Module):

@@ -24,12 +24,12 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
+from metrale.layers.common import GatedMLP, LayerCache, PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
-from metrale.models.loader import WeightMapping, gate_up_shards, qkv_shards, rotary_and_tied_ignored
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
+from metrale.models.loader import WeightMapping, dense_weight_mapping
 
 #: transformers' BambaConfig forces this partial rotary factor.
 BAMBA_PARTIAL_ROTARY = 0.5
@@ -90,6 +90,9 @@ def _as_float(value: Any) -> float:
 
 
 class BambaLayer(HybridLayer):
+    post_norm_name = "pre_ff_layernorm"
+    mlp_name = "feed_forward"
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, attention: bool, rotary: RotaryEmbedding,
         ops: KernelOps,
@@ -111,22 +114,13 @@ class BambaLayer(HybridLayer):
     def ssm_spec(self) -> SsmLayerSpec:
         return self.mamba.spec.state_spec()
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
         assert cache is not None
         if self.attention:
-            hidden = self.self_attn(positions, hidden, meta, cache)
-        else:
-            hidden = self.mamba(hidden, meta, cache)
-        hidden, residual = self.pre_ff_layernorm.forward_add(hidden, residual)
-        return self.feed_forward(hidden), residual
+            return self.self_attn(positions, x, meta, cache)
+        return self.mamba(x, meta, cache)
 
 
 class BambaStack(HybridStack):
@@ -158,9 +152,4 @@ class BambaForCausalLM(HybridForCausalLM):
         return self.model.embed_tokens  # type: ignore[return-value]
 
     def weight_mapping(self) -> WeightMapping:
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        return WeightMapping(
-            stacked=qkv_shards(q, kv) + gate_up_shards(c.intermediate_size),
-            ignored_suffixes=rotary_and_tied_ignored(self.tied),
-        )
+        return dense_weight_mapping(self.config, self.tied)

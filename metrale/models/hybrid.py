@@ -25,10 +25,9 @@ from torch import nn
 
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import PreNormLayer
 from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping
-
-LayerCache = tuple[torch.Tensor, torch.Tensor] | None
 
 
 class CacheKind(Enum):
@@ -37,23 +36,14 @@ class CacheKind(Enum):
     NONE = "none"
 
 
-class HybridLayer(nn.Module, ABC):
-    """One layer of a hybrid stack; subclasses set `cache_kind` and implement `forward`."""
+class HybridLayer(PreNormLayer):
+    """One layer of a hybrid stack; subclasses set `cache_kind` and implement `mix` (the frame
+    around it is `PreNormLayer`'s)."""
 
     cache_kind: CacheKind = CacheKind.NONE
 
     def ssm_spec(self) -> SsmLayerSpec:
         raise TypeError(f"{type(self).__name__} holds no recurrent state")
-
-    @abstractmethod
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class HybridStack(nn.Module, ABC):

@@ -27,11 +27,11 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import PagedSelfAttention, RMSNorm, pre_norm
+from metrale.layers.common import LayerCache, PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -121,6 +121,9 @@ def moe_block(cfg: ModelConfig, ops: KernelOps, source: str) -> SparseMoeBlock:
 
 
 class NemotronHBlock(HybridLayer):
+    input_norm_name = "norm"
+    post_norm_name = None  # one mixer per block: attention, Mamba-2, MLP or MoE
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, ops: KernelOps, source: str
     ) -> None:
@@ -147,22 +150,16 @@ class NemotronHBlock(HybridLayer):
         assert isinstance(self.mixer, Mamba2Mixer)
         return self.mixer.spec.state_spec()
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.norm, hidden, residual)
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
         if self.kind == "mamba":
             assert cache is not None
-            return self.mixer(hidden, meta, cache), residual
+            return self.mixer(x, meta, cache)
         if self.kind == "attention":
             assert cache is not None
-            return self.mixer(positions, hidden, meta, cache), residual
-        return self.mixer(hidden), residual
+            return self.mixer(positions, x, meta, cache)
+        return self.mixer(x)
 
 
 class NemotronHStack(HybridStack):
@@ -194,10 +191,9 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(_get(c.raw, "moe_intermediate_size", default=7688))
         return WeightMapping(
-            stacked=qkv_shards(q, kv),
+            stacked=qkv_shards(c),
             experts=[
                 ExpertShard("up_proj", "up_proj", 0, moe_inter),
                 ExpertShard("down_proj", "down_proj", 0, c.hidden_size),

@@ -28,12 +28,12 @@ from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import pre_norm
+from metrale.layers.common import LayerCache
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards, rotary_and_tied_ignored
 from metrale.models.moe import moe_intermediate
 
@@ -188,22 +188,13 @@ class Qwen3NextLayer(HybridLayer):
     def ssm_spec(self) -> SsmLayerSpec:
         return self.linear_attn.spec.state_spec()
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
         assert cache is not None
         if self.kind == "linear_attention":
-            hidden = self.linear_attn(hidden, meta, cache)
-        else:
-            hidden = self.self_attn(positions, hidden, meta, cache)
-        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
-        return self.mlp(hidden), residual
+            return self.linear_attn(x, meta, cache)
+        return self.self_attn(positions, x, meta, cache)
 
 
 class Qwen3NextStack(HybridStack):
@@ -263,10 +254,9 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(c.raw.get("moe_intermediate_size") or 0)
         return WeightMapping(
-            stacked=qkv_shards(2 * q, kv),  # q carries its output gate: twice the rows
+            stacked=qkv_shards(c, q_factor=2),  # q carries its output gate
             experts=[
                 ExpertShard("gate_up_proj", "gate_proj", 0, moe_inter),
                 ExpertShard("gate_up_proj", "up_proj", moe_inter, moe_inter),
