@@ -26,6 +26,8 @@ from metrale.model_config import ModelConfig
 #: What a layer's mixer reads and writes: `(k_cache, v_cache)` for attention, the SSM pool's
 #: `(conv_states, ssm_states)` for a recurrent mixer, None for a layer that holds nothing.
 LayerCache = tuple[torch.Tensor, torch.Tensor] | None
+#: One attention layer's paged caches: `(k_cache, v_cache)`.
+KvCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -107,10 +109,12 @@ class GatedMLP(nn.Module):
         )
 
 
-class PagedSelfAttention(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
-    ) -> None:
+class AttentionProjections(nn.Module):
+    """The head geometry and the two projections of a paged attention block: the fused
+    `qkv_proj` (`q_factor` 2: each query head carries an output gate of the same size) and
+    `o_proj`; `scale` is `head_dim ** -0.5`."""
+
+    def __init__(self, cfg: ModelConfig, o_bias: bool, q_factor: int = 1) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -118,24 +122,27 @@ class PagedSelfAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, q_factor * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+
+
+class PagedSelfAttention(AttentionProjections):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
+    ) -> None:
+        super().__init__(cfg, o_bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
-        self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.rotary = rotary
         self.ops = ops
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)

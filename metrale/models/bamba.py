@@ -20,11 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
-from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, LayerCache, PagedSelfAttention, RMSNorm
+from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
@@ -92,6 +90,7 @@ def _as_float(value: Any) -> float:
 class BambaLayer(HybridLayer):
     post_norm_name = "pre_ff_layernorm"
     mlp_name = "feed_forward"
+    mixer_names = {CacheKind.ATTENTION: "self_attn", CacheKind.RECURRENT: "mamba"}
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, attention: bool, rotary: RotaryEmbedding,
@@ -110,17 +109,6 @@ class BambaLayer(HybridLayer):
         self.feed_forward = GatedMLP(
             cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, ops
         )
-
-    def ssm_spec(self) -> SsmLayerSpec:
-        return self.mamba.spec.state_spec()
-
-    def mix(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
-    ) -> torch.Tensor:
-        assert cache is not None
-        if self.attention:
-            return self.self_attn(positions, x, meta, cache)
-        return self.mamba(x, meta, cache)
 
 
 class BambaStack(HybridStack):

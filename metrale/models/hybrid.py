@@ -25,7 +25,7 @@ from torch import nn
 
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import PreNormLayer
+from metrale.layers.common import LayerCache, PreNormLayer
 from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping
 
@@ -37,13 +37,33 @@ class CacheKind(Enum):
 
 
 class HybridLayer(PreNormLayer):
-    """One layer of a hybrid stack; subclasses set `cache_kind` and implement `mix` (the frame
-    around it is `PreNormLayer`'s)."""
+    """One layer of a hybrid stack (the frame around its mixer is `PreNormLayer`'s).
+    Subclasses set `cache_kind` and name, per kind, the submodule that mixes tokens
+    (`mixer_names`, checkpoint names): attention takes `(positions, x, meta, kv)`, a recurrent
+    mixer `(x, meta, state)` and exposes `spec.state_spec()`, a cacheless block `(x)`."""
 
     cache_kind: CacheKind = CacheKind.NONE
+    mixer_names: dict[CacheKind, str] = {
+        CacheKind.ATTENTION: "self_attn",
+        CacheKind.RECURRENT: "mixer",
+        CacheKind.NONE: "mixer",
+    }
 
     def ssm_spec(self) -> SsmLayerSpec:
-        raise TypeError(f"{type(self).__name__} holds no recurrent state")
+        if self.cache_kind is not CacheKind.RECURRENT:
+            raise TypeError(f"{type(self).__name__} holds no recurrent state")
+        return getattr(self, self.mixer_names[CacheKind.RECURRENT]).spec.state_spec()
+
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_names[self.cache_kind])
+        if self.cache_kind is CacheKind.NONE:
+            return mixer(x)
+        assert cache is not None
+        if self.cache_kind is CacheKind.RECURRENT:
+            return mixer(x, meta, cache)
+        return mixer(positions, x, meta, cache)
 
 
 class HybridStack(nn.Module, ABC):

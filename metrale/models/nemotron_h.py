@@ -23,11 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
-from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import LayerCache, PagedSelfAttention, RMSNorm
+from metrale.layers.common import PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.model_config import ModelConfig
@@ -123,6 +121,7 @@ def moe_block(cfg: ModelConfig, ops: KernelOps, source: str) -> SparseMoeBlock:
 class NemotronHBlock(HybridLayer):
     input_norm_name = "norm"
     post_norm_name = None  # one mixer per block: attention, Mamba-2, MLP or MoE
+    mixer_names = dict.fromkeys(CacheKind, "mixer")
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, ops: KernelOps, source: str
@@ -145,21 +144,6 @@ class NemotronHBlock(HybridLayer):
             self.mixer = DenseMLP(cfg.hidden_size, cfg.intermediate_size, False, act, cfg.mlp_bias)
         else:
             self.mixer = moe_block(cfg, ops, source)
-
-    def ssm_spec(self) -> SsmLayerSpec:
-        assert isinstance(self.mixer, Mamba2Mixer)
-        return self.mixer.spec.state_spec()
-
-    def mix(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
-    ) -> torch.Tensor:
-        if self.kind == "mamba":
-            assert cache is not None
-            return self.mixer(x, meta, cache)
-        if self.kind == "attention":
-            assert cache is not None
-            return self.mixer(positions, x, meta, cache)
-        return self.mixer(x)
 
 
 class NemotronHStack(HybridStack):

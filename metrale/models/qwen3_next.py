@@ -24,11 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import LayerCache
+from metrale.layers.common import AttentionProjections, KvCache
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
@@ -102,34 +101,20 @@ def delta_spec(cfg: ModelConfig) -> GatedDeltaSpec:
     )
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(AttentionProjections):
     """Paged self-attention with Qwen3-Next's output gate and (1 + w) q/k norms."""
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
     ) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        super().__init__(cfg, o_bias=cfg.attention_bias, q_factor=2)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = self.head_dim**-0.5
         self.rotary = rotary
         self.ops = ops
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -146,6 +131,8 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextLayer(HybridLayer):
+    mixer_names = {CacheKind.ATTENTION: "self_attn", CacheKind.RECURRENT: "linear_attn"}
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, rotary: RotaryEmbedding,
         ops: KernelOps,
@@ -184,17 +171,6 @@ class Qwen3NextLayer(HybridLayer):
             )  # fmt: skip
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, True, cfg.hidden_act)
-
-    def ssm_spec(self) -> SsmLayerSpec:
-        return self.linear_attn.spec.state_spec()
-
-    def mix(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
-    ) -> torch.Tensor:
-        assert cache is not None
-        if self.kind == "linear_attention":
-            return self.linear_attn(x, meta, cache)
-        return self.self_attn(positions, x, meta, cache)
 
 
 class Qwen3NextStack(HybridStack):
