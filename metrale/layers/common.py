@@ -112,10 +112,15 @@ class GatedMLP(nn.Module):
 class AttentionProjections(nn.Module):
     """The head geometry and the two projections of a paged attention block: the fused
     `qkv_proj` (`q_factor` 2: each query head carries an output gate of the same size) and
-    `o_proj`; `scale` is `head_dim ** -0.5`."""
+    `o_proj`; `scale` is `head_dim ** -0.5`; the block's rotary table and kernel ops."""
 
-    def __init__(self, cfg: ModelConfig, o_bias: bool, q_factor: int = 1) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding | None, ops: KernelOps, o_bias: bool,
+        q_factor: int = 1,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.rotary = rotary
+        self.ops = ops
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -132,14 +137,12 @@ class PagedSelfAttention(AttentionProjections):
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
     ) -> None:
-        super().__init__(cfg, o_bias=cfg.o_proj_bias)
+        super().__init__(cfg, rotary, ops, o_bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
-        self.rotary = rotary
-        self.ops = ops
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache

@@ -107,11 +107,9 @@ class GatedAttention(AttentionProjections):
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
     ) -> None:
-        super().__init__(cfg, o_bias=cfg.attention_bias, q_factor=2)
+        super().__init__(cfg, rotary, ops, o_bias=cfg.attention_bias, q_factor=2)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.rotary = rotary
-        self.ops = ops
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
