@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_options", "pdl_supported"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enter", "pdl_options", "pdl_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -53,6 +53,16 @@ def pdl_options(pdl: bool) -> dict[str, bool]:
     """Launch keywords for a kernel call: `launch_pdl` only when on (the interpreter and older
     parts never see it)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A PDL kernel's opening (a no-op unless PDL): wait until the previous kernel's writes are
+    visible, then let the next kernel launch early. Kernels that can overlap more (GEMV) call
+    the two steps apart instead."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,10 +19,9 @@ from metrale.kernels.triton_attention_common import (
     MIN_SPLIT_TOKENS,
     _attend_tile,
     _check_cache_pair,
-    gdc_launch_dependents,
-    gdc_wait,
     interpreting,
     multiprocessor_count,
+    pdl_enter,
     pdl_options,
 )
 
@@ -67,9 +66,7 @@ def _decode_kernel(
     # One program: sequence `row`, KV head, context split; all QUERY_LEN * GROUP query rows of
     # that KV head (in ROW_CHUNKS programs of BLOCK_H rows when they do not fit one). Q = 1
     # keeps the plain decode code: every QUERY_LEN > 1 / ROW_CHUNKS > 1 branch is constexpr.
-    if PDL:  # programmatic dependent launch: see triton_attention_common
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # programmatic dependent launch: see triton_attention_common
     row = tl.program_id(0)
     if ROW_CHUNKS == 1:
         kv_head = tl.program_id(1)
@@ -168,9 +165,7 @@ def _decode_combine_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
