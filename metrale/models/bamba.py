@@ -17,7 +17,6 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
 from torch import nn
 
 from metrale.errors import CheckpointError
@@ -112,6 +111,8 @@ class BambaLayer(HybridLayer):
 
 
 class BambaStack(HybridStack):
+    final_norm_name = "final_layernorm"
+
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int, source: str) -> None:
         super().__init__()
         attn = attention_layers(cfg.raw, cfg.num_hidden_layers, source)
@@ -122,12 +123,6 @@ class BambaStack(HybridStack):
         )
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.final_layernorm.forward_add(hidden, residual)[0]
-
 
 class BambaForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
@@ -135,9 +130,6 @@ class BambaForCausalLM(HybridForCausalLM):
         super().__init__(cfg)
         self.model = BambaStack(cfg, ops, max_positions, f"{cfg.architecture} config")
         self._add_lm_head()
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens  # type: ignore[return-value]
 
     def weight_mapping(self) -> WeightMapping:
         return dense_weight_mapping(self.config, self.tied)

@@ -66,17 +66,19 @@ class HybridLayer(PreNormLayer):
         return mixer(positions, x, meta, cache)
 
 
-class HybridStack(nn.Module, ABC):
-    """Embedding, layers, final norm. Subclasses name the embedding and the final norm as the
-    checkpoints do and implement `embed` and `final_norm`."""
+class HybridStack(nn.Module):
+    """Embedding, layers, final norm. Subclasses build them under the checkpoint's names, given
+    by `embed_name` and `final_norm_name` (a norm with `forward_add`)."""
 
     layers: nn.ModuleList
+    embed_name = "embed_tokens"
+    final_norm_name = "norm"
 
-    @abstractmethod
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.embed_name)(input_ids)
 
-    @abstractmethod
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.final_norm_name).forward_add(hidden, residual)[0]
 
     def forward(
         self,
@@ -139,8 +141,8 @@ class HybridForCausalLM(nn.Module, ABC):
             raise ValueError("a hybrid model's forward needs the SSM slot pool's layers")
         return self.model(input_ids, positions, meta, kv_caches, ssm_states)
 
-    @abstractmethod
-    def input_embeddings(self) -> nn.Embedding: ...
+    def input_embeddings(self) -> nn.Embedding:
+        return getattr(self.model, self.model.embed_name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.input_embeddings().weight if self.tied else self.lm_head.weight

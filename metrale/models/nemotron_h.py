@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 
 from metrale.errors import CheckpointError
@@ -147,6 +146,9 @@ class NemotronHBlock(HybridLayer):
 
 
 class NemotronHStack(HybridStack):
+    embed_name = "embeddings"
+    final_norm_name = "norm_f"
+
     def __init__(self, cfg: ModelConfig, ops: KernelOps, source: str) -> None:
         super().__init__()
         kinds = block_types(cfg.raw, source)
@@ -156,12 +158,6 @@ class NemotronHStack(HybridStack):
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm_f.forward_add(hidden, residual)[0]
-
 
 class NemotronHForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
@@ -169,9 +165,6 @@ class NemotronHForCausalLM(HybridForCausalLM):
         self.tied = False  # transformers never ties Nemotron-H's LM head
         self.model = NemotronHStack(cfg, ops, f"{cfg.architecture} config")
         self._add_lm_head()
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embeddings  # type: ignore[return-value]
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config

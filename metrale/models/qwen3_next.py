@@ -182,12 +182,6 @@ class Qwen3NextStack(HybridStack):
         )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm.forward_add(hidden, residual)[0]
-
 
 class Qwen3NextMTP(nn.Module):
     """The MTP head's weights: `fc` over `[norm(embedding), norm(hidden)]`, decoder layers of
@@ -222,9 +216,6 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     @property
     def has_mtp(self) -> bool:
         return hasattr(self, "mtp")
-
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens  # type: ignore[return-value]
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config
