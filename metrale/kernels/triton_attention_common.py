@@ -157,6 +157,18 @@ def _attend_tile(
 # -------------------------------------------------------------------------------------------
 
 
+def attention_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides the decode and prefill kernels take as one tuple argument (`strides`), in
+    their order: q (token, head), the caches (block, slot, head; V's equal K's), the block table
+    (row), out (token, head)."""
+    return (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+    )  # fmt: skip
+
+
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must have the same shape and strides")

@@ -19,6 +19,7 @@ from metrale.kernels.triton_attention_common import (
     MIN_SPLIT_TOKENS,
     _attend_tile,
     _check_cache_pair,
+    attention_strides,
     interpreting,
     multiprocessor_count,
     pdl_enter,
@@ -40,14 +41,7 @@ def _decode_kernel(
     window,
     max_blocks,
     num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -63,6 +57,7 @@ def _decode_kernel(
     QUERY_LEN: tl.constexpr = 1,
     ROW_CHUNKS: tl.constexpr = 1,
 ):
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     # One program: sequence `row`, KV head, context split; all QUERY_LEN * GROUP query rows of
     # that KV head (in ROW_CHUNKS programs of BLOCK_H rows when they do not fit one). Q = 1
     # keeps the plain decode code: every QUERY_LEN > 1 / ROW_CHUNKS > 1 branch is constexpr.
@@ -309,14 +304,7 @@ def decode_attention(
         sliding_window or 0,
         max_blocks,
         q_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        attention_strides(q, k_cache, block_tables, out),
         GROUP=group,
         BLOCK_H=block_h,
         HEAD_DIM=head_dim,

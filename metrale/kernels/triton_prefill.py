@@ -15,6 +15,7 @@ from metrale.kernels.triton_attention_common import (
     _LOG2E,
     _attend_tile,
     _check_cache_pair,
+    attention_strides,
     interpreting,
 )
 
@@ -32,14 +33,7 @@ def _prefill_kernel(
     window,
     max_blocks,
     first_seq,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,6 +45,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     q_tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -160,14 +155,7 @@ def prefill_attention(
         sliding_window or 0,
         meta.block_tables.shape[1],
         first_seq,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        meta.block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        attention_strides(q, k_cache, meta.block_tables, out),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
