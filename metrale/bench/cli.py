@@ -6,6 +6,8 @@ Owner: bench. Each instrument writes one JSON record under `bench/records/` and 
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Callable
 from typing import Any
 
 
@@ -14,27 +16,27 @@ def add_bench_parser(sub: Any) -> None:
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
-    p = inner.add_parser("ttft", help="time to first token, cold vs prefix-cached")
-    ttft.add_arguments(p)
-    p.add_argument("--log-level", default="WARNING")
-    p.set_defaults(handler=lambda args: _run(ttft.run, args))
-    p = inner.add_parser("latency", help="batch-1 decode tok/s vs the HBM roofline and HF")
-    offline.add_latency(p)
-    p.set_defaults(handler=lambda args: _run(offline.run_latency, args))
-    p = inner.add_parser("throughput", help="offline throughput, the nano-vllm recipe")
-    offline.add_throughput(p)
-    p.set_defaults(handler=lambda args: _run(offline.run_throughput, args))
-    p = inner.add_parser("spec", help="speculative decoding on held-out code: ngram, suffix vs off")
-    spec.add_arguments(p)
-    p.add_argument("--log-level", default="WARNING")
-    p.set_defaults(handler=lambda args: _run(spec.run, args))
-    p = inner.add_parser("spec-cost", help="verify step cost vs decode, projected/measured speedup")
-    spec.add_cost_arguments(p)
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(handler=lambda args: _run(spec.run_cost, args))
-    p = inner.add_parser("serve", help="concurrency ladder against an OpenAI-compatible URL")
-    serve.add_arguments(p)
-    p.set_defaults(handler=lambda args: _run(serve.run, args))
+    # (name, help, its arguments, its run, the --log-level default when it takes one)
+    instruments: list[tuple[str, str, Callable[..., None], Callable[..., Any], str | None]] = [
+        ("ttft", "time to first token, cold vs prefix-cached", ttft.add_arguments, ttft.run,
+         "WARNING"),
+        ("latency", "batch-1 decode tok/s vs the HBM roofline and HF", offline.add_latency,
+         offline.run_latency, None),
+        ("throughput", "offline throughput, the nano-vllm recipe", offline.add_throughput,
+         offline.run_throughput, None),
+        ("spec", "speculative decoding on held-out code: ngram, suffix vs off",
+         spec.add_arguments, spec.run, "WARNING"),
+        ("spec-cost", "verify step cost vs decode, projected/measured speedup",
+         spec.add_cost_arguments, spec.run_cost, "INFO"),
+        ("serve", "concurrency ladder against an OpenAI-compatible URL", serve.add_arguments,
+         serve.run, None),
+    ]  # fmt: skip
+    for name, help_text, add_arguments, run, log_level in instruments:
+        p = inner.add_parser(name, help=help_text)
+        add_arguments(p)
+        if log_level is not None:
+            p.add_argument("--log-level", default=log_level)
+        p.set_defaults(handler=functools.partial(_run, run))
 
 
 def _run(fn: Any, args: argparse.Namespace) -> int:

@@ -94,27 +94,14 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         figures["bytes_per_step"] = per_step
         figures["roofline_tok_s"] = bandwidth / per_step
         figures["roofline_ratio"] = figures["tok_s"] / figures["roofline_tok_s"]
-    peer = None
-    shape = args.shape or Path(args.config_dir).name
     engine_info = _engine_info(engine)
     del engine
-    if args.peer:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        from metrale.bench.hf_peer import hf_generate_tok_s
-
-        peer = hf_generate_tok_s(
-            args.config_dir, 1, args.prompt_len, args.peer_tokens, device=args.device,
-            dtype=getattr(torch, _dtype_name(args)), try_compile=args.peer_compile,
-            compile_modes=tuple(args.peer_compile_modes.split(",")),
-        )  # fmt: skip
-        figures["vs_peer"] = figures["tok_s"] / peer["tok_s"]
-    path = write_record(
-        "latency", model_shape=shape, figures=figures, peer_figures=peer, device=args.device,
-        config={**vars_of(args), **engine_info}, out_dir=args.out_dir,
-    )  # fmt: skip
-    _print_table("latency", shape, figures, peer, path)
-    return figures
+    compile_args = {
+        "try_compile": args.peer_compile,
+        "compile_modes": tuple(args.peer_compile_modes.split(",")),
+    }
+    peer_shape = (1, args.prompt_len)
+    return _compare_and_record("latency", args, engine_info, figures, peer_shape, compile_args)
 
 
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,9 +139,27 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "preemptions": engine.scheduler.stats.preemptions_recompute
         + engine.scheduler.stats.preemptions_swap,
     }
-    shape = args.shape or Path(args.config_dir).name
     engine_info = _engine_info(engine)
     del engine
+    peer_shape = (args.peer_batch, (lo + hi) // 2)
+    return _compare_and_record(
+        "throughput", args, engine_info, figures, peer_shape, {"try_compile": False}
+    )
+
+
+def _compare_and_record(
+    kind: str,
+    args: argparse.Namespace,
+    engine_info: dict[str, Any],
+    figures: dict[str, Any],
+    peer_shape: tuple[int, int],
+    compile_args: dict[str, Any],
+) -> dict[str, Any]:
+    """With `--peer`, time the HF peer (`hf_generate_tok_s` at `peer_shape` = (batch, prompt
+    length) with `compile_args`, once the engine's memory is freed) and add `vs_peer`: the
+    run's rate (`tok_s` for latency, `output_tok_s` for throughput) over the peer's; then
+    write and print the record."""
+    shape = args.shape or Path(args.config_dir).name
     peer = None
     if args.peer:
         if torch.cuda.is_available():
@@ -162,15 +167,16 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         from metrale.bench.hf_peer import hf_generate_tok_s
 
         peer = hf_generate_tok_s(
-            args.config_dir, args.peer_batch, (lo + hi) // 2, args.peer_tokens, device=args.device,
-            dtype=getattr(torch, _dtype_name(args)), try_compile=False,
+            args.config_dir, *peer_shape, args.peer_tokens, device=args.device,
+            dtype=getattr(torch, _dtype_name(args)), **compile_args,
         )  # fmt: skip
-        figures["vs_peer"] = figures["output_tok_s"] / peer["tok_s"]
+        rate = "tok_s" if kind == "latency" else "output_tok_s"
+        figures["vs_peer"] = figures[rate] / peer["tok_s"]
     path = write_record(
-        "throughput", model_shape=shape, figures=figures, peer_figures=peer, device=args.device,
+        kind, model_shape=shape, figures=figures, peer_figures=peer, device=args.device,
         config={**vars_of(args), **engine_info}, out_dir=args.out_dir,
     )  # fmt: skip
-    _print_table("throughput", shape, figures, peer, path)
+    _print_table(kind, shape, figures, peer, path)
     return figures
 
 

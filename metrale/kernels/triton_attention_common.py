@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_options", "pdl_supported"]
+__all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enter", "pdl_options", "pdl_supported"]
 
 _LOG2E = 1.4426950408889634
 
@@ -53,6 +53,16 @@ def pdl_options(pdl: bool) -> dict[str, bool]:
     """Launch keywords for a kernel call: `launch_pdl` only when on (the interpreter and older
     parts never see it)."""
     return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A PDL kernel's opening (a no-op unless PDL): wait until the previous kernel's writes are
+    visible, then let the next kernel launch early. Kernels that can overlap more (GEMV) call
+    the two steps apart instead."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=8)
@@ -91,23 +101,9 @@ def _attend_tile(
     acc,
     m_i,
     l_i,
-    q,
-    k_ptr,
-    v_ptr,
-    table_row_ptr,
+    rows,
+    kv,
     tile,
-    q_pos,
-    row_ok,
-    seq_len,
-    window,
-    max_blocks,
-    kv_head,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    scale_log2,
-    offs_d,
-    d_mask,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
@@ -117,10 +113,16 @@ def _attend_tile(
 ):
     """One online-softmax step over the context tokens `tile*BLOCK_N ..` of one sequence.
 
-    Rows of `q` `[M, D]` sit at positions `q_pos` `[M]`; a row attends to keys at positions
-    `<= q_pos` (and `> q_pos - window` with a window). MASKED=False promises every key of the
-    tile is visible to every row (interior causal tiles), which skips the masking.
+    `rows` = `(q, q_pos, row_ok, offs_d, d_mask, scale_log2, window)`: rows of `q` `[M, D]`
+    (head-dim lanes `offs_d`) sit at positions `q_pos` `[M]`; a row attends to keys at positions
+    `<= q_pos` (and `> q_pos - window` with a window). `kv` = `(k_ptr, v_ptr, table_row_ptr,
+    seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)`: the sequence's paged K/V
+    for one KV head. MASKED=False promises every key of the tile is visible to every row
+    (interior causal tiles), which skips the masking. (Tuples keep each call site one line;
+    constexprs stay separate arguments: inside a tuple they would reach the helper as values.)
     """
+    q, q_pos, row_ok, offs_d, d_mask, scale_log2, window = rows
+    k_ptr, v_ptr, table_row_ptr, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch = kv
     k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     blk = k_pos // BLOCK_SIZE
     in_ctx = (k_pos < seq_len) & (blk < max_blocks)
@@ -153,6 +155,18 @@ def _attend_tile(
 # -------------------------------------------------------------------------------------------
 # KV write
 # -------------------------------------------------------------------------------------------
+
+
+def attention_strides(
+    q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, out: torch.Tensor
+) -> tuple[int, ...]:
+    """The strides the decode and prefill kernels take as one tuple argument (`strides`), in
+    their order: q (token, head), the caches (block, slot, head; V's equal K's), the block table
+    (row), out (token, head)."""
+    return (
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+    )  # fmt: skip
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

@@ -19,10 +19,10 @@ from metrale.kernels.triton_attention_common import (
     MIN_SPLIT_TOKENS,
     _attend_tile,
     _check_cache_pair,
-    gdc_launch_dependents,
-    gdc_wait,
+    attention_strides,
     interpreting,
     multiprocessor_count,
+    pdl_enter,
     pdl_options,
 )
 
@@ -41,14 +41,7 @@ def _decode_kernel(
     window,
     max_blocks,
     num_q_heads,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -64,12 +57,11 @@ def _decode_kernel(
     QUERY_LEN: tl.constexpr = 1,
     ROW_CHUNKS: tl.constexpr = 1,
 ):
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     # One program: sequence `row`, KV head, context split; all QUERY_LEN * GROUP query rows of
     # that KV head (in ROW_CHUNKS programs of BLOCK_H rows when they do not fit one). Q = 1
     # keeps the plain decode code: every QUERY_LEN > 1 / ROW_CHUNKS > 1 branch is constexpr.
-    if PDL:  # programmatic dependent launch: see triton_attention_common
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # programmatic dependent launch: see triton_attention_common
     row = tl.program_id(0)
     if ROW_CHUNKS == 1:
         kv_head = tl.program_id(1)
@@ -124,34 +116,11 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + row.to(tl.int64) * stride_bt
+    rows = (q, q_pos, h_mask, offs_d, d_mask, scale_log2, window)
+    kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
     for tile in range(t_begin, t_end):
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            table_row,
-            tile,
-            q_pos,
-            h_mask,
-            seq_len,
-            window,
-            max_blocks,
-            kv_head,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            scale_log2,
-            offs_d,
-            d_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            USE_WINDOW,
-            UPCAST,
-            IEEE,
+            acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, UPCAST, IEEE
         )
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -191,9 +160,7 @@ def _decode_combine_kernel(
     BLOCK_D: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -337,14 +304,7 @@ def decode_attention(
         sliding_window or 0,
         max_blocks,
         q_heads,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        attention_strides(q, k_cache, block_tables, out),
         GROUP=group,
         BLOCK_H=block_h,
         HEAD_DIM=head_dim,

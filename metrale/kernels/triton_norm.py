@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import gdc_launch_dependents, gdc_wait, pdl_options
+from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
 
 
 def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -42,6 +42,17 @@ def _norm_warps(block: int) -> int:
 
 
 @triton.jit
+def _store_rms_norm(out_ptr, row, h, dtype, w_ptr, cols, mask, eps, N: tl.constexpr):
+    """Store `weight * rms_norm(h)` at row `row` of the `[rows, N]` output: `h` the row in
+    float32, normalised and rounded to `dtype` (the input's) before the weight, as transformers
+    does."""
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
+    normed = (h * rstd).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,
     w_ptr,
@@ -54,9 +65,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)
     row = tl.program_id(0)
     x_off = (row // inner_rows).to(tl.int64) * stride_xo + (row % inner_rows).to(
         tl.int64
@@ -64,13 +73,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + x_off + cols, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    normed = (h * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row.to(tl.int64) * N + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    _store_rms_norm(out_ptr, row.to(tl.int64), x.to(tl.float32), x.dtype, w_ptr, cols, mask, eps, N)
 
 
 def rms_norm(
@@ -116,9 +119,7 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -127,10 +128,7 @@ def _add_rms_norm_kernel(
     summed = (r.to(tl.float32) + x.to(tl.float32)).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * N + cols, summed, mask=mask)
     h = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, 0) / N + eps)
-    normed = (h * rstd).to(summed.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    _store_rms_norm(out_ptr, row, h, summed.dtype, w_ptr, cols, mask, eps, N)
 
 
 def add_rms_norm(

@@ -15,6 +15,7 @@ from metrale.kernels.triton_attention_common import (
     _LOG2E,
     _attend_tile,
     _check_cache_pair,
+    attention_strides,
     interpreting,
 )
 
@@ -32,14 +33,7 @@ def _prefill_kernel(
     window,
     max_blocks,
     first_seq,
-    stride_qt,
-    stride_qh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ot,
-    stride_oh,
+    strides,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -51,6 +45,7 @@ def _prefill_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     q_tile = tl.program_id(0)
     seq = first_seq + tl.program_id(1)
     kv_head = tl.program_id(2)
@@ -81,6 +76,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     table_row = tables_ptr + seq.to(tl.int64) * stride_bt
+    rows = (q, q_pos, row_ok, offs_d, d_mask, scale_log2, window)
+    kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
     tile_end = tl.cdiv(last_pos + 1, BLOCK_N)
     if USE_WINDOW:
         masked_from = tl.maximum(first_pos - window + 1, 0) // BLOCK_N
@@ -89,61 +86,11 @@ def _prefill_kernel(
         masked_from = (first_pos + 1) // BLOCK_N
         for tile in range(0, masked_from):
             acc, m_i, l_i = _attend_tile(
-                acc,
-                m_i,
-                l_i,
-                q,
-                k_ptr,
-                v_ptr,
-                table_row,
-                tile,
-                q_pos,
-                row_ok,
-                seq_len,
-                window,
-                max_blocks,
-                kv_head,
-                stride_cb,
-                stride_cs,
-                stride_ch,
-                scale_log2,
-                offs_d,
-                d_mask,
-                BLOCK_SIZE,
-                BLOCK_N,
-                False,
-                USE_WINDOW,
-                UPCAST,
-                IEEE,
+                acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, UPCAST, IEEE
             )
     for tile in range(masked_from, tile_end):
         acc, m_i, l_i = _attend_tile(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k_ptr,
-            v_ptr,
-            table_row,
-            tile,
-            q_pos,
-            row_ok,
-            seq_len,
-            window,
-            max_blocks,
-            kv_head,
-            stride_cb,
-            stride_cs,
-            stride_ch,
-            scale_log2,
-            offs_d,
-            d_mask,
-            BLOCK_SIZE,
-            BLOCK_N,
-            True,
-            USE_WINDOW,
-            UPCAST,
-            IEEE,
+            acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, UPCAST, IEEE
         )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -208,14 +155,7 @@ def prefill_attention(
         sliding_window or 0,
         meta.block_tables.shape[1],
         first_seq,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        meta.block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
+        attention_strides(q, k_cache, meta.block_tables, out),
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),

@@ -30,8 +30,7 @@ import triton.language as tl
 
 from metrale.kernels.triton_attention_common import (
     _check_cache_pair,
-    gdc_launch_dependents,
-    gdc_wait,
+    pdl_enter,
     pdl_options,
 )
 
@@ -163,9 +162,7 @@ def _rotary_kernel(
     BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # programmatic dependent launch: see triton_attention_common
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl_enter(PDL)  # programmatic dependent launch: see triton_attention_common
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)

@@ -1,6 +1,6 @@
-"""Building blocks shared by the decoder families: RMSNorm, the gated MLP, and the paged
+"""Building blocks shared by the decoder families: RMSNorm, the gated MLP, the paged
 self-attention block (fused QKV projection; optional q/k norm, rotary and the KV write as one
-kernel op; attention).
+kernel op; attention), and the pre-norm decoder layer's frame (`PreNormLayer`).
 
 Owner: layers. Each block calls hot ops only through the `KernelOps` it was built with.
 
@@ -9,6 +9,8 @@ Invariants:
   `down_proj`, ...) except the fused `qkv_proj` and `gate_up_proj`, which the loader fills
   from the separate checkpoint tensors.
 - Attention reads and writes K/V only through the metadata's slots and block tables.
+- A `PreNormLayer` threads the residual stream the same way in every family: `pre_norm` on
+  entry, the fused residual add before the MLP, `(hidden, residual)` out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
+
+#: What a layer's mixer reads and writes: `(k_cache, v_cache)` for attention, the SSM pool's
+#: `(conv_states, ssm_states)` for a recurrent mixer, None for a layer that holds nothing.
+LayerCache = tuple[torch.Tensor, torch.Tensor] | None
+#: One attention layer's paged caches: `(k_cache, v_cache)`.
+KvCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +56,39 @@ def pre_norm(
     return norm.forward_add(x, residual)
 
 
+class PreNormLayer(nn.Module):
+    """A decoder layer's frame: `norm -> mixer -> fused residual-add norm -> MLP`.
+
+    Subclasses implement `mix` (attention, a recurrent mixer, or a block with no cache) and
+    keep their checkpoint's module names, given by `input_norm_name`, `post_norm_name` and
+    `mlp_name`; `post_norm_name = None` ends the layer after the mixer (Nemotron-H's blocks).
+    """
+
+    input_norm_name = "input_layernorm"
+    post_norm_name: str | None = "post_attention_layernorm"
+    mlp_name = "mlp"
+
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
+        hidden = self.mix(positions, hidden, meta, cache)
+        if self.post_norm_name is None:
+            return hidden, residual
+        hidden, residual = getattr(self, self.post_norm_name).forward_add(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up fused into one projection."""
 
@@ -68,35 +109,43 @@ class GatedMLP(nn.Module):
         )
 
 
-class PagedSelfAttention(nn.Module):
+class AttentionProjections(nn.Module):
+    """The head geometry and the two projections of a paged attention block: the fused
+    `qkv_proj` (`q_factor` 2: each query head carries an output gate of the same size) and
+    `o_proj`; `scale` is `head_dim ** -0.5`; the block's rotary table and kernel ops."""
+
     def __init__(
-        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
-    ) -> None:
+        self, cfg: ModelConfig, rotary: RotaryEmbedding | None, ops: KernelOps, o_bias: bool,
+        q_factor: int = 1,
+    ) -> None:  # fmt: skip
         super().__init__()
+        self.rotary = rotary
+        self.ops = ops
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, q_factor * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.scale = self.head_dim**-0.5
+
+
+class PagedSelfAttention(AttentionProjections):
+    def __init__(
+        self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
+    ) -> None:
+        super().__init__(cfg, rotary, ops, o_bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm = cfg.qk_norm
-        self.scale = self.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
-        self.rotary = rotary
-        self.ops = ops
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)

@@ -28,7 +28,7 @@ from torch import nn
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.mamba2 import Conv1dWeights
+from metrale.layers.mamba2 import Conv1dWeights, SsmState, recurrent_rows
 
 
 @dataclass(frozen=True)
@@ -120,16 +120,10 @@ class GatedDeltaNet(nn.Module):
             a.reshape(tokens, s.num_v_heads),
         )
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        state: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: SsmState) -> torch.Tensor:
         s = self.spec
         conv_states, ssm_states = state
-        if meta.ssm_slots is None or meta.ssm_slots_host is None:
-            raise ValueError("a gated delta net layer needs SSM slots in the batch metadata")
+        slots, prefill = recurrent_rows(meta, "gated delta net")
         tokens = x.shape[0]
         mixed, z, b, a = self._unpack(x)
         beta = b.sigmoid()
@@ -139,7 +133,6 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(tokens, s.num_v_heads, s.head_v_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode
         if nd:
-            slots = meta.ssm_slots[:nd]
             conv_out[:nd] = self.ops.causal_conv1d_update(
                 mixed[:nd], weight, None, conv_states, slots, s.activation
             )
@@ -147,11 +140,9 @@ class GatedDeltaNet(nn.Module):
             out[:nd] = self.ops.gated_delta_update(
                 q, k, v, g[:nd], beta[:nd], ssm_states, slots, use_qk_l2norm=True
             )
-        if nd < meta.num_seqs:
-            first = meta.query_start_loc_host[nd]
-            qsl = [q - first for q in meta.query_start_loc_host[nd:]]
-            slots_host = meta.ssm_slots_host[nd:]
-            initial = (meta.ssm_has_initial_state or [])[nd:]
+        if prefill is not None:
+            first, qsl = prefill.first, prefill.query_start_loc
+            slots_host, initial = prefill.slots, prefill.has_initial_state
             conv_out[first:] = self.ops.causal_conv1d_varlen(
                 mixed[first:], weight, None, conv_states, qsl, slots_host, initial, s.activation
             )

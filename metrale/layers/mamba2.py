@@ -87,6 +87,40 @@ class Conv1dWeights(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
+#: A recurrent layer's slot-pool tensors: `(conv_states, ssm_states)`.
+SsmState = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """The prefill chunks after a batch's decode rows: their first token row, each chunk's
+    start relative to it (`query_start_loc` rebased, one more entry than chunks), their slots
+    (host) and whether each continues a carried state."""
+
+    first: int
+    query_start_loc: list[int]
+    slots: list[int]
+    has_initial_state: list[bool]
+
+
+def recurrent_rows(meta: AttentionMetadata, layer: str) -> tuple[torch.Tensor, PrefillRows | None]:
+    """How a recurrent layer splits the batch: the slots of the `meta.num_decode` decode rows
+    (device), and the prefill chunks after them (None when there are none)."""
+    if meta.ssm_slots is None or meta.ssm_slots_host is None:
+        raise ValueError(f"a {layer} layer needs SSM slots in the batch metadata")
+    nd = meta.num_decode
+    if nd == meta.num_seqs:
+        return meta.ssm_slots[:nd], None
+    first = meta.query_start_loc_host[nd]
+    prefill = PrefillRows(
+        first=first,
+        query_start_loc=[q - first for q in meta.query_start_loc_host[nd:]],
+        slots=meta.ssm_slots_host[nd:],
+        has_initial_state=(meta.ssm_has_initial_state or [])[nd:],
+    )
+    return meta.ssm_slots[:nd], prefill
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, spec: Mamba2Spec, ops: KernelOps) -> None:
         super().__init__()
@@ -105,16 +139,10 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(i, spec.hidden_size, bias=spec.use_bias)
         self.ops = ops
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        state: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: SsmState) -> torch.Tensor:
         s = self.spec
         conv_states, ssm_states = state
-        if meta.ssm_slots is None or meta.ssm_slots_host is None:
-            raise ValueError("a Mamba-2 layer needs SSM slots in the batch metadata")
+        slots, prefill = recurrent_rows(meta, "Mamba-2")
         tokens = x.shape[0]
         gate, xbc, dt = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
@@ -123,7 +151,6 @@ class Mamba2Mixer(nn.Module):
         xbc_out = torch.empty_like(xbc)
         y = torch.empty(tokens, s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
         if nd:
-            slots = meta.ssm_slots[:nd]
             xbc_out[:nd] = self.ops.causal_conv1d_update(
                 xbc[:nd], weight, self.conv1d.bias, conv_states, slots, s.activation
             )
@@ -131,11 +158,9 @@ class Mamba2Mixer(nn.Module):
             y[:nd] = self.ops.mamba2_state_update(
                 xs, dt[:nd], a, b, c, self.D, self.dt_bias, ssm_states, slots
             ).float()
-        if nd < meta.num_seqs:
-            first = meta.query_start_loc_host[nd]
-            qsl = [q - first for q in meta.query_start_loc_host[nd:]]
-            slots_host = meta.ssm_slots_host[nd:]
-            initial = (meta.ssm_has_initial_state or [])[nd:]
+        if prefill is not None:
+            first, qsl = prefill.first, prefill.query_start_loc
+            slots_host, initial = prefill.slots, prefill.has_initial_state
             xbc_out[first:] = self.ops.causal_conv1d_varlen(
                 xbc[first:], weight, self.conv1d.bias, conv_states, qsl, slots_host, initial,
                 s.activation,

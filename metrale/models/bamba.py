@@ -17,19 +17,16 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
-from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
+from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
-from metrale.models.loader import WeightMapping, gate_up_shards, qkv_shards, rotary_and_tied_ignored
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
+from metrale.models.loader import WeightMapping, dense_weight_mapping
 
 #: transformers' BambaConfig forces this partial rotary factor.
 BAMBA_PARTIAL_ROTARY = 0.5
@@ -90,6 +87,10 @@ def _as_float(value: Any) -> float:
 
 
 class BambaLayer(HybridLayer):
+    post_norm_name = "pre_ff_layernorm"
+    mlp_name = "feed_forward"
+    mixer_names = {CacheKind.ATTENTION: "self_attn", CacheKind.RECURRENT: "mamba"}
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, attention: bool, rotary: RotaryEmbedding,
         ops: KernelOps,
@@ -108,28 +109,10 @@ class BambaLayer(HybridLayer):
             cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, ops
         )
 
-    def ssm_spec(self) -> SsmLayerSpec:
-        return self.mamba.spec.state_spec()
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        assert cache is not None
-        if self.attention:
-            hidden = self.self_attn(positions, hidden, meta, cache)
-        else:
-            hidden = self.mamba(hidden, meta, cache)
-        hidden, residual = self.pre_ff_layernorm.forward_add(hidden, residual)
-        return self.feed_forward(hidden), residual
-
 
 class BambaStack(HybridStack):
+    final_norm_name = "final_layernorm"
+
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int, source: str) -> None:
         super().__init__()
         attn = attention_layers(cfg.raw, cfg.num_hidden_layers, source)
@@ -140,12 +123,6 @@ class BambaStack(HybridStack):
         )
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.final_layernorm.forward_add(hidden, residual)[0]
-
 
 class BambaForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
@@ -154,13 +131,5 @@ class BambaForCausalLM(HybridForCausalLM):
         self.model = BambaStack(cfg, ops, max_positions, f"{cfg.architecture} config")
         self._add_lm_head()
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens  # type: ignore[return-value]
-
     def weight_mapping(self) -> WeightMapping:
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        return WeightMapping(
-            stacked=qkv_shards(q, kv) + gate_up_shards(c.intermediate_size),
-            ignored_suffixes=rotary_and_tied_ignored(self.tied),
-        )
+        return dense_weight_mapping(self.config, self.tied)

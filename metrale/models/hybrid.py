@@ -25,10 +25,9 @@ from torch import nn
 
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import LayerCache, PreNormLayer
 from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping
-
-LayerCache = tuple[torch.Tensor, torch.Tensor] | None
 
 
 class CacheKind(Enum):
@@ -37,36 +36,49 @@ class CacheKind(Enum):
     NONE = "none"
 
 
-class HybridLayer(nn.Module, ABC):
-    """One layer of a hybrid stack; subclasses set `cache_kind` and implement `forward`."""
+class HybridLayer(PreNormLayer):
+    """One layer of a hybrid stack (the frame around its mixer is `PreNormLayer`'s).
+    Subclasses set `cache_kind` and name, per kind, the submodule that mixes tokens
+    (`mixer_names`, checkpoint names): attention takes `(positions, x, meta, kv)`, a recurrent
+    mixer `(x, meta, state)` and exposes `spec.state_spec()`, a cacheless block `(x)`."""
 
     cache_kind: CacheKind = CacheKind.NONE
+    mixer_names: dict[CacheKind, str] = {
+        CacheKind.ATTENTION: "self_attn",
+        CacheKind.RECURRENT: "mixer",
+        CacheKind.NONE: "mixer",
+    }
 
     def ssm_spec(self) -> SsmLayerSpec:
-        raise TypeError(f"{type(self).__name__} holds no recurrent state")
+        if self.cache_kind is not CacheKind.RECURRENT:
+            raise TypeError(f"{type(self).__name__} holds no recurrent state")
+        return getattr(self, self.mixer_names[CacheKind.RECURRENT]).spec.state_spec()
 
-    @abstractmethod
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
+        mixer = getattr(self, self.mixer_names[self.cache_kind])
+        if self.cache_kind is CacheKind.NONE:
+            return mixer(x)
+        assert cache is not None
+        if self.cache_kind is CacheKind.RECURRENT:
+            return mixer(x, meta, cache)
+        return mixer(positions, x, meta, cache)
 
 
-class HybridStack(nn.Module, ABC):
-    """Embedding, layers, final norm. Subclasses name the embedding and the final norm as the
-    checkpoints do and implement `embed` and `final_norm`."""
+class HybridStack(nn.Module):
+    """Embedding, layers, final norm. Subclasses build them under the checkpoint's names, given
+    by `embed_name` and `final_norm_name` (a norm with `forward_add`)."""
 
     layers: nn.ModuleList
+    embed_name = "embed_tokens"
+    final_norm_name = "norm"
 
-    @abstractmethod
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.embed_name)(input_ids)
 
-    @abstractmethod
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.final_norm_name).forward_add(hidden, residual)[0]
 
     def forward(
         self,
@@ -129,8 +141,8 @@ class HybridForCausalLM(nn.Module, ABC):
             raise ValueError("a hybrid model's forward needs the SSM slot pool's layers")
         return self.model(input_ids, positions, meta, kv_caches, ssm_states)
 
-    @abstractmethod
-    def input_embeddings(self) -> nn.Embedding: ...
+    def input_embeddings(self) -> nn.Embedding:
+        return getattr(self.model, self.model.embed_name)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.input_embeddings().weight if self.tied else self.lm_head.weight

@@ -18,13 +18,13 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, PagedSelfAttention, RMSNorm, pre_norm
+from metrale.layers.common import GatedMLP, LayerCache, PagedSelfAttention, PreNormLayer, RMSNorm
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
-from metrale.models.loader import WeightMapping, gate_up_shards, qkv_shards, rotary_and_tied_ignored
+from metrale.models.loader import WeightMapping, dense_weight_mapping
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormLayer):
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
     ) -> None:
@@ -37,18 +37,11 @@ class DecoderLayer(nn.Module):
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: KernelOps) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, ops)
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, kv)
-        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
-        return self.mlp(hidden), residual
+    def mix(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
+    ) -> torch.Tensor:
+        assert cache is not None
+        return self.self_attn(positions, x, meta, cache)
 
 
 class DecoderStack(nn.Module):
@@ -112,9 +105,4 @@ class LlamaForCausalLM(nn.Module):
         return self.ops.linear(hidden, weight)
 
     def weight_mapping(self) -> WeightMapping:
-        c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        return WeightMapping(
-            stacked=qkv_shards(q, kv) + gate_up_shards(c.intermediate_size),
-            ignored_suffixes=rotary_and_tied_ignored(self.tied),
-        )
+        return dense_weight_mapping(self.config, self.tied)

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from metrale.errors import CheckpointError
+from metrale.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +111,11 @@ class WeightMapping:
     rename: Callable[[str], str] | None = None
 
 
-def qkv_shards(q_rows: int, kv_rows: int) -> list[StackedShard]:
-    """Separate q/k/v projections into the fused `qkv_proj` (q first, then k, then v)."""
+def qkv_shards(cfg: ModelConfig, q_factor: int = 1) -> list[StackedShard]:
+    """Separate q/k/v projections into the fused `qkv_proj` (q first, then k, then v), sized
+    by the config's heads; `q_factor` 2: each q head carries an output gate (twice the rows)."""
+    q_rows = q_factor * cfg.num_attention_heads * cfg.head_dim
+    kv_rows = cfg.num_key_value_heads * cfg.head_dim
     return [
         StackedShard("qkv_proj", "q_proj", 0, q_rows),
         StackedShard("qkv_proj", "k_proj", q_rows, kv_rows),
@@ -133,6 +137,15 @@ def rotary_and_tied_ignored(tied: bool) -> dict[str, str]:
     if tied:
         ignored["lm_head.weight"] = "tied to the embeddings"
     return ignored
+
+
+def dense_weight_mapping(cfg: ModelConfig, tied: bool) -> WeightMapping:
+    """The mapping of a decoder whose layers hold fused `qkv_proj` and `gate_up_proj` only
+    (the dense family, Bamba)."""
+    return WeightMapping(
+        stacked=qkv_shards(cfg) + gate_up_shards(cfg.intermediate_size),
+        ignored_suffixes=rotary_and_tied_ignored(tied),
+    )
 
 
 def load_weights(

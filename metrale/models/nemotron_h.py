@@ -20,18 +20,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
-from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import PagedSelfAttention, RMSNorm, pre_norm
+from metrale.layers.common import PagedSelfAttention, RMSNorm
 from metrale.layers.mamba2 import Mamba2Mixer, Mamba2Spec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards
 
 PATTERN_CHARS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -121,6 +118,10 @@ def moe_block(cfg: ModelConfig, ops: KernelOps, source: str) -> SparseMoeBlock:
 
 
 class NemotronHBlock(HybridLayer):
+    input_norm_name = "norm"
+    post_norm_name = None  # one mixer per block: attention, Mamba-2, MLP or MoE
+    mixer_names = dict.fromkeys(CacheKind, "mixer")
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, ops: KernelOps, source: str
     ) -> None:
@@ -143,29 +144,11 @@ class NemotronHBlock(HybridLayer):
         else:
             self.mixer = moe_block(cfg, ops, source)
 
-    def ssm_spec(self) -> SsmLayerSpec:
-        assert isinstance(self.mixer, Mamba2Mixer)
-        return self.mixer.spec.state_spec()
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.norm, hidden, residual)
-        if self.kind == "mamba":
-            assert cache is not None
-            return self.mixer(hidden, meta, cache), residual
-        if self.kind == "attention":
-            assert cache is not None
-            return self.mixer(positions, hidden, meta, cache), residual
-        return self.mixer(hidden), residual
-
 
 class NemotronHStack(HybridStack):
+    embed_name = "embeddings"
+    final_norm_name = "norm_f"
+
     def __init__(self, cfg: ModelConfig, ops: KernelOps, source: str) -> None:
         super().__init__()
         kinds = block_types(cfg.raw, source)
@@ -175,12 +158,6 @@ class NemotronHStack(HybridStack):
         )
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embeddings(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm_f.forward_add(hidden, residual)[0]
-
 
 class NemotronHForCausalLM(HybridForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
@@ -189,15 +166,11 @@ class NemotronHForCausalLM(HybridForCausalLM):
         self.model = NemotronHStack(cfg, ops, f"{cfg.architecture} config")
         self._add_lm_head()
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embeddings  # type: ignore[return-value]
-
     def weight_mapping(self) -> WeightMapping:
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(_get(c.raw, "moe_intermediate_size", default=7688))
         return WeightMapping(
-            stacked=qkv_shards(q, kv),
+            stacked=qkv_shards(c),
             experts=[
                 ExpertShard("up_proj", "up_proj", 0, moe_inter),
                 ExpertShard("down_proj", "down_proj", 0, c.hidden_size),

@@ -24,16 +24,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import pre_norm
+from metrale.layers.common import AttentionProjections, KvCache
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
-from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack, LayerCache
+from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards, rotary_and_tied_ignored
 from metrale.models.moe import moe_intermediate
 
@@ -102,34 +101,18 @@ def delta_spec(cfg: ModelConfig) -> GatedDeltaSpec:
     )
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(AttentionProjections):
     """Paged self-attention with Qwen3-Next's output gate and (1 + w) q/k norms."""
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, ops: KernelOps
     ) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        super().__init__(cfg, rotary, ops, o_bias=cfg.attention_bias, q_factor=2)
         self.q_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = OffsetRMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.scale = self.head_dim**-0.5
-        self.rotary = rotary
-        self.ops = ops
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -146,6 +129,8 @@ class GatedAttention(nn.Module):
 
 
 class Qwen3NextLayer(HybridLayer):
+    mixer_names = {CacheKind.ATTENTION: "self_attn", CacheKind.RECURRENT: "linear_attn"}
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, kind: str, rotary: RotaryEmbedding,
         ops: KernelOps,
@@ -185,26 +170,6 @@ class Qwen3NextLayer(HybridLayer):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, True, cfg.hidden_act)
 
-    def ssm_spec(self) -> SsmLayerSpec:
-        return self.linear_attn.spec.state_spec()
-
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        assert cache is not None
-        if self.kind == "linear_attention":
-            hidden = self.linear_attn(hidden, meta, cache)
-        else:
-            hidden = self.self_attn(positions, hidden, meta, cache)
-        hidden, residual = self.post_attention_layernorm.forward_add(hidden, residual)
-        return self.mlp(hidden), residual
-
 
 class Qwen3NextStack(HybridStack):
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int, source: str) -> None:
@@ -216,12 +181,6 @@ class Qwen3NextStack(HybridStack):
             [Qwen3NextLayer(cfg, i, kind, self.rotary, ops) for i, kind in enumerate(kinds)]
         )
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.norm.forward_add(hidden, residual)[0]
 
 
 class Qwen3NextMTP(nn.Module):
@@ -258,15 +217,11 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def has_mtp(self) -> bool:
         return hasattr(self, "mtp")
 
-    def input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens  # type: ignore[return-value]
-
     def weight_mapping(self) -> WeightMapping:
         c = self.config
-        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         moe_inter = int(c.raw.get("moe_intermediate_size") or 0)
         return WeightMapping(
-            stacked=qkv_shards(2 * q, kv),  # q carries its output gate: twice the rows
+            stacked=qkv_shards(c, q_factor=2),  # q carries its output gate
             experts=[
                 ExpertShard("gate_up_proj", "gate_proj", 0, moe_inter),
                 ExpertShard("gate_up_proj", "up_proj", moe_inter, moe_inter),

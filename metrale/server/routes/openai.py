@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,34 @@ async def _error_frames(exc: BaseException) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
+Outputs = AsyncIterator[tuple[int, RequestOutput]]
+
+
+async def _event_stream(
+    job: _Job,
+    frames: Callable[[Outputs], AsyncIterator[str]],
+    usage_chunk: Callable[[], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    """A streaming response: the frames `frames` makes of the job's merged outputs, then the
+    usage chunk when the request asks for one, then `[DONE]`; on any error an error frame and
+    `[DONE]` instead of the rest. The merged streams and the job close however it ends."""
+    merged = merge_streams(job.streams)
+    body = frames(merged)
+    try:
+        async for frame in body:
+            yield frame
+        if usage_chunk is not None:
+            yield sse(usage_chunk())
+        yield sse("[DONE]")
+    except (MetraleError, Exception) as exc:
+        async for frame in _error_frames(exc):
+            yield frame
+    finally:
+        await body.aclose()
+        await merged.aclose()
+        job.close()
+
+
 async def _collect(request: Request, job: _Job) -> None:
     try:
         await until_disconnected(request, job.run_to_end())
@@ -260,63 +288,59 @@ class _CompletionView:
         body["usage"] = self.job.usage(count_completion=not self.echo_only)
         return body
 
-    async def events(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[str]:
+        usage = self._usage_chunk if self.req.include_usage else None
+        return _event_stream(self.job, self._frames, usage)
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        final = self._envelope([])
+        final["usage"] = self.job.usage(count_completion=not self.echo_only)
+        return final
+
+    async def _frames(self, merged: Outputs) -> AsyncIterator[str]:
         job = self.job
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         builders: dict[int, CompletionLogprobs | None] = {}
         done: set[int] = set()
-        merged = merge_streams(job.streams)
-        try:
-            async for prompt, output in merged:
-                job.record(prompt, output)
-                for choice in output.outputs:
-                    index = prompt * job.n + choice.index
-                    if index in done:
-                        continue
-                    first = index not in builders
-                    if first:
-                        builders[index] = self._logprobs()
-                    builder = builders[index]
-                    text = self._prompt_text(prompt) if first and self.echo else ""
-                    block = (
-                        self._echo_block(builder, prompt, output)
-                        if first and self.echo and builder is not None
-                        else None
-                    )
-                    if not self.echo_only:
-                        start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                        text += choice.text[start_t:]
-                        if builder is not None and (text or choice.finished):
-                            new = builder.block(
-                                choice.token_ids[start_k:], (choice.logprobs or [])[start_k:]
-                            )
-                            block = new if block is None else merge_completion_logprobs(block, new)
-                    reason = self._finish(choice)
-                    if not text and reason is None:
-                        continue  # nothing visible yet (held back for a possible stop string)
-                    sent_text[index] = len(choice.text)
-                    sent_tokens[index] = len(choice.token_ids)
-                    chunk = self._envelope(
-                        [{"index": index, "text": text, "logprobs": block, "finish_reason": reason}]
-                    )
-                    if reason is not None:
-                        done.add(index)
-                        last = job.all_finished() and len(done) == len(job.finals) * job.n
-                        if last and not self.req.include_usage:
-                            chunk["usage"] = job.usage(count_completion=not self.echo_only)
-                    yield sse(chunk)
-            if self.req.include_usage:
-                final = self._envelope([])
-                final["usage"] = job.usage(count_completion=not self.echo_only)
-                yield sse(final)
-            yield sse("[DONE]")
-        except (MetraleError, Exception) as exc:
-            async for frame in _error_frames(exc):
-                yield frame
-        finally:
-            await merged.aclose()
-            job.close()
+        async for prompt, output in merged:
+            job.record(prompt, output)
+            for choice in output.outputs:
+                index = prompt * job.n + choice.index
+                if index in done:
+                    continue
+                first = index not in builders
+                if first:
+                    builders[index] = self._logprobs()
+                builder = builders[index]
+                text = self._prompt_text(prompt) if first and self.echo else ""
+                block = (
+                    self._echo_block(builder, prompt, output)
+                    if first and self.echo and builder is not None
+                    else None
+                )
+                if not self.echo_only:
+                    start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    text += choice.text[start_t:]
+                    if builder is not None and (text or choice.finished):
+                        new = builder.block(
+                            choice.token_ids[start_k:], (choice.logprobs or [])[start_k:]
+                        )
+                        block = new if block is None else merge_completion_logprobs(block, new)
+                reason = self._finish(choice)
+                if not text and reason is None:
+                    continue  # nothing visible yet (held back for a possible stop string)
+                sent_text[index] = len(choice.text)
+                sent_tokens[index] = len(choice.token_ids)
+                chunk = self._envelope(
+                    [{"index": index, "text": text, "logprobs": block, "finish_reason": reason}]
+                )
+                if reason is not None:
+                    done.add(index)
+                    last = job.all_finished() and len(done) == len(job.finals) * job.n
+                    if last and not self.req.include_usage:
+                        chunk["usage"] = job.usage(count_completion=not self.echo_only)
+                yield sse(chunk)
 
 
 # ------------------------------------------------------------------- chat completions
@@ -396,51 +420,45 @@ class _ChatView:
         choice.update(extra)
         return self._envelope("chat.completion.chunk", [choice])
 
-    async def events(self) -> AsyncIterator[str]:
+    def events(self) -> AsyncIterator[str]:
+        usage = self._usage_chunk if self.req.include_usage else None
+        return _event_stream(self.job, self._frames, usage)
+
+    def _usage_chunk(self) -> dict[str, Any]:
+        final = self._envelope("chat.completion.chunk", [])
+        final["usage"] = self.job.usage()
+        return final
+
+    async def _frames(self, merged: Outputs) -> AsyncIterator[str]:
         job = self.job
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
-        merged = merge_streams(job.streams)
-        try:
-            for index in range(job.n):
-                yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
-            async for prompt, output in merged:
-                job.record(prompt, output)
-                for choice in output.outputs:
-                    index = choice.index
-                    if index in done:
-                        continue
-                    start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    delta = choice.text[start_t:]
-                    if delta:
-                        sent_text[index] = len(choice.text)
-                        sent_tokens[index] = len(choice.token_ids)
-                        yield sse(
-                            self._chunk(
-                                index, {"content": delta}, logprobs=self._logprobs(choice, start_k)
-                            )
+        for index in range(job.n):
+            yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
+        async for prompt, output in merged:
+            job.record(prompt, output)
+            for choice in output.outputs:
+                index = choice.index
+                if index in done:
+                    continue
+                start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta = choice.text[start_t:]
+                if delta:
+                    sent_text[index] = len(choice.text)
+                    sent_tokens[index] = len(choice.token_ids)
+                    yield sse(
+                        self._chunk(
+                            index, {"content": delta}, logprobs=self._logprobs(choice, start_k)
                         )
-                    if choice.finished:
-                        done.add(index)
-                        extra: dict[str, Any] = {
-                            "finish_reason": finish_reason(choice.finish_reason)
-                        }
-                        trailing = self._logprobs(choice, sent_tokens.get(index, 0))
-                        if trailing and trailing["content"]:
-                            extra["logprobs"] = trailing
-                        chunk = self._chunk(index, {}, **extra)
-                        if len(done) == job.n and not self.req.include_usage:
-                            chunk["usage"] = job.usage()
-                        yield sse(chunk)
-            if self.req.include_usage:
-                final = self._envelope("chat.completion.chunk", [])
-                final["usage"] = job.usage()
-                yield sse(final)
-            yield sse("[DONE]")
-        except (MetraleError, Exception) as exc:
-            async for frame in _error_frames(exc):
-                yield frame
-        finally:
-            await merged.aclose()
-            job.close()
+                    )
+                if choice.finished:
+                    done.add(index)
+                    extra: dict[str, Any] = {"finish_reason": finish_reason(choice.finish_reason)}
+                    trailing = self._logprobs(choice, sent_tokens.get(index, 0))
+                    if trailing and trailing["content"]:
+                        extra["logprobs"] = trailing
+                    chunk = self._chunk(index, {}, **extra)
+                    if len(done) == job.n and not self.req.include_usage:
+                        chunk["usage"] = job.usage()
+                    yield sse(chunk)
