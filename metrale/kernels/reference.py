@@ -174,7 +174,7 @@ def rotary_embedding(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` by `positions` `[T]` with the layer's table
     `cos_sin` `[max_positions, 2, rotary_dim // 2]` (rotate-half layout; dims past
-    `rotary_dim` pass through). `metrale.layers.rotary.RotaryEmbedding.forward` calls this."""
+    `rotary_dim` pass through). The math of `metrale.layers.rotary.RotaryEmbedding.forward`."""
     table = cos_sin.index_select(0, positions)
     cos = table[:, 0].unsqueeze(1)
     sin = table[:, 1].unsqueeze(1)
