@@ -64,7 +64,7 @@ class SampledBatch:
     _copied: torch.cuda.Event | None = None
 
     def _packed(self) -> Tensor:
-        if self.packed is not None:  # only `sample`'s greedy kernel path: no emitted column
+        if self.packed is not None:  # the greedy kernel paths (verify's with its emitted column)
             return self.packed
         columns = [
             self.token_ids.unsqueeze(1),

@@ -67,6 +67,7 @@ from metrale.sampling.sampler import (
     _finish,
     _greedy,
     _inverse_cdf,
+    _plain_greedy,
     _probabilities,
     row_uniform,
 )
@@ -120,6 +121,8 @@ def verify(
         empty = sampler.sample(logits, [])
         empty.emitted = torch.empty(0, dtype=torch.bool, device=device)
         return empty
+    if sampler._ops is not None and all(map(_plain_greedy, rows)):
+        return _verify_plain_greedy(sampler, logits, drafts)
 
     # Host layout: one expanded row per position, its draft (0 at the bonus), its row's start.
     expanded: list[SamplingRow] = []
@@ -178,12 +181,7 @@ def verify(
             ):
                 out.index_copy_(0, index, part)
 
-    # A position is emitted iff no position of its row before it was rejected (bonus
-    # positions count as rejected: they end their row).
-    rejected = (~accepted).to(torch.int64)
-    before = rejected.cumsum(0) - rejected
-    row_start = before.index_select(0, to_device(starts, torch.int64, device))
-    emitted = before == row_start
+    emitted = _emitted(accepted, to_device(starts, torch.int64, device))
 
     top_counts = [row.params.logprobs or 0 for row in expanded]
     max_top = min(max(top_counts), vocab)
@@ -231,6 +229,52 @@ def _verify_greedy(
     token_ids, samplable = _greedy(x, sampler._ops)
     accepted = drafted & samplable & greedy_accepts(token_ids, draft_ids)
     return token_ids, accepted, samplable
+
+
+def _verify_plain_greedy(
+    sampler: Sampler, logits: Tensor, drafts: Sequence[Sequence[int]]
+) -> SampledBatch:
+    """Every row greedy with nothing processing its logits and no alternatives asked for
+    (`sample`'s one-kernel case, per position): one `greedy_logprobs` launch gives each
+    position's token (the raw argmax), its logprob, rank and samplable flag, already packed;
+    the drafts are accepted where they equal it. Same tokens as the general path."""
+    assert sampler._ops is not None
+    vocab = logits.shape[1]
+    draft_at: list[int] = []
+    starts: list[int] = []
+    for i, draft in enumerate(drafts):
+        tokens = [int(t) for t in draft]
+        if any(t < 0 or t >= vocab for t in tokens):
+            raise MetraleError(f"verify got a draft token outside [0, {vocab}) in row {i}")
+        starts.extend([len(draft_at)] * (len(tokens) + 1))
+        draft_at.extend(tokens)
+        draft_at.append(-1)  # the bonus position: never accepted
+    device = logits.device
+    token_ids, packed = sampler._ops.greedy_logprobs(logits)
+    draft_ids = to_device(draft_at, torch.int64, device)
+    samplable = packed[:, 3] > 0
+    accepted = (draft_ids >= 0) & samplable & greedy_accepts(token_ids, draft_ids)
+    emitted = _emitted(accepted, to_device(starts, torch.int64, device))
+    return SampledBatch(
+        token_ids=token_ids,
+        logprobs=packed[:, 1],
+        ranks=packed[:, 2],
+        samplable=samplable,
+        top_token_ids=None,
+        top_logprobs=None,
+        top_counts=[0] * len(draft_at),
+        packed=torch.cat([packed, emitted.unsqueeze(1).to(packed.dtype)], dim=1),
+        emitted=emitted,
+    )
+
+
+def _emitted(accepted: Tensor, row_starts: Tensor) -> Tensor:
+    """A position is emitted iff no position of its row before it was rejected (bonus
+    positions count as rejected: they end their row). `row_starts`: per position, the first
+    position of its row."""
+    rejected = (~accepted).to(torch.int64)
+    before = rejected.cumsum(0) - rejected
+    return before == before.index_select(0, row_starts)
 
 
 def greedy_accepts(token_ids: Tensor, draft_ids: Tensor) -> Tensor:

@@ -580,3 +580,45 @@ def test_seeded_verify_agrees_across_device_types() -> None:
     for position, token in enumerate(gpu.token_ids):
         reference = torch.log_softmax(logits[position].double(), dim=-1)
         assert gpu.logprobs[position] == pytest.approx(float(reference[token]), abs=1e-4)
+
+
+def test_plain_greedy_rows_take_one_kernel_and_match_the_general_path() -> None:
+    """Greedy rows with nothing processing their logits and no alternatives asked for go
+    through `ops.greedy_logprobs` (one launch over every position); tokens, acceptance,
+    emission, logprobs and ranks equal the general path's."""
+    from metrale.kernels import kernels_for
+
+    ops = kernels_for(torch.device("cpu"))
+    logits = _logits(4 + 1 + 6, 40, seed=21)
+    argmax = logits.argmax(dim=-1).tolist()
+    wrong = (argmax[8] + 1) % 40
+    drafts = [[argmax[0], (argmax[1] + 1) % 40, 7], [], [argmax[5], argmax[6], argmax[7], wrong, 9]]
+    rows = [SamplingRow(SamplingParams(temperature=0)) for _ in drafts]
+    calls: list[int] = []
+    original = ops.greedy_logprobs
+
+    def counted(x: torch.Tensor):  # type: ignore[no-untyped-def]
+        calls.append(x.shape[0])
+        return original(x)
+
+    object.__setattr__(ops, "greedy_logprobs", counted)
+    fast = Sampler(ops=ops).verify(logits, rows, drafts).to_host()
+    general = Sampler().verify(logits, rows, drafts).to_host()
+    assert calls == [logits.shape[0]]
+    assert fast.emitted == general.emitted
+    assert (
+        _per_row(fast, drafts)
+        == _per_row(general, drafts)
+        == [
+            [argmax[0], argmax[1]],
+            [argmax[4]],
+            [argmax[5], argmax[6], argmax[7], argmax[8]],
+        ]
+    )
+    assert fast.ranks == general.ranks
+    for a, b in zip(fast.logprobs, general.logprobs, strict=True):
+        assert math.isclose(a, b, abs_tol=1e-5)
+    # Asking for alternatives (or a penalty) takes the general path.
+    rows_lp = [SamplingRow(SamplingParams(temperature=0, logprobs=1)) for _ in drafts]
+    Sampler(ops=ops).verify(logits, rows_lp, drafts)
+    assert calls == [logits.shape[0]]
