@@ -8,7 +8,7 @@ import torch
 
 from metrale import LLM, SamplingParams
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
-from tests.helpers.parity import mixed_prompts
+from tests.helpers.parity import count_identical_or_near_ties, mixed_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -38,15 +38,7 @@ def test_cuda_greedy_tracks_cpu_float32(dtype: str) -> None:
     prompts = [cpu.get_tokenizer().encode(p) for p in tok_prompts]
     ref = cpu.generate(prompts, PARAMS)
     got = gpu.generate(prompts, PARAMS)
-    identical = 0
-    for r, g in zip(ref, got, strict=True):
-        rt, gt = r.outputs[0].token_ids, g.outputs[0].token_ids
-        if rt == gt:
-            identical += 1
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(rt, gt)) if a != b)
-        top5 = set(r.outputs[0].logprobs[first].keys())
-        assert gt[first] in top5, f"GPU token {gt[first]} not in the CPU top-5 {top5} at {first}"
+    identical = count_identical_or_near_ties(ref, got)
     print(f"{dtype}: {identical}/{len(prompts)} prompts identical over {NEW} tokens")
     # bfloat16 activations round differently from the CPU's float32 at every layer, so only
     # the float32 GPU path is held to 90% identical; both must keep the CPU's top-5.

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from metrale import LLM, SamplingParams
+from tests.helpers.parity import count_identical_or_near_ties
 from tests.helpers.spec import ScriptedProposer
 
 pytestmark = pytest.mark.gpu
@@ -49,15 +50,7 @@ def test_cuda_verify_graphs_keep_greedy_tokens(dtype: str) -> None:
     assert runner.replays > before
     stats = on.engine.spec_stats
     assert stats.num_accepted_tokens > 0
-    identical = 0
-    for r, g in zip(ref, got, strict=True):
-        rt, gt = r.outputs[0].token_ids, g.outputs[0].token_ids
-        if rt == gt:
-            identical += 1
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(rt, gt)) if a != b)
-        top5 = set(r.outputs[0].logprobs[first].keys())
-        assert gt[first] in top5, f"verify token {gt[first]} not in the top-5 {top5} at {first}"
+    identical = count_identical_or_near_ties(ref, got)
     print(
         f"{dtype}: {identical}/{len(prompts)} prompts identical over {NEW} tokens; "
         f"acceptance {stats.acceptance_rate:.2f}, {stats.verify_steps} verify steps"

@@ -73,3 +73,21 @@ def mixed_prompts(count: int = 8, seed: int = 1, vocab: int = 512) -> list[list[
     lengths = [1, 3, 9, 17, 33, 64, 120, 200, 48, 5, 150, 31][:count]
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(6, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def count_identical_or_near_ties(ref: list[RequestOutput], got: list[RequestOutput]) -> int:
+    """How many outputs of `got` equal `ref`'s tokens; asserts that every other one first
+    diverges at a near tie: on a token among `ref`'s top alternatives there (`ref` must have
+    asked for logprobs)."""
+    identical = 0
+    for r, g in zip(ref, got, strict=True):
+        rt, gt = r.outputs[0].token_ids, g.outputs[0].token_ids
+        if rt == gt:
+            identical += 1
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(rt, gt)) if a != b)
+        logprobs = r.outputs[0].logprobs
+        assert logprobs is not None, "the reference needs logprobs"
+        top = set(logprobs[first].keys())
+        assert gt[first] in top, f"token {gt[first]} not in the reference's top {top} at {first}"
+    return identical
