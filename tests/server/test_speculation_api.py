@@ -296,3 +296,53 @@ def test_spec_counters_cross_the_snapshot_into_the_exposition(
         ("row", "off"): 3,
         ("row", "on"): 4,
     }
+
+
+# ------------------------------------------------------------------ speculation on
+
+
+def test_a_speculating_server_keeps_greedy_text_and_counts_its_drafts(checkpoint: Path) -> None:
+    """A server with `speculative_config`: the same greedy completions as without it, an
+    opted-out request among them, and the counters on `/metrics` move."""
+    text = "x = 1\ny = 2\n" * 6
+    body = {"prompt": text, "max_tokens": 24, "temperature": 0}
+
+    def serve(spec: dict[str, Any] | None) -> tuple[list[dict[str, Any]], str]:
+        config = EngineConfig(
+            model=str(checkpoint), device="cpu", num_kv_blocks=64, speculative_config=spec
+        )
+        handle = AsyncEngine(Engine(config))
+        handle.start()
+        try:
+            app = create_app(handle)
+            replies = _requests(
+                app,
+                [
+                    ("/v1/completions", body, {}),
+                    ("/v1/completions", {**body, "speculative": False}, {}),
+                ],
+            )
+
+            async def scrape() -> str:
+                transport = httpx.ASGITransport(app=app)
+                async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                    return (await c.get("/metrics")).text
+
+            handle.snapshot()
+            metrics = asyncio.run(scrape())
+        finally:
+            handle.shutdown()
+        assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+        return [r.json() for r in replies], metrics
+
+    off, _ = serve(None)
+    on, metrics = serve({"method": "ngram", "num_speculative_tokens": 3, "gate": "off"})
+    texts_off = [r["choices"][0]["text"] for r in off]
+    assert [r["choices"][0]["text"] for r in on] == texts_off
+    values = {
+        s.name: s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert values["metrale_spec_decode_num_draft_tokens_total"] > 0
+    assert values["metrale_spec_decode_verify_steps_total"] > 0

@@ -420,3 +420,31 @@ def test_verify_through_the_graph_runner_body_matches() -> None:
     assert runner.replays == 0  # uncaptured: the bodies ran eagerly
     assert llm.engine.spec_stats.num_accepted_tokens > 0
     assert_no_leaks(llm.engine)
+
+
+class WrongProposer(ScriptedProposer):
+    """Drafts that are never the model's choice: every row loses by speculating."""
+
+    def __init__(self) -> None:
+        super().__init__({}, wrong=1.0)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        self.calls += 1
+        return [[(r.tokens[-1] * 7 + j) % 500 + 6 for j in range(r.max_drafts)] for r in requests]
+
+
+def test_the_gate_turns_off_rows_whose_drafts_never_pay() -> None:
+    ps = prompts(3, seed=90)
+    path = str(build(LLAMA))
+    ref = LLM(path, device="cpu").generate(ps, greedy(60))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "gate": "auto",
+            "gate_probe_tokens": 1000}  # fmt: skip
+    llm = LLM(path, device="cpu", speculative_config=spec, proposer=WrongProposer())
+    assert_same(ref, llm.generate(ps, greedy(60)))
+    engine = llm.engine
+    gate = engine.speculation.gate
+    assert gate is not None and gate.counters["row_off"] == len(ps)
+    # Each row stopped after the gate's minimum of verdicts, not after 60 tokens of them.
+    assert engine.spec_stats.num_drafts <= len(ps) * gate.min_verifies
+    assert engine.spec_stats.num_accepted_tokens == 0
+    assert_no_leaks(engine)
