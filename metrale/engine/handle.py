@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import copy
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Generic, Protocol, TypeVar
@@ -209,7 +210,7 @@ class Submission:
     loop: asyncio.AbstractEventLoop
 
 
-class HandleBase(Generic[E]):
+class HandleBase(ABC, Generic[E]):
     """The rules both transports share; a transport implements the abstract hooks."""
 
     def __init__(self) -> None:
@@ -221,26 +222,28 @@ class HandleBase(Generic[E]):
 
     # ------------------------------------------------------------- transport hooks
 
+    @abstractmethod
     def _stream_of(self, entry: E) -> RequestStream:
-        raise NotImplementedError
+        """The stream of an open request's entry."""
 
+    @abstractmethod
     def _enqueue_add(self, submission: Submission) -> None:
         """Send the add to the engine (raises the refusal when no request may be added)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
         """Under `_lock`: remove and return the adds the engine has not answered yet."""
-        raise NotImplementedError
 
     def _forget_dead(self, request_id: str) -> None:
         """After death: release what the engine may still hold for `request_id`."""
 
+    @abstractmethod
     def _mark_dead(self) -> None:
         """After death: the snapshot says the engine is not alive."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _submit_abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Tell the engine to abort `request_id` (and stop routing its outputs)."""
 
     # ----------------------------------------------------------------- lifecycle
 

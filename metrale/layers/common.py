@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -56,7 +58,7 @@ def pre_norm(
     return norm.forward_add(x, residual)
 
 
-class PreNormLayer(nn.Module):
+class PreNormLayer(nn.Module, ABC):
     """A decoder layer's frame: `norm -> mixer -> fused residual-add norm -> MLP`.
 
     Subclasses implement `mix` (attention, a recurrent mixer, or a block with no cache) and
@@ -68,10 +70,11 @@ class PreNormLayer(nn.Module):
     post_norm_name: str | None = "post_attention_layernorm"
     mlp_name = "mlp"
 
+    @abstractmethod
     def mix(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, cache: LayerCache
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer's mixer on the pre-normed hidden rows."""
 
     def forward(
         self,

@@ -131,11 +131,8 @@ class VerifyForwards:
             for t, d, s in zip(decode_tokens, drafts, seqs)
         ]
         self._advance(rows)
-        for s in seqs:  # the padding's blocks: nothing past seq_len is kept
-            keep = blocks_for(s.seq_len, self.block_size)
-            if len(s.block_table) > keep:
-                self.block_pool.decref(s.block_table[keep:])
-                del s.block_table[keep:]
+        for s in seqs:
+            self._release_blocks_past_seq_len(s)  # the padding's
         return selected
 
     def decode_verify(
@@ -184,6 +181,11 @@ class VerifyForwards:
             seq.seq_len -= drop
             del seq.tokens[seq.seq_len :]
             seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
+        self._release_blocks_past_seq_len(seq)
+
+    def _release_blocks_past_seq_len(self, seq: SequenceState) -> None:
+        """Return the blocks past the ones `seq_len` fills; only a verify (its rejected
+        drafts or its padding) can have allocated them, so nothing else holds them."""
         keep = blocks_for(seq.seq_len, self.block_size)
         if len(seq.block_table) > keep:
             self.block_pool.decref(seq.block_table[keep:])

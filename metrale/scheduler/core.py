@@ -234,13 +234,8 @@ class Scheduler(Admission, Preemption):
             plan.prefill.append(work)
             budget -= work.length
         budget = self._admit(plan, budget, available)
-        if plan.drafts:  # decode rows admitted from the swap queue carry no drafts
-            plan.drafts += [[] for _ in range(len(plan.decode) - len(plan.drafts))]
         if self.model.num_total_slots() is not None:
-            order = sorted(range(len(plan.decode)), key=lambda i: _ssm_slot_key(plan.decode[i]))
-            plan.decode = [plan.decode[i] for i in order]
-            if plan.drafts:
-                plan.drafts = [plan.drafts[i] for i in order]
+            plan.decode.sort(key=_ssm_slot_key)
         return plan
 
     # ------------------------------------------------------------ speculation
@@ -263,12 +258,11 @@ class Scheduler(Admission, Preemption):
     def _plan_drafts(self, plan: StepPlan, budget: int) -> int:
         """Give each decode row its drafts while the token budget lasts (in row order); a
         sequence's drafts are for this plan only, so every running sequence's are cleared."""
-        drafts: list[list[int]] = []
         for seq in plan.decode:
             take = max(0, min(len(seq.spec_token_ids), budget))
-            drafts.append(seq.spec_token_ids[:take])
-            budget -= take
-        plan.drafts = drafts if any(drafts) else []
+            if take:
+                plan.spec[seq.seq_id] = seq.spec_token_ids[:take]
+                budget -= take
         for seq in self.running:
             seq.spec_token_ids = []
         return budget

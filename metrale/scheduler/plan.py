@@ -5,9 +5,9 @@ Owner: scheduler (produced by `Scheduler.schedule`, consumed by the driver and b
 
 Invariants:
 - A sequence appears at most once in a plan (as a decode row or as one prefill chunk).
-- Decode rows carry one token each, plus the draft tokens `drafts[i]` of decode row `i`
-  when the step speculates (`drafts` is empty or as long as `decode`); a decode row with
-  drafts computes its last token and every draft, and its logits rows score each of them.
+- Decode rows carry one token each, plus their draft tokens (`spec`, by sequence id; only
+  rows that have some) when the step speculates; a decode row with drafts computes its last
+  token and every draft, and its logits rows score each of them.
   Prefill chunks never exceed the sequence's known tokens.
 - `sampled` lists, in row order, the sequences whose row produces a new token this step:
   every decode row, then every prefill chunk that completes its sequence's known tokens.
@@ -43,18 +43,23 @@ class StepPlan:
     finished: list[SchedSequence] = field(default_factory=list)
     #: Fed plans only: per decode row, its row in the previous step's sampled tokens.
     feed_rows: list[int] | None = None
-    #: Per decode row, the draft tokens it verifies (empty list: none); [] when no row has any.
-    drafts: list[list[int]] = field(default_factory=list)
+    #: The draft tokens a decode row verifies, by sequence id (rows without drafts are not
+    #: in it), so reordering or adding decode rows needs no bookkeeping.
+    spec: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def drafts(self) -> list[list[int]]:
+        """Per decode row, its drafts (empty: none)."""
+        return [self.spec.get(seq.seq_id, []) for seq in self.decode]
 
     @property
     def is_verify(self) -> bool:
-        return any(self.drafts)
+        return bool(self.spec)
 
     @property
     def sampled_drafts(self) -> list[list[int]]:
         """Per `sampled` row, its drafts (prefill rows have none)."""
-        decode = self.drafts if self.drafts else [[] for _ in self.decode]
-        return decode + [[] for w in self.prefill if w.is_last]
+        return self.drafts + [[] for w in self.prefill if w.is_last]
 
     @property
     def sampled(self) -> list[SchedSequence]:
@@ -62,7 +67,7 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        drafted = sum(len(d) for d in self.drafts)
+        drafted = sum(len(d) for d in self.spec.values())
         return len(self.decode) + drafted + sum(w.length for w in self.prefill)
 
     def is_empty(self) -> bool:
