@@ -110,11 +110,11 @@ class Speculation:
             room = min(self.k, scheduler.draft_room(seq))
             if room <= 0 or not self.may_speculate(seq):
                 if seq.lookup_tenant is not None:
-                    proposer.observe(seq.seq_id, seq.all_tokens, seq.lookup_tenant)
+                    proposer.observe(seq.seq_id, seq.token_view(), seq.lookup_tenant)
                 continue
             asking.append(seq)
             requests.append(
-                DraftRequest(seq.seq_id, seq.all_tokens, seq.prompt_len, room, seq.lookup_tenant)
+                DraftRequest(seq.seq_id, seq.token_view(), seq.prompt_len, room, seq.lookup_tenant)
             )
         if not requests:
             return

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import io
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
 from metrale.model_engine.traits import PromptTokenLogprob, SequenceState
 from metrale.sampling.params import SamplingParams
@@ -41,6 +43,34 @@ class SwapRecord:
     num_blocks: int
     seq_len: int
     nbytes: int
+
+
+class TokenView(Sequence[int]):
+    """A sequence's prompt then output, read in place (no copy): what a proposer reads
+    every step, where `all_tokens` would build a new list per row."""
+
+    __slots__ = ("_output", "_prompt")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self._prompt = prompt
+        self._output = output
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return (self._prompt + self._output)[i]
+        n = len(self._prompt)
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("token index out of range")
+        return self._prompt[i] if i < n else self._output[i - n]
 
 
 @dataclass(eq=False)
@@ -98,6 +128,10 @@ class SchedSequence:
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_view(self) -> TokenView:
+        """`all_tokens` without the copy (it follows the output as it grows)."""
+        return TokenView(self.prompt_token_ids, self.output_token_ids)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

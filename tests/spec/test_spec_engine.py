@@ -448,3 +448,15 @@ def test_the_gate_turns_off_rows_whose_drafts_never_pay() -> None:
     assert engine.spec_stats.num_drafts <= len(ps) * gate.min_verifies
     assert engine.spec_stats.num_accepted_tokens == 0
     assert_no_leaks(engine)
+
+
+def test_token_view_reads_prompt_then_output_in_place() -> None:
+    from metrale.scheduler.sequence import TokenView
+
+    prompt, output = [1, 2, 3], [4]
+    view = TokenView(prompt, output)
+    output.append(5)  # it follows the output as it grows
+    assert len(view) == 5 and list(view) == [1, 2, 3, 4, 5]
+    assert view[-1] == 5 and view[3] == 4 and view[1:4] == [2, 3, 4]
+    with pytest.raises(IndexError):
+        view[5]
