@@ -46,7 +46,9 @@ Invariants:
 - No host<->device synchronisation: host data (drafts, parameters, uniforms, row layout) goes
   up through the sampler's pinned, non-blocking copies; the accept decisions and `emitted` are
   device tensors. Verify always takes the torch path for the distribution (it needs `p_j`
-  itself, not only a draw); greedy rows use `ops.argmax` as `sample` does.
+  itself, not only a draw); greedy rows use `ops.argmax` as `sample` does, and a batch of
+  plain greedy rows (nothing processes their logits, no alternatives asked for) takes one
+  `ops.greedy_logprobs` launch over every position, as `sample` does for such rows.
 - The caller's logits tensor is never written.
 """
 
