@@ -37,6 +37,20 @@ from metrale.spec.stats import SpecStats
 logger = logging.getLogger(__name__)
 
 
+def build_proposer(config: SpeculativeConfig, model: Model) -> Proposer:
+    """The proposer of `config.method`: host lookups from `spec`, model-backed ones (MTP
+    head, draft checkpoint) from their engine modules."""
+    if config.method == "mtp":
+        from metrale.engine.mtp_proposer import MtpProposer
+
+        return MtpProposer(model, config.num_speculative_tokens)
+    if config.method == "draft_model":
+        from metrale.engine.draft_proposer import DraftModelProposer
+
+        return DraftModelProposer.load(config, model)
+    return config.make_proposer()
+
+
 class Speculation:
     def __init__(
         self,
@@ -64,7 +78,7 @@ class Speculation:
             self.disabled = "the model cannot roll back a verify (recurrent SSM state)"
             logger.warning("speculative decoding is off: %s", self.disabled)
             return
-        self.proposer = proposer or config.make_proposer()
+        self.proposer = proposer or build_proposer(config, model)
         self.k = k
         self.gate = SpecGate(
             k,
@@ -113,9 +127,10 @@ class Speculation:
                     proposer.observe(seq.seq_id, seq.token_view(), seq.lookup_tenant)
                 continue
             asking.append(seq)
-            requests.append(
-                DraftRequest(seq.seq_id, seq.token_view(), seq.prompt_len, room, seq.lookup_tenant)
+            request = DraftRequest(
+                seq.seq_id, seq.token_view(), seq.prompt_len, room, seq.lookup_tenant, seq.state
             )
+            requests.append(request)
         if not requests:
             return
         drafts = proposer.propose(requests)

@@ -25,7 +25,9 @@ from metrale.spec.ngram import NgramProposer
 from metrale.spec.proposer import Proposer
 from metrale.spec.suffix import SuffixProposer
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "mtp", "draft_model")
+#: Methods whose drafts come from a model (built by the engine, not by `make_proposer`).
+MODEL_METHODS = ("mtp", "draft_model")
 GATES = ("auto", "off")
 #: Most draft tokens one row may verify per step.
 MAX_SPECULATIVE_TOKENS = 16
@@ -67,8 +69,9 @@ def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
 class SpeculativeConfig:
     """How the engine speculates: which proposer, how many drafts, and the gate."""
 
-    #: "ngram" (the sequence's own prompt lookup) or "suffix" (own lookup, then the
-    #: tenant's shared cross-request index).
+    #: "ngram" (the sequence's own prompt lookup), "suffix" (own lookup, then the
+    #: tenant's shared cross-request index), "mtp" (the checkpoint's multi-token-prediction
+    #: head) or "draft_model" (a smaller checkpoint, `model`, with the same vocabulary).
     method: str
     #: Most draft tokens a row verifies per step (k), 1..16.
     num_speculative_tokens: int
@@ -86,6 +89,8 @@ class SpeculativeConfig:
     gate_window: int = 16
     #: Tokens of plain decode between the gate's probes of speculation.
     gate_probe_tokens: int = 256
+    #: The draft checkpoint's directory (method "draft_model" only, where it is required).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("method", self.method, METHODS)
@@ -103,6 +108,19 @@ class SpeculativeConfig:
         _check_choice("gate", self.gate, GATES)
         _check_int("gate_window", self.gate_window, 1)
         _check_int("gate_probe_tokens", self.gate_probe_tokens, 1)
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                raise InvalidRequestError(
+                    f"{_param('model')} is required for method 'draft_model': the draft "
+                    "checkpoint's directory",
+                    param=_param("model"),
+                )
+        elif self.model is not None:
+            raise InvalidRequestError(
+                f"{_param('model')} is only used by method 'draft_model' (method is "
+                f"{self.method!r})",
+                param=_param("model"),
+            )
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SpeculativeConfig:
@@ -149,13 +167,23 @@ class SpeculativeConfig:
         )
         if self.method == "suffix":
             text += f" cache={self.suffix_cache_max_tokens}"
+        if self.method == "draft_model":
+            text += f" model={self.model}"
         text += f" gate={self.gate}"
         if self.gate == "auto":
             text += f" window={self.gate_window} probe={self.gate_probe_tokens}"
         return text
 
+    @property
+    def uses_model(self) -> bool:
+        """Whether the drafts come from a model (MTP head, draft checkpoint): the engine
+        builds that proposer; `make_proposer` builds the host ones."""
+        return self.method in MODEL_METHODS
+
     def make_proposer(self) -> Proposer:
-        """A fresh proposer of this config's method."""
+        """A fresh proposer of this config's host method (ngram, suffix)."""
+        if self.uses_model:
+            raise ValueError(f"method {self.method!r} drafts with a model: the engine builds it")
         if self.method == "ngram":
             return NgramProposer(
                 self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max

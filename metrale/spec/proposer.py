@@ -1,8 +1,9 @@
 """The draft proposer interface: propose up to k tokens for a batch of rows; observe what
 was accepted.
 
-Owner: spec. Every proposer (n-gram prompt lookup, the shared suffix lookup, later MTP and
-draft models) implements `Proposer`; the engine is its only caller.
+Owner: spec. Every proposer (n-gram prompt lookup, the shared suffix lookup, the MTP head, the
+draft model) implements `Proposer`; the engine is its only caller. The model-backed ones live
+in `metrale/engine/` (they need torch and the model); this package stays torch-free.
 
 Invariants:
 - `propose` never returns more than `DraftRequest.max_drafts` tokens for a row, and never a
@@ -21,6 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -36,6 +38,9 @@ class DraftRequest:
     max_drafts: int
     #: Tenant of the cross-request lookup; None keeps the row out of it.
     tenant: str | None = None
+    #: The model's per-sequence state (`SequenceState`: block table, length) for proposers
+    #: that run a model (MTP, draft model); host proposers ignore it.
+    state: Any = None
 
 
 class Proposer(ABC):
