@@ -85,6 +85,27 @@ def edit_prompts(count: int, seed: int = 0) -> list[str]:
     return prompts
 
 
+def continue_prompts(count: int, seed: int = 0) -> list[str]:
+    """`count` continuation prompts from held-out stdlib modules: the first half of a
+    function, to be continued (nothing to copy from the prompt: what a model-based proposer
+    such as the MTP head is for)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    blocks: list[str] = []
+    for name in HELD_OUT:
+        path = stdlib / name
+        if path.is_file():
+            blocks += _functions(path.read_text(encoding="utf-8", errors="replace"))
+    if not blocks:
+        raise RuntimeError(f"no held-out modules found under {stdlib}")
+    rng = random.Random(seed)
+    rng.shuffle(blocks)
+    prompts = []
+    for block in blocks[:count]:
+        lines = block.splitlines()
+        prompts.append("\n".join(lines[: max(2, len(lines) // 2)]) + "\n")
+    return prompts
+
+
 def run_mode(
     model: str | None,
     prompts: Sequence[str],
@@ -106,6 +127,7 @@ def run_mode(
         stats0.num_draft_tokens,
         stats0.num_accepted_tokens,
     )
+    per_pos0 = list(stats0.accepted_per_pos)
     outputs: dict[str, list[int]] = {}
     queue = list(enumerate(prompts))
     start = time.perf_counter()
@@ -128,6 +150,9 @@ def run_mode(
     accepted = stats.num_accepted_tokens - acc0
     rows = stats.num_drafts - drafts0
     gate = engine.speculation.gate.counters if engine.speculation.gate else {}
+    per_pos = [
+        a - (per_pos0[i] if i < len(per_pos0) else 0) for i, a in enumerate(stats.accepted_per_pos)
+    ]
     return {
         "seconds": seconds,
         "output_tokens": tokens,
@@ -138,6 +163,9 @@ def run_mode(
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "mean_acceptance_length": 1 + accepted / rows if rows else 1.0,
+        # Accepted drafts at draft position j (1-based j = index + 1), per verified row.
+        "accepted_per_position": per_pos,
+        "acceptance_per_position": [a / rows for a in per_pos] if rows else [],
         "verify_steps": stats.verify_steps,
         "gate": dict(gate),
         "outputs": [outputs[f"r{i}"] for i in range(len(prompts))],
@@ -146,10 +174,11 @@ def run_mode(
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
-    base = edit_prompts(args.prompts, seed=args.seed)
+    make = edit_prompts if args.workload == "edit" else continue_prompts
+    base = make(args.prompts, seed=args.seed)
     prompts = [p for p in base for _ in range(2)] if args.repeat else base
     engine_kw = dict(
-        device="cpu", max_num_seqs=max(args.concurrency, 1), enable_prefix_caching=True
+        device=args.device, max_num_seqs=max(args.concurrency, 1), enable_prefix_caching=True
     )
     modes: dict[str, dict[str, Any] | None] = {"off": None}
     for method in args.methods.split(","):
@@ -183,11 +212,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "concurrency": args.concurrency,
             "threads": torch.get_num_threads(),
             "held_out_modules": list(HELD_OUT),
-            "workload": "edit: a held-out function, then 'the same function, unchanged except "
-            "for a comment'; each prompt sent twice",
+            "workload": (
+                "edit: a held-out function, then 'the same function, unchanged except for a "
+                "comment'"
+                if args.workload == "edit"
+                else "continue: the first half of a held-out function, continued"
+            )
+            + ("; each prompt sent twice" if args.repeat else ""),
         },
         figures=figures,
-        device="cpu",
+        device=args.device,
         out_dir=args.out_dir,
         notes="peer: the same engine with speculation off, same run, same requests",
     )
@@ -202,7 +236,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
-    parser.add_argument("--methods", default="ngram,suffix")
+    parser.add_argument("--methods", default="ngram,suffix", help="e.g. ngram,suffix,mtp")
+    parser.add_argument("--workload", default="edit", choices=["edit", "continue"])
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--gate", default="auto", choices=["auto", "off"])
     parser.add_argument("--prompts", type=int, default=12, help="distinct prompts")
@@ -405,9 +441,9 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
     if device.type != "cuda":
         return "none (eager)"
     runner = DecodeGraphRunner(
-        model.module, model.kv_cache.layers, device, max_batch,
+        model.module, model.main_kv_layers, device, max_batch,
         -(-model.max_model_len // model.block_size), model.block_size,
-        (1, *query_lens), verify_max_batch=max_batch,
+        (1, *query_lens), verify_max_batch=max_batch, head_hidden=model.mtp_enabled,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner

@@ -7,7 +7,8 @@ Invariants:
 - Decode rows come first, then prefill chunks, in the order given; logits row `i` of the
   result belongs to the i-th row that asked for logits, in that order.
 - Every row's blocks are already in its `block_table` (allocation happens before building).
-- A row's positions are `start .. start + len - 1`, and `start == seq.seq_len`.
+- A row's positions are `start .. start + len - 1`, and `start == seq.seq_len` (except an
+  MTP head's rows, `start_at`).
 - On hybrid models every row carries its sequence's SSM slot; a row starting at position 0
   is marked as having no initial recurrent state.
 """
@@ -33,10 +34,13 @@ class ForwardRow:
     want_logits: bool
     #: Whether every token's logits are wanted (prompt logprobs).
     all_logits: bool = False
+    #: First position of the row when it is not `seq.seq_len` (an MTP head's catch-up
+    #: rows rewrite positions the main model has already computed).
+    start_at: int | None = None
 
     @property
     def start(self) -> int:
-        return self.seq.seq_len
+        return self.seq.seq_len if self.start_at is None else self.start_at
 
 
 @dataclass

@@ -54,11 +54,13 @@ class DecodeGraphRunner:
         block_size: int,
         query_lens: Sequence[int] = (1,),
         verify_max_batch: int | None = None,
+        head_hidden: bool = False,
     ) -> None:
         """`query_lens`: the token rows per sequence to capture graphs for (1: decode; k + 1:
         verify steps of k draft tokens), e.g. `(1, 5)`; `verify_max_batch` caps the batch
         rungs captured for Q > 1 (each keeps a `[rung * Q, vocab]` logits output), None:
-        every rung."""
+        every rung. `head_hidden`: the graphs also output the hidden rows an MTP head reads
+        (`module.forward_for_mtp`), read back by `head_hidden()` after a replay."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"query_lens must be positive, got {tuple(query_lens)}")
         self.module = module
@@ -98,6 +100,11 @@ class DecodeGraphRunner:
         self._sent_null_cols = 0
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.capture_head_hidden = head_hidden
+        #: Per graph, the hidden rows for an MTP head (when `head_hidden`).
+        self.head_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        #: The (rung, Q) of the last replay, whose head rows `head_hidden()` returns.
+        self._last_key: tuple[int, int] | None = None
         self.pool = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
@@ -127,13 +134,26 @@ class DecodeGraphRunner:
 
     def _body(self, rows: int, query_len: int = 1) -> torch.Tensor:
         tokens = rows * query_len
-        hidden = self.module(
+        args = (
             self.input_ids[:tokens],
             self.positions[:tokens],
             self._meta(rows, query_len),
             self.kv_layers,
         )
+        if self.capture_head_hidden:
+            hidden, for_head = self.module.forward_for_mtp(*args)
+            self.head_outputs[rows, query_len] = for_head
+        else:
+            hidden = self.module(*args)
         return self.module.compute_logits(hidden).float()
+
+    def head_hidden(self, rows: int, query_len: int) -> torch.Tensor | None:
+        """The MTP head's hidden rows of the last replay (`rows * query_len` of them, the
+        graph's layout), or None when the graphs do not output them."""
+        key = self._last_key
+        if not self.capture_head_hidden or key is None or key[1] != query_len:
+            return None
+        return self.head_outputs[key][: rows * query_len]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -277,6 +297,7 @@ class DecodeGraphRunner:
             self.block_tables[:rows, :width].copy_(staged[3 * total + rung :].view(rows, width))
             if rung > rows:
                 self.block_tables[rows:rung, :null_cols].zero_()
+        self._last_key = (rung, query_len)
         if self.graphs:
             graph = self.graphs.get((rung, query_len))
             if graph is None:

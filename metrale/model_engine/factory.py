@@ -134,8 +134,19 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     breakdown = StartupBreakdown(
         weights_bytes=weights_bytes, load_seconds=time.perf_counter() - start
     )
+    spec = config.speculative()
+    mtp = spec is not None and spec.method == "mtp"
+    if mtp and not getattr(module, "has_mtp", False):
+        raise InvalidRequestError(
+            f"speculative method 'mtp' needs a checkpoint with MTP layers; {model_dir} "
+            f"({arch_name}) has none (no num_nextn_predict_layers in config.json, or no "
+            "mtp.* tensors)",
+            param="speculative_config.method",
+        )
+    # The MTP head's KV layers follow the main model's, under the same block tables.
+    kv_layers = module.kv_layer_count + (module.mtp.kv_layer_count if mtp else 0)
     per_block = PagedKVCache.bytes_per_block(
-        module.kv_layer_count, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -146,12 +157,13 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
         )  # fmt: skip
         num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
     kv = PagedKVCache(
-        module.kv_layer_count, num_blocks, config.block_size, mcfg.num_key_value_heads,
+        kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
     )  # fmt: skip
     model = TransformerModel(
-        module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool
-    )
+        module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool,
+        mtp=mtp,
+    )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
     kv_bytes = num_blocks * per_block
@@ -200,8 +212,9 @@ def _capture_graphs(
     # Verify steps of k drafts replay their own graphs (k + 1 token rows per sequence).
     query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
     runner = DecodeGraphRunner(
-        model.module, model.kv_cache.layers, model.device, config.max_num_seqs,
+        model.module, model.main_kv_layers, model.device, config.max_num_seqs,
         blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
+        head_hidden=model.mtp_enabled,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner

@@ -133,6 +133,7 @@ class PagedKvLifecycle:
         seq.seq_len = 0
         seq.tokens = []
         seq.kv_valid_tokens = 0
+        seq.proposer_state = None
         if seq.ssm_slot is not None:
             seq.ssm_slot.release()
             seq.ssm_slot = None

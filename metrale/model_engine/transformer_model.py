@@ -17,6 +17,9 @@ Invariants:
   any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
   of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
 - No forward takes a sequence past `max_model_len` (`fits_context`, the model's one check).
+- With the MTP head drafting (`mtp=True`), every eager forward keeps its rows' hidden states
+  for the head (`MtpDrafting`, `mtp.py`); the KV cache holds the head's layers after the main
+  model's, and the main model only ever sees its own.
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
@@ -40,6 +43,7 @@ from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
+from metrale.model_engine.mtp import MtpDrafting
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
     FED_TOKEN,
@@ -60,7 +64,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(PagedKvLifecycle, VerifyForwards, Model):
+class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -71,8 +75,23 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, Model):
         max_model_len: int,
         enable_prefix_caching: bool = True,
         ssm_pool: SsmSlotPool | None = None,
+        mtp: bool = False,
     ) -> None:
         self.module = module
+        if mtp and not getattr(module, "has_mtp", False):
+            raise InvalidRequestError(
+                f"speculative method 'mtp' needs a checkpoint with MTP layers; "
+                f"{config.architecture} here has none (no num_nextn_predict_layers, or no "
+                "mtp.* tensors)",
+                param="speculative_config.method",
+            )
+        head_layers = module.mtp.kv_layer_count if mtp else 0
+        if kv_cache.num_layers != module.kv_layer_count + head_layers:
+            raise ValueError(
+                f"the KV cache holds {kv_cache.num_layers} layers; the model needs "
+                f"{module.kv_layer_count} (+{head_layers} for its MTP head)"
+            )
+        self.mtp_enabled = mtp
         self.ssm_pool = ssm_pool
         self.config = config
         self.kv_cache = kv_cache
@@ -373,15 +392,13 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, Model):
             tokens, from_rows = feed
             index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
-        if self.ssm_pool is not None:
-            hidden = self.module(
-                batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers,
-                ssm_states=self.ssm_pool.layers,
-            )  # fmt: skip
+        args = (batch.input_ids, batch.meta.positions, batch.meta, self.main_kv_layers)
+        kwargs = {} if self.ssm_pool is None else {"ssm_states": self.ssm_pool.layers}
+        if self.mtp_enabled:
+            hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
+            self._keep_mtp_rows(rows, for_head)
         else:
-            hidden = self.module(
-                batch.input_ids, batch.meta.positions, batch.meta, self.kv_cache.layers
-            )
+            hidden = self.module(*args, **kwargs)
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
@@ -403,7 +420,10 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, Model):
         for i, r in enumerate(rows):
             tables[i, : len(r.seq.block_table)] = r.seq.block_table
         self._last_hidden = None
-        return runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
+        logits = runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
+        if self.mtp_enabled:
+            self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1))
+        return logits
 
     def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
         """Append one PromptTokenLogprob per chunk position that has a next prompt token."""

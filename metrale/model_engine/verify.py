@@ -46,6 +46,7 @@ class VerifyForwards:
     ssm_pool: SsmSlotPool | None
     graph_runner: DecodeGraphRunner | None
     _last_hidden: torch.Tensor | None
+    mtp_enabled: bool
 
     if TYPE_CHECKING:  # provided by `TransformerModel` (and `_mixed`, its forward)
 
@@ -56,6 +57,10 @@ class VerifyForwards:
         def fits_context(self, seq: SequenceState, new_tokens: int) -> bool: ...
 
         def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int: ...
+
+        def _keep_mtp_rows(self, rows: list[ForwardRow], hidden: torch.Tensor | None) -> None: ...
+
+        def _cut_mtp_rows(self, seq: SequenceState) -> None: ...
 
     def can_batch_verify(self, ks: Sequence[int]) -> bool:
         """Any mix of row counts verifies in one forward, on models without recurrent
@@ -130,6 +135,12 @@ class VerifyForwards:
             ForwardRow(s, [int(t), *map(int, d)], True)
             for t, d, s in zip(decode_tokens, drafts, seqs)
         ]
+        if self.mtp_enabled:  # the head reads the real rows, not the padding
+            hidden = runner.head_hidden(len(seqs), q)
+            if hidden is not None:
+                keep = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+                hidden = hidden[torch.tensor(keep, device=hidden.device)]
+            self._keep_mtp_rows(rows, hidden)
         self._advance(rows)
         for s in seqs:
             self._release_blocks_past_seq_len(s)  # the padding's
@@ -182,6 +193,8 @@ class VerifyForwards:
             del seq.tokens[seq.seq_len :]
             seq.kv_valid_tokens = min(seq.kv_valid_tokens, seq.seq_len)
         self._release_blocks_past_seq_len(seq)
+        if self.mtp_enabled:
+            self._cut_mtp_rows(seq)
 
     def _release_blocks_past_seq_len(self, seq: SequenceState) -> None:
         """Return the blocks past the ones `seq_len` fills; only a verify (its rejected

@@ -77,8 +77,11 @@ class HybridStack(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.embed_name)(input_ids)
 
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return getattr(self, self.final_norm_name).forward_add(hidden, residual)[0]
+    def final_norm(
+        self, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(after the final norm, the residual stream before it)`."""
+        return getattr(self, self.final_norm_name).forward_add(hidden, residual)
 
     def forward(
         self,
@@ -87,7 +90,8 @@ class HybridStack(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         ssm_states: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(after the final norm, the residual stream before it)` for every row."""
         hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         kv_iter, ssm_iter = iter(kv_caches), iter(ssm_states)
@@ -137,9 +141,27 @@ class HybridForCausalLM(nn.Module, ABC):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         ssm_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
+        return self.forward_for_mtp(input_ids, positions, meta, kv_caches, ssm_states)[0]
+
+    def forward_for_mtp(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ssm_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(hidden after the final norm, the hidden an MTP head reads)` for every row: the
+        stream before the final norm, or after it where the head says so."""
         if ssm_states is None:
             raise ValueError("a hybrid model's forward needs the SSM slot pool's layers")
-        return self.model(input_ids, positions, meta, kv_caches, ssm_states)
+        post, pre = self.model(input_ids, positions, meta, kv_caches, ssm_states)
+        mtp = getattr(self, "mtp", None)
+        return post, pre if mtp is not None and mtp.hidden_before_norm else post
+
+    @property
+    def has_mtp(self) -> bool:
+        return hasattr(self, "mtp")
 
     def input_embeddings(self) -> nn.Embedding:
         return getattr(self.model, self.model.embed_name)

@@ -13,7 +13,8 @@ Invariants:
   per head, partial rotary (`partial_rotary_factor`, 0.25 when absent), and the attention
   output is multiplied by `sigmoid(gate)` before `o_proj`.
 - MTP weights (`mtp.*`) are loaded into `self.mtp` when present and dropped when absent; the
-  forward does not run them (they are kept for speculative decoding).
+  model engine runs them as the MTP draft proposer, on the hidden state after the final norm
+  (as vLLM serves Qwen3-Next; `forward_for_mtp`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from metrale.model_config import ModelConfig
 from metrale.models.hybrid import CacheKind, HybridForCausalLM, HybridLayer, HybridStack
 from metrale.models.loader import ExpertShard, WeightMapping, qkv_shards, rotary_and_tied_ignored
 from metrale.models.moe import moe_intermediate
+from metrale.models.mtp import MtpHead
 
 DEFAULT_PARTIAL_ROTARY = 0.25
 
@@ -183,9 +185,12 @@ class Qwen3NextStack(HybridStack):
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class Qwen3NextMTP(nn.Module):
-    """The MTP head's weights: `fc` over `[norm(embedding), norm(hidden)]`, decoder layers of
-    the full-attention kind and a final norm (embedding and LM head are the main model's)."""
+class Qwen3NextMTP(MtpHead):
+    """The MTP head: `fc` over `[norm(embedding), norm(hidden)]`, decoder layers of the
+    full-attention kind and a final norm (embedding and LM head are the main model's); it
+    reads the hidden state after the main model's final norm."""
+
+    hidden_before_norm = False
 
     def __init__(
         self, cfg: ModelConfig, num_layers: int, rotary: RotaryEmbedding, ops: KernelOps
@@ -211,11 +216,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         self._add_lm_head()
         mtp_layers = int(cfg.raw.get("num_nextn_predict_layers") or 0)
         if mtp_layers:
-            self.mtp = Qwen3NextMTP(cfg, mtp_layers, self.model.rotary, ops)  # type: ignore[arg-type]
-
-    @property
-    def has_mtp(self) -> bool:
-        return hasattr(self, "mtp")
+            self.mtp = Qwen3NextMTP(cfg, mtp_layers, self.model.rotary, ops)
 
     def weight_mapping(self) -> WeightMapping:
         c = self.config

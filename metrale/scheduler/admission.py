@@ -66,9 +66,9 @@ class Admission(SchedulerParts):
             need, _ = self._admission_need(seq)
             if need > available:
                 tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
-                target = need + self._reserved_blocks() + self._decode_need()
+                target = need + self._reserved_blocks() + self._decode_need(None, plan.spec)
                 self.model.reclaim_prefix_blocks_for(tokens, seq.adapter_id, target)
-                available = self._available_blocks() - self._decode_need()
+                available = self._available_blocks() - self._decode_need(None, plan.spec)
                 need, _ = self._admission_need(seq)
                 if need > available:
                     break
@@ -82,7 +82,7 @@ class Admission(SchedulerParts):
                 self._requeue_front(queue, seq)
                 break
             self.running.append(seq)
-            available = self._available_blocks() - self._decode_need()
+            available = self._available_blocks() - self._decode_need(None, plan.spec)
             if seq.is_decoding():
                 if budget > 0:
                     plan.decode.append(seq)

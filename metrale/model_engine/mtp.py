@@ -1,0 +1,237 @@
+"""`MtpDrafting`: the MTP draft proposer inside `TransformerModel`: the main model's hidden
+rows are kept per sequence as forwards produce them, and a propose runs the checkpoint's MTP
+head (`metrale/models/mtp.py`) over them, then recursively for further drafts.
+
+Owner: model-engine. A mixin of `TransformerModel`, on when the factory builds the model with
+`mtp=True` (speculative method "mtp"); `metrale/engine/mtp_proposer.py` is its only caller.
+
+Invariants:
+- The head's KV lives in the same paged pool under the same block tables: the KV cache holds
+  the main model's layers, then one layer per head layer; the head's row at position p writes
+  slot p of that layer. Its KV is valid for every position whose hidden row it has consumed.
+- `seq.proposer_state` is an `MtpPending`: the hidden rows of positions
+  `[start, seq_len)` that the head has not consumed yet (every forward appends its rows; a
+  verify's rejected rows are cut by `commit_accepted_prefix`). Rows must stay contiguous
+  and end at `seq_len`; a forward whose rows do not continue them (a prefix-cache hit, a
+  graphed step without hidden rows) restarts them, and the head's KV before the restart
+  is a hole: drafts get worse, never wrong (the verify decides). At most
+  `MAX_PENDING_ROWS` rows are kept (the oldest are dropped the same way).
+- A propose consumes every pending row of its sequences (row p pairs hidden p with token
+  p + 1, the newest committed token for the last row), then runs one head step per further
+  draft at positions `seq_len .. seq_len + k - 2`. Blocks for those positions are taken
+  from the pool now (the verify that follows uses them; a commit returns what it does not
+  keep); a sequence whose blocks are not free gets fewer drafts.
+- Drafts are the head's argmax (one-hot q), so verification stays lossless under sampling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from metrale.cache.block_pool import BlockPool
+from metrale.cache.kv_cache import PagedKVCache
+from metrale.model_engine.batch import ForwardRow, build_forward_batch
+from metrale.model_engine.traits import FED_TOKEN, SequenceState, Stream
+
+#: Most hidden rows kept per sequence for the head (a long prompt keeps its last ones).
+MAX_PENDING_ROWS = 4096
+
+
+@dataclass
+class MtpPending:
+    """Hidden rows of positions `[start, start + len(hidden))` the head has not consumed."""
+
+    start: int
+    hidden: torch.Tensor | None = None
+
+    @property
+    def end(self) -> int:
+        return self.start + (0 if self.hidden is None else int(self.hidden.shape[0]))
+
+
+class MtpDrafting:
+    """MTP drafting over `TransformerModel` (a mixin)."""
+
+    module: torch.nn.Module
+    kv_cache: PagedKVCache
+    block_pool: BlockPool
+    block_size: int
+    device: torch.device
+    #: Whether the MTP head drafts (its KV layers exist in `kv_cache`).
+    mtp_enabled: bool
+
+    if TYPE_CHECKING:  # provided by `TransformerModel`
+
+        def fits_context(self, seq: SequenceState, new_tokens: int) -> bool: ...
+
+        def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int: ...
+
+    @property
+    def main_kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The main model's KV layers (the head's follow them)."""
+        return self.kv_cache.layers[: self.module.kv_layer_count]
+
+    def has_proposer(self) -> bool:
+        return self.mtp_enabled
+
+    # ------------------------------------------------------------------ hidden rows
+
+    def _keep_mtp_rows(self, rows: Sequence[ForwardRow], hidden: torch.Tensor | None) -> None:
+        """After a forward (before `_advance`): append each row's hidden rows (`hidden` holds
+        every token row of the forward in order; None: the forward produced none)."""
+        offset = 0
+        for row in rows:
+            n = len(row.tokens)
+            part = None if hidden is None else hidden[offset : offset + n]
+            offset += n
+            self._append_mtp_rows(row.seq, row.start, n, part)
+
+    @staticmethod
+    def _append_mtp_rows(seq: SequenceState, start: int, n: int, part: torch.Tensor | None) -> None:
+        pending = seq.proposer_state
+        if part is None:  # no rows: the next ones start after these (a hole before them)
+            seq.proposer_state = MtpPending(start + n)
+            return
+        if not isinstance(pending, MtpPending) or pending.end != start or pending.hidden is None:
+            seq.proposer_state = pending = MtpPending(start)  # a restart: a hole before it
+            rows = part.clone()
+        else:
+            rows = torch.cat([pending.hidden, part])
+        extra = int(rows.shape[0]) - MAX_PENDING_ROWS
+        if extra > 0:
+            rows = rows[extra:].clone()
+            pending.start += extra
+        pending.hidden = rows
+
+    def _cut_mtp_rows(self, seq: SequenceState) -> None:
+        """Drop pending rows at or past `seq_len` (a verify's rejected drafts)."""
+        pending = seq.proposer_state
+        if not isinstance(pending, MtpPending) or pending.hidden is None:
+            return
+        keep = seq.seq_len - pending.start
+        if keep <= 0:
+            seq.proposer_state = MtpPending(seq.seq_len)
+        elif keep < pending.hidden.shape[0]:
+            pending.hidden = pending.hidden[:keep]
+
+    # ------------------------------------------------------------------ propose
+
+    @torch.inference_mode()
+    def run_mtp_propose_batched(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        stash_idx: Sequence[int],
+        num_drafts: int,
+        seqs: Sequence[SequenceState],
+        stream: Stream = None,
+        out_conf: list[list[float]] | None = None,
+    ) -> list[list[int]] | None:
+        """Up to `num_drafts` drafts per sequence: `tokens[i]` is sequence i's newest
+        committed token, at `positions[i]` (its `seq_len`: the next forward's first
+        position). `stash_idx` is unused (the pending rows live with each sequence)."""
+        del stash_idx, stream, out_conf
+        if not self.mtp_enabled:
+            return None
+        return self.mtp_propose(seqs, tokens, [num_drafts] * len(seqs), positions)
+
+    def mtp_propose(
+        self,
+        seqs: Sequence[SequenceState],
+        newest: Sequence[int],
+        max_drafts: Sequence[int],
+        positions: Sequence[int] | None = None,
+    ) -> list[list[int]]:
+        """Drafts per sequence (see the invariants); a sequence without pending rows ending
+        at its `seq_len`, or whose newest token is not at `seq_len`, gets none."""
+        if not self.mtp_enabled:
+            raise ValueError("this model was built without its MTP head drafting")
+        out: list[list[int]] = [[] for _ in seqs]
+        active: list[int] = []
+        ks: list[int] = []
+        for i, seq in enumerate(seqs):
+            pending = seq.proposer_state
+            if positions is not None and positions[i] != seq.seq_len:
+                continue
+            if not isinstance(pending, MtpPending) or pending.hidden is None:
+                continue
+            if pending.end != seq.seq_len:
+                continue
+            if any(t == FED_TOKEN for t in seq.tokens[pending.start + 1 :]):
+                continue
+            k = self._draft_room(seq, max_drafts[i])
+            if k < 1:
+                continue
+            active.append(i)
+            ks.append(k)
+        if not active:
+            return out
+        head = self.module.mtp
+        embed = self.module.input_embeddings()
+        head_kv = self.kv_cache.layers[self.module.kv_layer_count :]
+        # Catch-up: every pending row, sequence by sequence (a varlen batch).
+        rows: list[ForwardRow] = []
+        hiddens: list[torch.Tensor] = []
+        for i in active:
+            seq = seqs[i]
+            pending = seq.proposer_state
+            assert isinstance(pending, MtpPending) and pending.hidden is not None
+            nxt = [*seq.tokens[pending.start + 1 : seq.seq_len], int(newest[i])]
+            rows.append(ForwardRow(seq, nxt, True, start_at=pending.start))
+            hiddens.append(pending.hidden)
+        batch = build_forward_batch(rows, 0, self.block_size, self.device)
+        normed, nxt_hidden = head(
+            embed(batch.input_ids), torch.cat(hiddens), batch.meta.positions, batch.meta, head_kv
+        )
+        last = batch.logits_indices
+        drafts = self.module.compute_logits(normed.index_select(0, last)).argmax(dim=-1)
+        hidden = nxt_hidden.index_select(0, last)
+        for i in active:
+            seqs[i].proposer_state = MtpPending(seqs[i].seq_len)
+        draft_lists = [[t] for t in drafts.tolist()]
+        # Further drafts: one head step per position, recursing on the head's hidden.
+        for j in range(1, max(ks)):
+            live = [n for n, k in enumerate(ks) if k > j]
+            steps = [
+                ForwardRow(seqs[active[n]], [draft_lists[n][-1]], True,
+                           start_at=seqs[active[n]].seq_len + j - 1)
+                for n in live
+            ]  # fmt: skip
+            batch = build_forward_batch(steps, len(steps), self.block_size, self.device)
+            index = torch.tensor(live, dtype=torch.int64, device=hidden.device)
+            normed, step_hidden = head(
+                embed(batch.input_ids), hidden.index_select(0, index), batch.meta.positions,
+                batch.meta, head_kv,
+            )  # fmt: skip
+            picked = self.module.compute_logits(normed).argmax(dim=-1).tolist()
+            hidden = hidden.index_copy(0, index, step_hidden)
+            for n, t in zip(live, picked, strict=True):
+                draft_lists[n].append(int(t))
+        for n, i in enumerate(active):
+            out[i] = draft_lists[n]
+        return out
+
+    def _draft_room(self, seq: SequenceState, k: int) -> int:
+        """Drafts `seq` can take (at most `k`): the head writes positions up to
+        `seq_len + k - 2`, and the verify needs `seq_len + k` within the context; blocks for
+        the head's positions are taken now."""
+        while k > 0 and not self.fits_context(seq, k + 1):
+            k -= 1
+        while k > 1:
+            need = self.blocks_needed(seq, k - 1)
+            if need <= self.block_pool.num_free:
+                if need:
+                    seq.block_table.extend(self.block_pool.allocate(need))
+                break
+            k -= 1
+        return k
+
+
+def pending_rows(seq: SequenceState) -> Any:
+    """The sequence's pending hidden rows (tests and metrics)."""
+    pending = seq.proposer_state
+    return pending if isinstance(pending, MtpPending) else None
