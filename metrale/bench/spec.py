@@ -365,6 +365,8 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
     from metrale.bench.synthetic import prepare_model_dir
 
     model_dir = prepare_model_dir(args.config_dir) if args.config_dir else BUNDLED_MODEL_DIR
+    if args.mtp and args.config_dir:
+        model_dir = with_mtp_layer(Path(model_dir))
     ks = [int(k) for k in args.ks.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     common = dict(
@@ -373,7 +375,8 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.context + args.max_tokens + 64, max_num_seqs=max(batches),
         gpu_memory_utilization=args.gpu_memory_utilization,
     )  # fmt: skip
-    spec = {"method": "ngram", "num_speculative_tokens": max(ks), "gate": "off"}
+    method = "mtp" if args.mtp else "ngram"
+    spec = {"method": method, "num_speculative_tokens": max(ks), "gate": "off"}
     # Graphs are captured here, for every k measured (the factory would capture one k).
     engine = Engine(EngineConfig(**common, speculative_config=spec, enforce_eager=True))
     graphs = capture_verify_graphs(engine, [k + 1 for k in ks], max(batches))
@@ -394,6 +397,11 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
     projected_forward = {k: expected[k] / first["ratio"][k] for k in ks}
     best_k = max(projected, key=lambda k: projected[k])
     measured = {k: measure_speedup(engine, args, k, a) for k in sorted({4, best_k} & set(ks))}
+    for b in args.measure_batches:  # more rows at a time (the same k's)
+        measured.update(
+            {f"{k}@batch{b}": measure_speedup(engine, args, k, a, b) for k in sorted(measured)
+             if isinstance(k, int)}
+        )  # fmt: skip
     figures = {
         "graphs": graphs,
         "cost_curve": curve,
@@ -415,6 +423,9 @@ def run_cost(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": args.dtype,
             "acceptance": a,
             "graphs": graphs,
+            "proposer": "the MTP head (one random-weight layer)"
+            if args.mtp
+            else "repeat-last (drafts are free)",
         },
         figures=figures,
         device=args.device,
@@ -450,22 +461,44 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
     return f"Q={runner.query_lens}, rungs {runner.rungs} ({runner.capture_bytes / 2**20:.0f} MiB)"
 
 
-def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance: float) -> dict:
-    """Batch-1 greedy decoding with k drafts per step, acceptance forced to `acceptance`
-    per draft (`forced_acceptance`), against plain decoding of the same prompts and lengths."""
+def with_mtp_layer(model_dir: Path) -> Path:
+    """A copy of a config-shape directory whose config asks for one MTP layer (dummy weights
+    fill it like the rest): the cost of an MTP draft step on that shape."""
+    import json
+    import shutil
+    import tempfile
+
+    dst = Path(tempfile.mkdtemp(prefix=f"metrale-bench-mtp-{model_dir.name}-"))
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copyfile(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def measure_speedup(
+    engine: Engine, args: argparse.Namespace, k: int, acceptance: float, batch: int = 1
+) -> dict:
+    """Greedy decoding with k drafts per step, acceptance forced to `acceptance` per draft
+    (`forced_acceptance`), against plain decoding of the same prompts and lengths; `batch`
+    requests run at a time (1: one after the other)."""
     vocab = engine.vocab_size
     gen = torch.Generator().manual_seed(7)
     prompts = [
         torch.randint(8, vocab, (args.context,), generator=gen).tolist()
-        for _ in range(args.requests)
+        for _ in range(max(args.requests, batch))
     ]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
     def decode_all(eng: Engine) -> tuple[float, int]:
         tokens = 0
         start = time.perf_counter()
-        for i, p in enumerate(prompts):
-            eng.add_request(f"m{i}-{time.monotonic_ns()}", None, params, prompt_token_ids=p)
+        for first in range(0, len(prompts), batch):
+            for i, p in enumerate(prompts[first : first + batch]):
+                rid = f"m{first + i}-{time.monotonic_ns()}"
+                eng.add_request(rid, None, params, prompt_token_ids=p)
             while eng.has_unfinished():
                 for o in eng.step():
                     if o.finished:
@@ -476,12 +509,19 @@ def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance
         engine.config.replace(speculative_config=None), model=engine.model,
         tokenizer=engine.tokenizer,
     )  # fmt: skip
-    decode_all(plain_engine)  # warm-up
-    plain_s, plain_tokens = decode_all(plain_engine)
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": k, "gate": "off"}
+    # Plain decoding keeps no hidden rows for a head, as on a model without one.
+    model, head_on = engine.model, engine.model.has_proposer()
+    model.mtp_enabled = False  # type: ignore[attr-defined]
+    try:
+        decode_all(plain_engine)  # warm-up
+        plain_s, plain_tokens = decode_all(plain_engine)
+    finally:
+        model.mtp_enabled = head_on  # type: ignore[attr-defined]
+    mtp = head_on
+    spec_cfg = {"method": "mtp" if mtp else "ngram", "num_speculative_tokens": k, "gate": "off"}
     spec_engine = Engine(
         engine.config.replace(speculative_config=spec_cfg), model=engine.model,
-        tokenizer=engine.tokenizer, proposer=RepeatLast(),
+        tokenizer=engine.tokenizer, proposer=None if mtp else RepeatLast(),
     )  # fmt: skip
     with forced_acceptance(acceptance):
         decode_all(spec_engine)  # warm-up
@@ -499,6 +539,8 @@ def measure_speedup(engine: Engine, args: argparse.Namespace, k: int, acceptance
         "first_draft_acceptance": st.accepted_per_pos[0] / st.num_drafts if st.num_drafts else 0.0,
         "mean_acceptance_length": st.mean_acceptance_length,
         "acceptance": "forced: a Bernoulli draw per draft in place of the argmax test",
+        "batch": batch,
+        "proposer": "mtp" if mtp else "repeat-last",
     }
 
 
@@ -513,6 +555,13 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--acceptance", type=float, default=0.6)
     parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="draft with a (random) MTP head added to the config shape",
+    )
+    parser.add_argument("--measure-batches", type=lambda s: [int(b) for b in s.split(",") if b],
+                        default=[], help="also measure the speedup with these many rows")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.6,
                         help="leaves room for the verify graphs of every k")  # fmt: skip

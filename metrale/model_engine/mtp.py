@@ -27,7 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,14 +43,39 @@ MAX_PENDING_ROWS = 4096
 
 @dataclass
 class MtpPending:
-    """Hidden rows of positions `[start, start + len(hidden))` the head has not consumed."""
+    """Hidden rows of positions `[start, start + rows)` the head has not consumed, in the
+    chunks the forwards produced (joined only when a propose consumes them)."""
 
     start: int
-    hidden: torch.Tensor | None = None
+    chunks: list[torch.Tensor] = field(default_factory=list)
+    rows: int = 0
 
     @property
     def end(self) -> int:
-        return self.start + (0 if self.hidden is None else int(self.hidden.shape[0]))
+        return self.start + self.rows
+
+    def append(self, part: torch.Tensor) -> None:
+        self.chunks.append(part)
+        self.rows += int(part.shape[0])
+        while self.rows - int(self.chunks[0].shape[0]) >= MAX_PENDING_ROWS:
+            dropped = int(self.chunks.pop(0).shape[0])
+            self.rows -= dropped
+            self.start += dropped
+
+    def cut(self, rows: int) -> None:
+        """Keep the first `rows` rows."""
+        kept: list[torch.Tensor] = []
+        total = 0
+        for c in self.chunks:
+            if total >= rows:
+                break
+            take = min(int(c.shape[0]), rows - total)
+            kept.append(c[:take])
+            total += take
+        self.chunks, self.rows = kept, total
+
+    def joined(self) -> torch.Tensor:
+        return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
 
 
 class MtpDrafting:
@@ -96,27 +121,21 @@ class MtpDrafting:
         if part is None:  # no rows: the next ones start after these (a hole before them)
             seq.proposer_state = MtpPending(start + n)
             return
-        if not isinstance(pending, MtpPending) or pending.end != start or pending.hidden is None:
+        if not isinstance(pending, MtpPending) or pending.end != start:
             seq.proposer_state = pending = MtpPending(start)  # a restart: a hole before it
-            rows = part.clone()
-        else:
-            rows = torch.cat([pending.hidden, part])
-        extra = int(rows.shape[0]) - MAX_PENDING_ROWS
-        if extra > 0:
-            rows = rows[extra:].clone()
-            pending.start += extra
-        pending.hidden = rows
+        # A copy: graph outputs are overwritten by the next replay.
+        pending.append(part.clone())
 
     def _cut_mtp_rows(self, seq: SequenceState) -> None:
         """Drop pending rows at or past `seq_len` (a verify's rejected drafts)."""
         pending = seq.proposer_state
-        if not isinstance(pending, MtpPending) or pending.hidden is None:
+        if not isinstance(pending, MtpPending):
             return
         keep = seq.seq_len - pending.start
         if keep <= 0:
             seq.proposer_state = MtpPending(seq.seq_len)
-        elif keep < pending.hidden.shape[0]:
-            pending.hidden = pending.hidden[:keep]
+        elif keep < pending.rows:
+            pending.cut(keep)
 
     # ------------------------------------------------------------------ propose
 
@@ -157,7 +176,7 @@ class MtpDrafting:
             pending = seq.proposer_state
             if positions is not None and positions[i] != seq.seq_len:
                 continue
-            if not isinstance(pending, MtpPending) or pending.hidden is None:
+            if not isinstance(pending, MtpPending) or not pending.rows:
                 continue
             if pending.end != seq.seq_len:
                 continue
@@ -179,10 +198,10 @@ class MtpDrafting:
         for i in active:
             seq = seqs[i]
             pending = seq.proposer_state
-            assert isinstance(pending, MtpPending) and pending.hidden is not None
+            assert isinstance(pending, MtpPending) and pending.rows
             nxt = [*seq.tokens[pending.start + 1 : seq.seq_len], int(newest[i])]
             rows.append(ForwardRow(seq, nxt, True, start_at=pending.start))
-            hiddens.append(pending.hidden)
+            hiddens.append(pending.joined())
         batch = build_forward_batch(rows, 0, self.block_size, self.device)
         normed, nxt_hidden = head(
             embed(batch.input_ids), torch.cat(hiddens), batch.meta.positions, batch.meta, head_kv
