@@ -240,8 +240,8 @@ def test_the_kv_budget_pays_for_the_draft_pool() -> None:
 
 def test_a_draft_with_another_vocab_size_is_refused_naming_both() -> None:
     target, draft = str(build(LLAMA)), str(build(VOCAB256))
-    with pytest.raises(CheckpointError) as err:
-        LLM(target, device="cpu", speculative_config=spec(draft))
+    with pytest.raises(CheckpointError) as err:  # the JSON text form, as the CLI passes it
+        LLM(target, device="cpu", speculative_config=json.dumps(spec(draft)))
     msg = str(err.value)
     assert draft in msg and target in msg and "256" in msg and "512" in msg
     assert "vocab" in msg
