@@ -6,7 +6,8 @@ Owner: bench.
 function from a module the model never saw (`VALIDATION_MODULES` of the model card) and asks
 for it again after a one-line change, so the answer repeats text of the prompt; each prompt is
 sent twice (the second time as another request, as agents re-send files). The same requests
-run with speculation off, with `ngram` and with `suffix`, one engine each, in one process:
+run with speculation off, with `ngram` and with `suffix` (and `draft_model` when `--methods`
+names it, with `--draft-model DIR`), one engine each, in one process:
 wall time, output tokens per decode step, acceptance rate, mean acceptance length, and the
 speedup over off. Greedy outputs must be identical in every mode; the record says whether
 they were.
@@ -183,6 +184,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes: dict[str, dict[str, Any] | None] = {"off": None}
     for method in args.methods.split(","):
         modes[method] = {"method": method, "num_speculative_tokens": args.k, "gate": args.gate}
+        if method == "draft_model":
+            if not args.draft_model:
+                raise SystemExit("--methods draft_model needs --draft-model DIR")
+            modes[method]["model"] = args.draft_model
     results = {}
     for name, spec in modes.items():
         results[name] = run_mode(
@@ -209,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_tokens": args.max_tokens,
             "k": args.k,
             "gate": args.gate,
+            "draft_model": args.draft_model,
             "concurrency": args.concurrency,
             "threads": torch.get_num_threads(),
             "held_out_modules": list(HELD_OUT),
@@ -236,7 +242,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
-    parser.add_argument("--methods", default="ngram,suffix", help="e.g. ngram,suffix,mtp")
+    parser.add_argument("--methods", default="ngram,suffix",
+                        help="comma-separated: ngram, suffix, mtp, draft_model (with --draft-model)")  # fmt: skip
+    parser.add_argument("--draft-model", default=None,
+                        help="draft checkpoint of method draft_model (the target's vocabulary)")  # fmt: skip
     parser.add_argument("--workload", default="edit", choices=["edit", "continue"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")

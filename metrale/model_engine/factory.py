@@ -10,16 +10,22 @@ Invariants:
 - `max_model_len` never exceeds the checkpoint's `max_position_embeddings`.
 - Hybrid models get an SSM slot pool of exactly `max_num_seqs` slots (float32 recurrent
   state); its bytes come out of the KV budget, so the two never overcommit memory together.
+- With a draft checkpoint (`speculative_config` method `draft_model`) the draft's vocabulary
+  is checked before any weights load, and the budget pays for the draft too: its weights
+  (CUDA) and, per target KV block, one draft block of the same token count, so the draft's
+  pool (`load_draft_model`: as many blocks as the target's) never overcommits memory either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +43,7 @@ from metrale.model_engine.gpu_setup import (
     warm_forward_shapes,
 )
 from metrale.model_engine.transformer_model import TransformerModel
-from metrale.models.config import parse_model_config, read_config_json
+from metrale.models.config import ModelConfig, parse_model_config, read_config_json
 from metrale.models.loader import load_weights
 from metrale.models.registry import resolve_architecture
 
@@ -114,6 +120,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
             f"{mcfg.max_position_embeddings}",
             param="max_model_len",
         )
+    draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
     ops = kernels_for(device)
     with torch.device(device), _default_dtype(dtype):
         module = cls(mcfg, ops, max_model_len)
@@ -155,7 +162,15 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
             config, mcfg, module, device, dtype, max_model_len, ssm_bytes, breakdown,
             hybrid=ssm_pool is not None,
         )  # fmt: skip
-        num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
+        if draft is not None:
+            # The draft's weights (loaded after this pool) and its pool of as many blocks.
+            if device.type == "cuda":
+                budget -= draft.weights_bytes
+            num_blocks = _blocks_in_budget(
+                config, per_block + draft.per_block, max_model_len, budget
+            )
+        else:
+            num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
     kv = PagedKVCache(
         kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
@@ -191,6 +206,147 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     if device.type == "cuda":
         logger.info("startup: %s; total %.1fs", breakdown.summary(), report.load_seconds)
     return model, report
+
+
+@dataclass
+class DraftFootprint:
+    """What a draft checkpoint will take, read from its config without loading weights."""
+
+    model_dir: str
+    config: ModelConfig
+    weights_bytes: int
+    #: Bytes of one draft KV block of the target's block size (tokens).
+    per_block: int
+
+
+def draft_checkpoint_dir(config: EngineConfig) -> str | None:
+    """The draft checkpoint of `speculative_config` (method `draft_model`), else None."""
+    spec = config.speculative()
+    if spec is None or spec.method != "draft_model":
+        return None
+    return spec.model
+
+
+def _read_vocab(tokenizer_json: Path) -> tuple[Any, list[tuple[int, str]]]:
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    model = data.get("model") or {}
+    added = sorted((int(t["id"]), str(t["content"])) for t in data.get("added_tokens") or [])
+    return model.get("vocab"), added
+
+
+def check_draft_vocab(
+    target_dir: str | None, target_vocab: int, draft_dir: str, draft_vocab: int
+) -> None:
+    """A draft proposes target token ids, so both checkpoints must share one vocabulary:
+    the same `vocab_size` and, where both directories hold a `tokenizer.json`, the same
+    tokens at the same ids. Anything else is a `CheckpointError` naming both."""
+    target_name = target_dir or "the target model"
+    if draft_vocab != target_vocab:
+        raise CheckpointError(
+            f"speculative_config.model: the draft checkpoint {draft_dir} has vocab_size "
+            f"{draft_vocab} but the target {target_name} has {target_vocab}; a draft model "
+            "must share the target's vocabulary"
+        )
+    if target_dir is None:
+        return
+    a, b = Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+    if not (a.is_file() and b.is_file()) or a.resolve() == b.resolve():
+        return
+    try:
+        same = _read_vocab(a) == _read_vocab(b)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"cannot compare the tokenizers of {a} and {b}: {exc}") from exc
+    if not same:
+        raise CheckpointError(
+            f"speculative_config.model: the draft checkpoint's tokenizer ({b}) differs from "
+            f"the target's ({a}) although both have vocab_size {target_vocab}; a draft model "
+            "must share the target's vocabulary (the same tokens at the same ids)"
+        )
+
+
+def _draft_footprint(
+    config: EngineConfig,
+    target_dir: str,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    max_model_len: int,
+) -> DraftFootprint | None:
+    """The draft checkpoint's vocabulary checked and its bytes counted (a module built on
+    the meta device: no memory, no weights read), before the target loads."""
+    draft_dir = draft_checkpoint_dir(config)
+    if draft_dir is None:
+        return None
+    raw = read_config_json(draft_dir)
+    _, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
+    dcfg = parse_model_config(raw, str(Path(draft_dir) / "config.json"))
+    check_draft_vocab(target_dir, target.vocab_size, draft_dir, dcfg.vocab_size)
+    draft_len = min(max_model_len, dcfg.max_position_embeddings)
+    with torch.device("meta"), _default_dtype(dtype):
+        module = cls(dcfg, kernels_for(torch.device("cpu")), draft_len)
+    _refuse_hybrid_draft(module, draft_dir)
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    per_block = PagedKVCache.bytes_per_block(
+        module.kv_layer_count, config.block_size, dcfg.num_key_value_heads, dcfg.head_dim, dtype
+    )
+    return DraftFootprint(draft_dir, dcfg, weights, per_block)
+
+
+def _refuse_hybrid_draft(module: torch.nn.Module, draft_dir: str) -> None:
+    if hasattr(module, "ssm_layer_specs") and module.ssm_layer_specs():
+        raise CheckpointError(
+            f"speculative_config.model: the draft checkpoint {draft_dir} has recurrent (SSM) "
+            "layers, whose state a rejected draft cannot roll back; use a dense or MoE draft"
+        )
+
+
+def load_draft_model(
+    draft_dir: str,
+    target: TransformerModel,
+    load_format: str = "auto",
+    target_dir: str | None = None,
+) -> TransformerModel:
+    """The draft checkpoint as its own `TransformerModel` on the target's device and dtype:
+    its own KV pool of as many blocks of the target's block size as the target's (the same
+    token capacity; `load_model` budgeted its bytes), no prefix cache, eager forwards (no
+    CUDA graphs), context capped at the target's `max_model_len`."""
+    start = time.perf_counter()
+    raw = read_config_json(draft_dir)
+    arch_name, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
+    mcfg = parse_model_config(raw, str(Path(draft_dir) / "config.json"))
+    check_draft_vocab(target_dir, target.vocab_size(), draft_dir, mcfg.vocab_size)
+    device, dtype = target.device, target.dtype
+    max_model_len = min(target.max_model_len, mcfg.max_position_embeddings)
+    ops = kernels_for(device)
+    with torch.device(device), _default_dtype(dtype):
+        module = cls(mcfg, ops, max_model_len)
+    module.eval()
+    _refuse_hybrid_draft(module, draft_dir)
+    if load_format == "dummy":
+        _dummy_init(module)
+    else:
+        absent = load_weights(module, draft_dir, module.weight_mapping())
+        if absent:
+            module.drop_optional_weights(absent)
+    num_blocks = target.kv_cache.num_blocks
+    kv = PagedKVCache(
+        module.kv_layer_count, num_blocks, target.block_size, mcfg.num_key_value_heads,
+        mcfg.head_dim, dtype, device,
+    )  # fmt: skip
+    model = TransformerModel(
+        module, mcfg, kv, device, dtype, max_model_len, enable_prefix_caching=False
+    )
+    model.kernel_implementations = dict(ops.implementations)
+    model.kernel_ops = ops
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    per_block = PagedKVCache.bytes_per_block(
+        module.kv_layer_count, target.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+    )
+    logger.info(
+        "loaded draft %s (%s): weights %.1f MiB, KV %d usable blocks (%.1f MiB) in %.2fs",
+        draft_dir, arch_name, weights / 2**20, num_blocks - 1, num_blocks * per_block / 2**20,
+        time.perf_counter() - start,
+    )  # fmt: skip
+    return model
 
 
 def _capture_graphs(

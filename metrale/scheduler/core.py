@@ -234,6 +234,12 @@ class Scheduler(Admission, Preemption):
             plan.prefill.append(work)
             budget -= work.length
         budget = self._admit(plan, budget, available)
+        # A sequence's drafts are for this plan only. They are cleared after the admissions,
+        # whose block counts (`_decode_need`) must still see them: cleared before, an
+        # admission could take the blocks of the planned drafts and the verify forward
+        # then found the pool exhausted.
+        for seq in self.running:
+            seq.spec_token_ids = []
         if self.model.num_total_slots() is not None:
             plan.decode.sort(key=_ssm_slot_key)
         return plan
@@ -256,15 +262,15 @@ class Scheduler(Admission, Preemption):
                 del seq.spec_token_ids[room:]
 
     def _plan_drafts(self, plan: StepPlan, budget: int) -> int:
-        """Give each decode row its drafts while the token budget lasts (in row order); a
-        sequence's drafts are for this plan only, so every running sequence's are cleared."""
+        """Give each decode row its drafts while the token budget lasts (in row order); the
+        rest of a row's drafts are dropped (`schedule` clears the planned ones after its
+        admissions)."""
         for seq in plan.decode:
             take = max(0, min(len(seq.spec_token_ids), budget))
             if take:
                 plan.spec[seq.seq_id] = seq.spec_token_ids[:take]
                 budget -= take
-        for seq in self.running:
-            seq.spec_token_ids = []
+            del seq.spec_token_ids[take:]
         return budget
 
     def plan_fed_step(self, prev: StepPlan) -> StepPlan | None:

@@ -76,6 +76,15 @@ DENSE_VARIANTS: list[Variant] = [
 ]  # fmt: skip
 
 
+#: Draft checkpoints (speculative_config method "draft_model") of the dense variants: another
+#: family, one layer, half the width, other weights, the same vocabulary and tokenizer; and one
+#: whose vocab_size differs (refused at start-up). `truncated` gives a draft that agrees more.
+DRAFT_VARIANTS: list[Variant] = [
+    Variant("qwen3-draft-small", "qwen3", (("num_hidden_layers", 1), ("hidden_size", 32), ("intermediate_size", 64), ("num_attention_heads", 2), ("num_key_value_heads", 1), ("head_dim", 16)), seed=2),
+    Variant("llama-draft-vocab256", "llama", (("num_hidden_layers", 1), ("vocab_size", 256)), seed=3),
+]  # fmt: skip
+
+
 _MAMBA = dict(
     mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16
 )
@@ -177,6 +186,22 @@ def build(variant: Variant) -> Path:
     out = Path(tempfile.mkdtemp(prefix=f"metrale-{variant.name}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     return write_checkpoint(variant, out)
+
+
+@functools.cache
+def truncated(variant: Variant, num_layers: int) -> Path:
+    """`variant`'s checkpoint cut to its first `num_layers` decoder layers (embeddings, final
+    norm and LM head kept): a layer-skip draft that often agrees with the full model."""
+    model = load_hf(build(variant))
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    out = Path(tempfile.mkdtemp(prefix=f"metrale-{variant.name}-{num_layers}l-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    model.save_pretrained(out)
+    copy_tokenizer_into(out)
+    return out
 
 
 def copy_checkpoint(variant: Variant, dst: Path) -> Path:

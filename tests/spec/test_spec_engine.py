@@ -460,3 +460,27 @@ def test_token_view_reads_prompt_then_output_in_place() -> None:
     assert view[-1] == 5 and view[3] == 4 and view[1:4] == [2, 3, 4]
     with pytest.raises(IndexError):
         view[5]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_admission_never_takes_the_blocks_of_planned_drafts(mode: str) -> None:
+    """A tight pool where sequences end early (no `min_tokens`): admissions that reclaim
+    prefix-cache blocks must leave the planned drafts' blocks alone, or the verify forward
+    finds the pool exhausted and its rows end with "error" (a bug once)."""
+    ps = prompts(16, seed=3)
+    path = str(build(LLAMA))
+    ref = LLM(path, device="cpu", max_num_seqs=16, num_kv_blocks=400).generate(ps, greedy(48))
+    truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ps, ref)}
+    on = LLM(
+        path,
+        device="cpu",
+        max_num_seqs=16,
+        num_kv_blocks=16,
+        preemption_mode=mode,
+        speculative_config=SPEC,
+        proposer=ScriptedProposer(truth, wrong=0.0),
+    )
+    got = on.generate(ps, greedy(48))
+    assert all(o.outputs[0].finish_reason != "error" for o in got)
+    assert_same(ref, got)
+    assert_no_leaks(on.engine)
