@@ -6,6 +6,7 @@
 # Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
+#        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
@@ -60,6 +61,22 @@ for part in $PARTS; do
     timeout 240 python3 -m metrale.cli bench spec-cost --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --out-dir "$OUT" >"$OUT/spec_cost.log" 2>&1
     echo "rc=$?"; grep -E "^batch|projected|measured|record" "$OUT/spec_cost.log"
+    ;;
+  mtp)
+    stamp MTP: gpu tests, bundled model speedup at batch 1 and 32, MTP step cost on qwen3-8b
+    timeout 200 python3 -m pytest tests/gpu/test_spec_gpu.py -q -s -k mtp \
+      -p no:cacheprovider --timeout 190 >"$OUT/gpu_mtp_tests.log" 2>&1
+    echo "rc=$?"; grep -E "identical|passed|failed" "$OUT/gpu_mtp_tests.log" | tail -4
+    for c in 1 32; do
+      timeout 200 python3 -m metrale.cli bench spec --device cuda --methods mtp --k 3 \
+        --gate off --workload continue --no-repeat --prompts 32 --max-tokens 128 \
+        --concurrency $c --out-dir "$OUT" >"$OUT/spec_mtp_c$c.log" 2>&1
+      echo "rc=$?"; grep -E "speedup|record" "$OUT/spec_mtp_c$c.log"
+    done
+    timeout 300 python3 -m metrale.cli bench spec-cost --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --mtp --ks 1,2,3,4 --batches 1,32 --measure-batches 32 \
+      --out-dir "$OUT" >"$OUT/spec_cost_mtp.log" 2>&1
+    echo "rc=$?"; grep -E "^batch|projected|measured|record" "$OUT/spec_cost_mtp.log"
     ;;
   latency8b)
     stamp latency qwen3-8b

@@ -76,3 +76,32 @@ def test_cuda_ngram_speculation_on_repetitive_text() -> None:
     ]
     assert on.engine.spec_stats.num_accepted_tokens > 0
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_mtp_speculation_keeps_greedy_tokens(dtype: str) -> None:
+    """The bundled model's MTP head drafting on CUDA (head rows out of the decode and verify
+    graphs, the head itself eager): outputs identical or near-tie divergences."""
+    off = LLM(None, device="cuda", dtype=dtype, num_kv_blocks=400)
+    prompts = [off.get_tokenizer().encode(p) for p in PROMPTS]
+    ref = off.generate(prompts, PARAMS)
+    on = LLM(
+        None,
+        device="cuda",
+        dtype=dtype,
+        num_kv_blocks=400,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 3, "gate": "off"},
+    )
+    runner = on.engine.model.graph_runner
+    assert runner is not None and runner.capture_head_hidden
+    got = on.generate(prompts, PARAMS)
+    stats = on.engine.spec_stats
+    identical = count_identical_or_near_ties(ref, got)
+    print(
+        f"mtp {dtype}: {identical}/{len(prompts)} prompts identical over {NEW} tokens; "
+        f"acceptance {stats.acceptance_rate:.2f} per position {stats.accepted_per_pos}, "
+        f"{stats.verify_steps} verify steps"
+    )
+    assert stats.acceptance_rate > 0.2
+    if dtype == "float32":
+        assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical"
