@@ -31,12 +31,9 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from metrale.layers.recurrent_verify import RecurrentVerify
 
 
 @dataclass
@@ -59,8 +56,10 @@ class AttentionMetadata:
     decode_query_len: int = 1
     #: Hybrid verify: sequences after the decode rows that recurrent layers run token by token.
     num_sequential: int = 0
-    #: Hybrid verify: the forward's sequential-row layout and capture (None without one).
-    ssm_verify: RecurrentVerify | None = None
+    #: Hybrid verify: the forward's sequential-row layout and capture, a
+    #: `metrale.layers.recurrent_verify.RecurrentVerify` (typed loosely: `layers` sits above
+    #: `kernels`); None without one.
+    ssm_verify: Any = None
 
     @property
     def num_seqs(self) -> int:
