@@ -303,7 +303,7 @@ def test_multi_turn_conversation_replays_byte_identical(variant: Variant) -> Non
     the drafts (none to all), so the rounds roll back different draft positions."""
     path = str(build(variant))
     news = prompts(4, seed=93, lo=6, hi=12)
-    params = SamplingParams(temperature=0, max_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=12)
 
     def conversation(llm: LLM) -> list[tuple[list[int], str]]:
         history: list[int] = []
