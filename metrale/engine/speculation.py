@@ -5,9 +5,9 @@ back, when a stream ends).
 Owner: engine (one per `Engine`; built from `EngineConfig.speculative_config`).
 
 Invariants:
-- Off (`proposer is None`) when not configured, or when the model cannot roll back a verify
-  (recurrent state): then `disabled` says why, logged once at start-up, and every method is a
-  no-op.
+- Off (`proposer is None`) when not configured, or when the model cannot verify drafts
+  (`can_batch_verify` is false; hybrid SSM models can, they roll their recurrent state back):
+  then `disabled` says why, logged once at start-up, and every method is a no-op.
 - `propose` only ever sets `spec_token_ids` of running decode rows that may speculate (the
   request did not opt out, the gate allows the batch width and the row, the proposer is not
   backing off), at most `min(k, Scheduler.draft_room)` tokens, each inside the vocabulary
@@ -75,7 +75,7 @@ class Speculation:
             return
         k = config.num_speculative_tokens
         if not model.can_batch_verify([k + 1]):
-            self.disabled = "the model cannot roll back a verify (recurrent SSM state)"
+            self.disabled = "the model cannot verify drafts (can_batch_verify is false)"
             logger.warning("speculative decoding is off: %s", self.disabled)
             return
         self.proposer = proposer or build_proposer(config, model)

@@ -21,11 +21,17 @@ Invariants:
 - Hybrid models: `ssm_slots[b]` is sequence b's SSM pool slot; `ssm_has_initial_state[b]` is
   False when its rows start at position 0, so recurrent layers start it from a zero state
   whatever the slot held. Both are None for models without recurrent layers.
+- Hybrid verify: the `num_sequential` sequences after the `num_decode` decode rows are the
+  decode-side rows from the first one with drafts on; attention treats them as prefill rows,
+  recurrent layers run them token by token through their decode step and record what the
+  commit's rollback needs in `ssm_verify` (`metrale.layers.recurrent_verify`). Zero and None
+  otherwise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -48,6 +54,12 @@ class AttentionMetadata:
     query_start_loc_host: list[int] = field(default_factory=list)
     #: Query rows of each decode sequence (1: decode; k + 1: a speculative verify step).
     decode_query_len: int = 1
+    #: Hybrid verify: sequences after the decode rows that recurrent layers run token by token.
+    num_sequential: int = 0
+    #: Hybrid verify: the forward's sequential-row layout and capture, a
+    #: `metrale.layers.recurrent_verify.RecurrentVerify` (typed loosely: `layers` sits above
+    #: `kernels`); None without one.
+    ssm_verify: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -11,8 +11,10 @@ Invariants:
   head `[b (r) | a (r)]`. The conv runs over the channels `[q (Hk*Dk) | k | v (Hv*Dv)]`.
 - `beta = sigmoid(b)`, log decay `g = -exp(A_log) * softplus(a + dt_bias)`; q and k are
   l2-normalised in float32 and q scaled by `Dk ** -0.5` inside the op.
-- Decode rows take one recurrent step; prefill chunks run the chunked rule from the carried
-  state (zero when they start at position 0), so chunked prefill is exact up to rounding.
+- Decode rows take one recurrent step; the rows of a speculative verify (`num_sequential`
+  after them) one step per token through the same decode step (`recurrent_verify.py`);
+  prefill chunks run the chunked rule from the carried state (zero when they start at
+  position 0), so chunked prefill is exact up to rounding.
 - Per-slot state: conv window `[2*Hk*Dk + Hv*Dv, K]` (model dtype), recurrent state
   `[Hv, Dk, Dv]` (float32).
 """
@@ -28,7 +30,8 @@ from torch import nn
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.mamba2 import Conv1dWeights, SsmState, recurrent_rows
+from metrale.layers.mamba2 import Conv1dWeights, recurrent_rows
+from metrale.layers.recurrent_verify import SsmState
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: SsmState) -> torch.Tensor:
         s = self.spec
         conv_states, ssm_states = state
-        slots, prefill = recurrent_rows(meta, "gated delta net")
+        slots, sequential, prefill = recurrent_rows(meta, "gated delta net")
         tokens = x.shape[0]
         mixed, z, b, a = self._unpack(x)
         beta = b.sigmoid()
@@ -133,13 +136,11 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(tokens, s.num_v_heads, s.head_v_dim, dtype=x.dtype, device=x.device)
         nd = meta.num_decode
         if nd:
-            conv_out[:nd] = self.ops.causal_conv1d_update(
-                mixed[:nd], weight, None, conv_states, slots, s.activation
+            conv_out[:nd], out[:nd] = self.recurrent_step(
+                (mixed[:nd], g[:nd], beta[:nd]), state, slots
             )
-            q, k, v = self._split(conv_out[:nd])
-            out[:nd] = self.ops.gated_delta_update(
-                q, k, v, g[:nd], beta[:nd], ssm_states, slots, use_qk_l2norm=True
-            )
+        if sequential is not None:
+            sequential.run(self, state, (mixed, g, beta), (conv_out, out))
         if prefill is not None:
             first, qsl = prefill.first, prefill.query_start_loc
             slots_host, initial = prefill.slots, prefill.has_initial_state
@@ -153,6 +154,20 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         normed = self.norm(out, z)
         return self.out_proj(normed.reshape(tokens, s.value_dim))
+
+    def recurrent_step(
+        self, inputs: tuple[torch.Tensor, ...], state: SsmState, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of `n` rows: `inputs` = (pre-conv `mixed_qkv [n, conv_dim]`,
+        log decay `g [n, Hv]`, `beta [n, Hv]`); returns (conv output, `o [n, Hv, Dv]`)."""
+        mixed, g, beta = inputs
+        conv_states, ssm_states = state
+        conv = self.ops.causal_conv1d_update(
+            mixed, self.conv1d.weight.squeeze(1), None, conv_states, slots, self.spec.activation
+        )
+        q, k, v = self._split(conv)
+        out = self.ops.gated_delta_update(q, k, v, g, beta, ssm_states, slots, use_qk_l2norm=True)
+        return conv, out
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.spec

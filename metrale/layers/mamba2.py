@@ -8,9 +8,11 @@ Invariants:
 - Parameter names and layouts equal transformers' (`in_proj`, `conv1d.weight [C, 1, K]`,
   `conv1d.bias`, `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`); `in_proj` rows are
   `[gate z (I) | x B C (conv_dim) | dt (H)]`.
-- Decode rows (the first `meta.num_decode`) take one recurrent step each; every prefill chunk
-  runs the chunked scan from its sequence's carried state (zero when it starts at position 0),
-  so chunked prefill is exact up to rounding.
+- Decode rows (the first `meta.num_decode`) take one recurrent step each; the
+  `meta.num_sequential` rows after them (a speculative verify: a decode row with its drafts)
+  take one step per token through the same decode step (`recurrent_verify.py`); every prefill
+  chunk runs the chunked scan from its sequence's carried state (zero when it starts at
+  position 0), so chunked prefill is exact up to rounding.
 - dt: `softplus(dt + dt_bias)`, clamped to `prefill_dt_limit` in the chunked scan only, as
   transformers does (its decode step does not clamp). Nemotron-H's transformers mixer clamps
   prefill dt at `time_step_min`; Bamba's at the config's `time_step_limit`.
@@ -29,6 +31,7 @@ from torch import nn
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.recurrent_verify import RecurrentVerify, SsmState
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,6 @@ class Conv1dWeights(nn.Module):
         self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
-#: A recurrent layer's slot-pool tensors: `(conv_states, ssm_states)`.
-SsmState = tuple[torch.Tensor, torch.Tensor]
-
-
 @dataclass(frozen=True)
 class PrefillRows:
     """The prefill chunks after a batch's decode rows: their first token row, each chunk's
@@ -103,22 +102,29 @@ class PrefillRows:
     has_initial_state: list[bool]
 
 
-def recurrent_rows(meta: AttentionMetadata, layer: str) -> tuple[torch.Tensor, PrefillRows | None]:
+def recurrent_rows(
+    meta: AttentionMetadata, layer: str
+) -> tuple[torch.Tensor, RecurrentVerify | None, PrefillRows | None]:
     """How a recurrent layer splits the batch: the slots of the `meta.num_decode` decode rows
-    (device), and the prefill chunks after them (None when there are none)."""
+    (device), the `meta.num_sequential` rows after them that run token by token (a verify:
+    None when there are none), and the prefill chunks after those (None when there are none)."""
     if meta.ssm_slots is None or meta.ssm_slots_host is None:
         raise ValueError(f"a {layer} layer needs SSM slots in the batch metadata")
     nd = meta.num_decode
-    if nd == meta.num_seqs:
-        return meta.ssm_slots[:nd], None
-    first = meta.query_start_loc_host[nd]
+    sequential = meta.ssm_verify if meta.num_sequential else None
+    if meta.num_sequential and sequential is None:
+        raise ValueError(f"a {layer} layer got sequential rows without their verify layout")
+    ns = nd + meta.num_sequential
+    if ns == meta.num_seqs:
+        return meta.ssm_slots[:nd], sequential, None
+    first = meta.query_start_loc_host[ns]
     prefill = PrefillRows(
         first=first,
-        query_start_loc=[q - first for q in meta.query_start_loc_host[nd:]],
-        slots=meta.ssm_slots_host[nd:],
-        has_initial_state=(meta.ssm_has_initial_state or [])[nd:],
+        query_start_loc=[q - first for q in meta.query_start_loc_host[ns:]],
+        slots=meta.ssm_slots_host[ns:],
+        has_initial_state=(meta.ssm_has_initial_state or [])[ns:],
     )
-    return meta.ssm_slots[:nd], prefill
+    return meta.ssm_slots[:nd], sequential, prefill
 
 
 class Mamba2Mixer(nn.Module):
@@ -142,7 +148,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, state: SsmState) -> torch.Tensor:
         s = self.spec
         conv_states, ssm_states = state
-        slots, prefill = recurrent_rows(meta, "Mamba-2")
+        slots, sequential, prefill = recurrent_rows(meta, "Mamba-2")
         tokens = x.shape[0]
         gate, xbc, dt = self.in_proj(x).split([s.intermediate, s.conv_dim, s.num_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)
@@ -151,13 +157,9 @@ class Mamba2Mixer(nn.Module):
         xbc_out = torch.empty_like(xbc)
         y = torch.empty(tokens, s.num_heads, s.head_dim, dtype=torch.float32, device=x.device)
         if nd:
-            xbc_out[:nd] = self.ops.causal_conv1d_update(
-                xbc[:nd], weight, self.conv1d.bias, conv_states, slots, s.activation
-            )
-            xs, b, c = self._split(xbc_out[:nd])
-            y[:nd] = self.ops.mamba2_state_update(
-                xs, dt[:nd], a, b, c, self.D, self.dt_bias, ssm_states, slots
-            ).float()
+            xbc_out[:nd], y[:nd] = self.recurrent_step((xbc[:nd], dt[:nd]), state, slots)
+        if sequential is not None:
+            sequential.run(self, state, (xbc, dt), (xbc_out, y))
         if prefill is not None:
             first, qsl = prefill.first, prefill.query_start_loc
             slots_host, initial = prefill.slots, prefill.has_initial_state
@@ -172,6 +174,24 @@ class Mamba2Mixer(nn.Module):
             )  # fmt: skip
         out = self.norm(y.view(tokens, s.intermediate), gate)
         return self.out_proj(out.to(x.dtype))
+
+    def recurrent_step(
+        self, inputs: tuple[torch.Tensor, ...], state: SsmState, slots: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of `n` rows: `inputs` = (pre-conv `xbc [n, conv_dim]`, raw
+        `dt [n, H]`); returns (conv output `[n, conv_dim]`, float32 `y [n, H, P]`)."""
+        s = self.spec
+        xbc, dt = inputs
+        conv_states, ssm_states = state
+        conv = self.ops.causal_conv1d_update(
+            xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, conv_states, slots, s.activation
+        )
+        xs, b, c = self._split(conv)
+        a = -torch.exp(self.A_log.float())
+        y = self.ops.mamba2_state_update(
+            xs, dt, a, b, c, self.D, self.dt_bias, ssm_states, slots
+        ).float()
+        return conv, y
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s = self.spec

@@ -11,6 +11,10 @@ Invariants:
   MTP head's rows, `start_at`).
 - On hybrid models every row carries its sequence's SSM slot; a row starting at position 0
   is marked as having no initial recurrent state.
+- Rows naming a `RecurrentVerify` (hybrid verify: the decode-side rows from the first one
+  with drafts on) directly follow the `num_decode` decode rows; they become the metadata's
+  `num_sequential` rows, and their layout (token rows, slots, per-step indices) is uploaded
+  into that object once per forward.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import torch
 
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.recurrent_verify import RecurrentVerify
 from metrale.model_engine.traits import SequenceState
 
 
@@ -37,6 +42,9 @@ class ForwardRow:
     #: First position of the row when it is not `seq.seq_len` (an MTP head's catch-up
     #: rows rewrite positions the main model has already computed).
     start_at: int | None = None
+    #: Hybrid verify: the forward's capture when recurrent layers run this decode-side row
+    #: token by token (see `metrale.model_engine.ssm_verify`); None otherwise.
+    ssm_verify: RecurrentVerify | None = None
 
     @property
     def start(self) -> int:
@@ -93,6 +101,7 @@ def build_forward_batch(
         ssm_slots_host = [int(s) for s in slot_list if s is not None]
         ssm_slots = up(np.asarray(ssm_slots_host, dtype=np.int64), torch.int64)
         ssm_initial = (starts > 0).tolist()
+    num_sequential, ssm_verify = _sequential_rows(rows, num_decode, qsl, device)
 
     meta = AttentionMetadata(
         positions=up(positions, torch.int64),
@@ -109,6 +118,8 @@ def build_forward_batch(
         ssm_slots_host=ssm_slots_host,
         ssm_has_initial_state=ssm_initial,
         query_start_loc_host=qsl.tolist(),
+        num_sequential=num_sequential,
+        ssm_verify=ssm_verify,
     )
     return ForwardBatch(
         input_ids=up(input_ids, torch.int64),
@@ -116,3 +127,28 @@ def build_forward_batch(
         logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
         logits_spans=spans,
     )
+
+
+def _sequential_rows(
+    rows: list[ForwardRow], num_decode: int, qsl: np.ndarray, device: torch.device
+) -> tuple[int, RecurrentVerify | None]:
+    """The rows after the decode rows that name the forward's `RecurrentVerify`, laid out."""
+    marked = [i for i, r in enumerate(rows) if r.ssm_verify is not None]
+    if not marked:
+        return 0, None
+    capture = rows[marked[0]].ssm_verify
+    assert capture is not None
+    if marked != list(range(num_decode, num_decode + len(marked))) or any(
+        rows[i].ssm_verify is not capture for i in marked
+    ):
+        raise ValueError("sequential (verify) rows must directly follow the decode rows")
+    slots = [rows[i].seq.ssm_slot_idx() for i in marked]
+    if any(s is None for s in slots):
+        raise ValueError("a sequential (verify) row needs an SSM slot")
+    capture.lay_out(
+        [int(qsl[i]) for i in marked],
+        [len(rows[i].tokens) for i in marked],
+        [int(s) for s in slots if s is not None],
+        device,
+    )
+    return len(marked), capture

@@ -6,7 +6,7 @@ the forward passes live in `transformer_model.py`, speculative verify in `verify
 
 Invariants:
 - `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
-  refs, its SSM slot, its adapter slot) and leaves it empty, so a second call releases nothing.
+  refs, its SSM slot and verify stash, its adapter slot) and leaves it empty, so a second call releases nothing.
 - `cache_sequence` never indexes a position holding `FED_TOKEN` (a fed step's unread token),
   nor past `kv_valid_tokens`.
 - `lookup_prefix` runs once per sequence, before its first chunk (a replay returns the first
@@ -27,6 +27,7 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     FED_TOKEN,
     PrefixReclaim,
@@ -42,6 +43,7 @@ class PagedKvLifecycle:
     block_size: int
     kv_cache: PagedKVCache
     ssm_pool: SsmSlotPool | None
+    ssm_stash: SsmVerifyStash | None
     prefix_cache: RadixPrefixCache | None
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
@@ -127,6 +129,8 @@ class PagedKvLifecycle:
         return stats
 
     def free_sequence(self, seq: SequenceState) -> None:
+        if self.ssm_stash is not None:
+            self.ssm_stash.discard(seq)  # an uncommitted verify's checkpoint
         if seq.block_table:
             self.block_pool.decref(seq.block_table)
         seq.block_table = []
@@ -155,7 +159,9 @@ class PagedKvLifecycle:
 
     def save_sequence_state(self, seq: SequenceState, writer: BinaryIO) -> None:
         """Serialise the sequence's written KV blocks and its SSM slot state (host copies)
-        for swap-out."""
+        for swap-out (an uncommitted verify's checkpoint is discarded, not carried)."""
+        if self.ssm_stash is not None:
+            self.ssm_stash.discard(seq)
         data = self.kv_cache.read_blocks(seq.block_table) if seq.block_table else []
         payload: dict[str, Any] = {"num_blocks": len(seq.block_table), "kv": data}
         slot = seq.ssm_slot_idx()

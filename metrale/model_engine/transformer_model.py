@@ -24,6 +24,9 @@ Invariants:
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
   tokens before the row (so a KV prefix without its recurrent state is never used silently).
+  Nothing compacts slots: the pool hands out the lowest free slot and a slot index is only an
+  index into preallocated tensors (batches gather by index), so fragmented slots cost nothing;
+  `compact_sequence` exists for the seed's interface and keeps a verify stash with its state.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.mtp import MtpDrafting
+from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
     FED_TOKEN,
@@ -93,6 +97,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             )
         self.mtp_enabled = mtp
         self.ssm_pool = ssm_pool
+        self.ssm_stash = SsmVerifyStash(ssm_pool) if ssm_pool is not None else None
         self.config = config
         self.kv_cache = kv_cache
         self.block_pool = BlockPool(kv_cache.num_blocks)
@@ -179,8 +184,11 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         that `detach_slot_for_reuse` marks slot-less (before or after this call)."""
         if self.ssm_pool is None or seq.ssm_slot is None:
             raise ValueError("compact_sequence needs a sequence holding an SSM slot")
+        old_slot = seq.ssm_slot_idx()
         self.ssm_pool.move(seq.ssm_slot, new_slot)  # type: ignore[arg-type]
         seq.slot_idx = new_slot
+        if self.ssm_stash is not None and old_slot is not None:
+            self.ssm_stash.move(old_slot, new_slot)
 
     def detach_slot_for_reuse(self, seq: SequenceState) -> None:
         """Make a retired sequence slot-less without freeing its slot: a survivor has been (or
@@ -269,6 +277,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         num_single = 0
         while num_single < len(decode_seqs) and len(rows[num_single].tokens) == 1:
             num_single += 1
+        capture = self._begin_recurrent_verify(rows, num_single, len(decode_seqs))
         logits, spans = self._forward(rows, num_single, None)
         nd = len(decode_seqs)
         decode_rows = sum(spans[i][1] for i in range(nd))
@@ -282,6 +291,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
                 logits[first + count - 1 : first + count] if sl.is_last_chunk else None
             )
         self._advance(rows)
+        self._end_recurrent_verify(capture)
         return MixedBatchResult(decode_logits, prefill_logits)
 
     def _advance(self, rows: list[ForwardRow]) -> None:

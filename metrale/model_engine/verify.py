@@ -9,10 +9,13 @@ Invariants:
 - A verify row advances by its last token plus its drafts and returns logits for each;
   `commit_accepted_prefix` then drops the rejected drafts from `seq_len`, `tokens` and
   `kv_valid_tokens` and returns the blocks past the kept tokens, which only that verify had
-  allocated. Refused on hybrid models (no recurrent-state rollback yet).
+  allocated. On hybrid models the recurrent layers run verify rows token by token and the
+  commit rolls their state back to the accepted prefix (`ssm_verify.py`: checkpoint,
+  replay); `checkpoint_ssm_states` / `rollback_ssm_states` are that module's stash.
 - A graphed verify pads rows to the captured query length by repeating their last token; the
   padding's KV lands past the row's new `seq_len` and its blocks go back at once, so the
-  sequence is exactly as after an eager verify. It never runs past `max_model_len`.
+  sequence is exactly as after an eager verify. It never runs past `max_model_len`. Hybrid
+  models have no graphs; their verify always runs eagerly.
 """
 
 from __future__ import annotations
@@ -25,9 +28,10 @@ import torch
 
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.ssm_pool import SsmSlotPool
-from metrale.errors import Unsupported
+from metrale.layers.recurrent_verify import RecurrentVerify
 from metrale.model_engine.batch import ForwardRow
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     MixedBatchResult,
     PrefillSlice,
@@ -44,6 +48,8 @@ class VerifyForwards:
     block_pool: BlockPool
     block_size: int
     ssm_pool: SsmSlotPool | None
+    #: Hybrid models: each verify row's checkpoint and inputs until its commit (else None).
+    ssm_stash: SsmVerifyStash | None
     graph_runner: DecodeGraphRunner | None
     _last_hidden: torch.Tensor | None
     mtp_enabled: bool
@@ -63,9 +69,9 @@ class VerifyForwards:
         def _cut_mtp_rows(self, seq: SequenceState) -> None: ...
 
     def can_batch_verify(self, ks: Sequence[int]) -> bool:
-        """Any mix of row counts verifies in one forward, on models without recurrent
-        layers (SSM rollback is not built yet)."""
-        return self.ssm_pool is None
+        """Any mix of row counts verifies in one forward (hybrids too: their recurrent
+        layers run verify rows token by token and the commit rolls them back)."""
+        return True
 
     def mixed_verify_batch(
         self,
@@ -75,16 +81,38 @@ class VerifyForwards:
         prefill_streams: Sequence[PrefillSlice],
         stream: Stream = None,
     ) -> MixedBatchResult:
-        if self.ssm_pool is not None and any(drafts):
-            raise Unsupported(
-                "speculative verify on a hybrid (SSM) model needs recurrent-state rollback, "
-                "which this model does not have yet"
-            )
-        if not prefill_streams and decode_seqs:
+        if not prefill_streams and decode_seqs and self.ssm_pool is None:
             graphed = self._verify_graphed(decode_tokens, drafts, decode_seqs)
             if graphed is not None:
                 return MixedBatchResult(graphed, [])
         return self._mixed(decode_tokens, drafts, decode_seqs, prefill_streams)
+
+    # ------------------------------------------------------------ recurrent state
+
+    def _begin_recurrent_verify(
+        self, rows: list[ForwardRow], num_single: int, num_decode_rows: int
+    ) -> RecurrentVerify | None:
+        """Before a forward: on hybrids, mark the decode-side rows from the first verify row
+        on as sequential (see `ssm_verify.py`). None when nothing is sequential."""
+        if self.ssm_stash is None:
+            return None
+        return self.ssm_stash.begin(rows, num_single, num_decode_rows)
+
+    def _end_recurrent_verify(self, capture: RecurrentVerify | None) -> None:
+        """After the forward and the advance: keep each verify row's capture until its commit."""
+        if capture is not None and self.ssm_stash is not None:
+            self.ssm_stash.adopt(capture)
+
+    def checkpoint_ssm_states(self, seq: SequenceState) -> None:
+        """A bare checkpoint of `seq`'s recurrent state (a verify forward takes its own)."""
+        if self.ssm_stash is not None:
+            self.ssm_stash.checkpoint(seq)
+
+    def rollback_ssm_states(self, seq: SequenceState, num_accepted: int) -> None:
+        """Restore the last verify's checkpoint and replay its last verified token and first
+        `num_accepted` drafts (`SsmVerifyStash.rollback`); `seq_len` is the caller's."""
+        if self.ssm_stash is not None:
+            self.ssm_stash.rollback(seq, num_accepted)
 
     def _verify_graphed(
         self,
@@ -180,14 +208,15 @@ class VerifyForwards:
         """Keep the last verify's input token and its first `num_accepted` of `k` drafts:
         `seq_len`, `tokens` and `kv_valid_tokens` drop the rejected `k - num_accepted`, and
         blocks past the kept tokens go back to the pool (they were allocated by the verify,
-        so nothing shares them). The slots left past `seq_len` are overwritten later."""
+        so nothing shares them). The slots left past `seq_len` are overwritten later. On
+        hybrids the recurrent state is rolled back to the kept tokens first."""
         if not 0 <= num_accepted <= k:
             raise ValueError(f"num_accepted {num_accepted} is outside [0, {k}]")
         if k > seq.seq_len:
             raise ValueError(f"cannot roll back {k} drafts of a {seq.seq_len}-token sequence")
         drop = k - num_accepted
-        if drop and self.ssm_pool is not None:
-            raise Unsupported("rolling back a hybrid (SSM) model's recurrent state")
+        if self.ssm_stash is not None:
+            self.ssm_stash.commit(seq, num_accepted, k)
         if drop:
             seq.seq_len -= drop
             del seq.tokens[seq.seq_len :]

@@ -38,7 +38,10 @@ Invariants:
 - Hybrid models: admission also needs a free SSM slot (`num_free_slots`), `max_num_seqs` may
   not exceed the slot pool, and decode rows are ordered by SSM slot. A recompute preemption
   frees the slot, so the resumed sequence restarts its recurrent state from zero; a swap
-  carries the state with the KV.
+  carries the state with the KV. Verify rows speculate as on any model: the commit's
+  `commit_accepted_prefix` also rolls the recurrent state back. `compact_sequence` is never
+  called: slots are handed out lowest first and a slot index is only an index into the
+  preallocated pool, so fragmented slots cost nothing.
 """
 
 from __future__ import annotations

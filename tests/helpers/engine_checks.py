@@ -10,7 +10,8 @@ from metrale import Engine
 
 def assert_no_leaks(engine: Engine) -> None:
     """Nothing is held by a sequence: every usable block is free or held only by the prefix
-    cache, and once the cache is emptied every block is free (all but the null block)."""
+    cache, and once the cache is emptied every block is free (all but the null block); on
+    hybrid models every SSM slot is free and no verify checkpoint is stashed."""
     model = engine.model
     assert not engine.has_unfinished()
     pool = model.block_pool
@@ -23,3 +24,7 @@ def assert_no_leaks(engine: Engine) -> None:
     model.reclaim_prefix_blocks(model.num_total_blocks())
     assert model.num_free_blocks() == model.num_total_blocks()
     pool.check()
+    ssm_pool = getattr(model, "ssm_pool", None)
+    if ssm_pool is not None:  # hybrid models: every SSM slot and verify stash comes back
+        assert ssm_pool.num_free() == ssm_pool.num_slots and ssm_pool.num_allocated() == 0
+        assert len(model.ssm_stash) == 0, "a verify checkpoint outlived its sequence"

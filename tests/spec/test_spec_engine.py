@@ -360,16 +360,19 @@ def test_startup_log_names_the_proposer_and_k(caplog: pytest.LogCaptureFixture) 
     assert any("speculative decoding: ngram k=5" in r.getMessage() for r in caplog.records)
 
 
-def test_hybrid_model_runs_without_speculation_and_says_so(
-    caplog: pytest.LogCaptureFixture,
+def test_model_that_cannot_verify_runs_without_speculation_and_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Hybrids verify (tests/spec/test_hybrid_spec.py); a model whose `can_batch_verify` is
+    false still runs, with speculation off and the reason logged."""
     import logging
 
-    from tests.helpers.checkpoints import HYBRID_VARIANTS
+    from metrale.model_engine.transformer_model import TransformerModel
 
-    path = str(build(HYBRID_VARIANTS[0]))
+    path = str(build(LLAMA))
     ps = prompts(2, seed=70)
     ref = LLM(path, device="cpu").generate(ps, greedy(12))
+    monkeypatch.setattr(TransformerModel, "can_batch_verify", lambda self, ks: False)
     with caplog.at_level(logging.WARNING):
         llm = LLM(path, device="cpu", speculative_config=SPEC)
     assert llm.engine.speculation.proposer is None and llm.engine.speculation.disabled
