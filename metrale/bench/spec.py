@@ -467,7 +467,19 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner
-    return f"Q={runner.query_lens}, rungs {runner.rungs} ({runner.capture_bytes / 2**20:.0f} MiB)"
+    text = f"Q={runner.query_lens}, rungs {runner.rungs} ({runner.capture_bytes / 2**20:.0f} MiB)"
+    if model.mtp_enabled:  # the head's propose graphs, one per k measured
+        from metrale.model_engine.mtp_graphs import MtpGraphRunner
+
+        for q in query_lens:
+            head = MtpGraphRunner(
+                model.module, model.head_kv_layers, device, model.dtype, max_batch,
+                -(-model.max_model_len // model.block_size), model.block_size, q - 1,
+            )  # fmt: skip
+            head.capture()
+            model.mtp_graphs[head.k] = head
+        text += f"; MTP propose graphs for k={sorted(model.mtp_graphs)}"
+    return text
 
 
 def with_mtp_layer(model_dir: Path) -> Path:

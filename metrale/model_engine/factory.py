@@ -42,6 +42,7 @@ from metrale.model_engine.gpu_setup import (
     kv_budget_bytes,
     warm_forward_shapes,
 )
+from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
 from metrale.models.loader import load_weights
@@ -376,6 +377,16 @@ def _capture_graphs(
     model.graph_runner = runner
     breakdown.graph_bytes = runner.capture_bytes
     breakdown.capture_seconds = runner.capture_seconds
+    if model.mtp_enabled and spec is not None:
+        head = MtpGraphRunner(
+            model.module, model.head_kv_layers, model.device, model.dtype,
+            config.max_num_seqs, blocks_for(max_model_len, config.block_size),
+            config.block_size, spec.num_speculative_tokens,
+        )  # fmt: skip
+        head.capture()
+        model.mtp_graphs[head.k] = head
+        breakdown.graph_bytes += head.capture_bytes
+        breakdown.capture_seconds += head.capture_seconds
     if runner.capture_bytes > GRAPH_RESERVE_BYTES:
         logger.warning(
             "decode graphs took %.0f MiB, more than the %.0f MiB reserved for them",

@@ -35,6 +35,7 @@ import torch
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
+from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.traits import FED_TOKEN, SequenceState, Stream
 
 #: Most hidden rows kept per sequence for the head (a long prompt keeps its last ones).
@@ -88,6 +89,8 @@ class MtpDrafting:
     device: torch.device
     #: Whether the MTP head drafts (its KV layers exist in `kv_cache`).
     mtp_enabled: bool
+    #: Captured propose graphs by draft count k (CUDA; empty: every propose runs eagerly).
+    mtp_graphs: dict[int, MtpGraphRunner]
 
     if TYPE_CHECKING:  # provided by `TransformerModel`
 
@@ -99,6 +102,11 @@ class MtpDrafting:
     def main_kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The main model's KV layers (the head's follow them)."""
         return self.kv_cache.layers[: self.module.kv_layer_count]
+
+    @property
+    def head_kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The MTP head's KV layers (after the main model's)."""
+        return self.kv_cache.layers[self.module.kv_layer_count :]
 
     def has_proposer(self) -> bool:
         return self.mtp_enabled
@@ -170,28 +178,34 @@ class MtpDrafting:
         if not self.mtp_enabled:
             raise ValueError("this model was built without its MTP head drafting")
         out: list[list[int]] = [[] for _ in seqs]
-        active: list[int] = []
-        ks: list[int] = []
+        candidates: list[int] = []
         for i, seq in enumerate(seqs):
             pending = seq.proposer_state
             if positions is not None and positions[i] != seq.seq_len:
                 continue
             if not isinstance(pending, MtpPending) or not pending.rows:
                 continue
-            if pending.end != seq.seq_len:
+            if pending.end != seq.seq_len or max_drafts[i] < 1:
                 continue
             if any(t == FED_TOKEN for t in seq.tokens[pending.start + 1 :]):
                 continue
-            k = self._draft_room(seq, max_drafts[i])
-            if k < 1:
-                continue
-            active.append(i)
-            ks.append(k)
+            candidates.append(i)
+        if not candidates:
+            return out
+        if self._mtp_graphed(seqs, newest, max_drafts, candidates, out):
+            return out
+        active: list[int] = []
+        ks: list[int] = []
+        for i in candidates:
+            k = self._draft_room(seqs[i], max_drafts[i])
+            if k >= 1:
+                active.append(i)
+                ks.append(k)
         if not active:
             return out
         head = self.module.mtp
         embed = self.module.input_embeddings()
-        head_kv = self.kv_cache.layers[self.module.kv_layer_count :]
+        head_kv = self.head_kv_layers
         # Catch-up: every pending row, sequence by sequence (a varlen batch).
         rows: list[ForwardRow] = []
         hiddens: list[torch.Tensor] = []
@@ -233,6 +247,45 @@ class MtpDrafting:
         for n, i in enumerate(active):
             out[i] = draft_lists[n]
         return out
+
+    def _mtp_graphed(
+        self,
+        seqs: Sequence[SequenceState],
+        newest: Sequence[int],
+        max_drafts: Sequence[int],
+        candidates: list[int],
+        out: list[list[int]],
+    ) -> bool:
+        """The propose through a captured graph (`mtp_graphs`), when one has the batch's k
+        and every sequence fits it (see `mtp_graphs.py`); fills `out`. False: run eagerly."""
+        k = max(max_drafts[i] for i in candidates)
+        runner = self.mtp_graphs.get(k)
+        if runner is None or not runner.can_run(len(candidates)):
+            return False
+        chosen = [seqs[i] for i in candidates]
+        for seq in chosen:
+            pending = seq.proposer_state
+            assert isinstance(pending, MtpPending)
+            if pending.rows > runner.q or not self.fits_context(seq, k + 1):
+                return False
+        need = [self.blocks_needed(seq, k) for seq in chosen]
+        if sum(need) > self.block_pool.num_free:
+            return False
+        for seq, n in zip(chosen, need, strict=True):
+            if n:
+                seq.block_table.extend(self.block_pool.allocate(n))
+        next_tokens: list[list[int]] = []
+        hiddens: list[torch.Tensor] = []
+        for i, seq in zip(candidates, chosen, strict=True):
+            pending = seq.proposer_state
+            assert isinstance(pending, MtpPending)
+            next_tokens.append([*seq.tokens[pending.start + 1 : seq.seq_len], int(newest[i])])
+            hiddens.append(pending.joined())
+        drafts = runner.run(chosen, next_tokens, hiddens)
+        for i, seq, d in zip(candidates, chosen, drafts, strict=True):
+            out[i] = [int(t) for t in d[: max_drafts[i]]]
+            seq.proposer_state = MtpPending(seq.seq_len)
+        return True
 
     def _draft_room(self, seq: SequenceState, k: int) -> int:
         """Drafts `seq` can take (at most `k`): the head writes positions up to

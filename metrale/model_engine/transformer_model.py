@@ -96,6 +96,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
                 f"{module.kv_layer_count} (+{head_layers} for its MTP head)"
             )
         self.mtp_enabled = mtp
+        self.mtp_graphs = {}
         self.ssm_pool = ssm_pool
         self.ssm_stash = SsmVerifyStash(ssm_pool) if ssm_pool is not None else None
         self.config = config

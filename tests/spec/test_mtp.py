@@ -223,3 +223,41 @@ def test_sampled_first_four_tokens_keep_their_distribution_with_mtp() -> None:
     for j in range(1, 5):
         stat, dof = chi_square_homogeneity([t[:j] for t in base], [t[:j] for t in spec])
         assert chi_square_p_value(stat, dof) > 1e-3, (j, stat, dof)
+
+
+def test_propose_graph_body_gives_the_eager_drafts() -> None:
+    """`MtpGraphRunner` (its body run uncaptured, as on the CPU) drafts what the eager
+    propose drafts, from the states a decode step and a partly rejected verify leave."""
+    from metrale.model_engine.mtp_graphs import MtpGraphRunner
+
+    config = EngineConfig(
+        model=BUNDLED, device="cpu", dtype="float32", speculative_config=mtp(3), num_kv_blocks=64
+    )
+    model, _ = load_model(config, BUNDLED)
+    runner = MtpGraphRunner(
+        model.module, model.head_kv_layers, model.device, model.dtype, 4, 16,
+        model.block_size, 3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(10, 8000, (60,), generator=g).tolist()
+    seqs = [model.alloc_sequence() for _ in range(2)]  # [graphed, eager]
+    for seq in seqs:
+        model.prefill_chunk(ids[:30], seq, 0, 30, True)
+        assert len(model.mtp_propose([seq], [ids[30]], [3])[0]) == 3  # eager: 30 rows
+        model.decode_batch([ids[30]], [seq])  # one pending row
+    checks = 0
+    for step in range(3):
+        newest = ids[31 + 3 * step]
+        model.mtp_graphs = {3: runner}
+        graphed = model.mtp_propose([seqs[0]], [newest], [3])[0]
+        model.mtp_graphs = {}
+        eager = model.mtp_propose([seqs[1]], [newest], [3])[0]
+        assert graphed == eager, step
+        checks += 1
+        # A verify of [newest, x, y] keeping one draft: two pending rows for the next one.
+        for seq in seqs:
+            model.mixed_verify_batch([newest], [[ids[32 + 3 * step], 7]], [seq], [])
+            model.commit_accepted_prefix(seq, 1, 2)
+    assert checks == 3 and runner.replays == 3
+    for seq in seqs:
+        model.free_sequence(seq)

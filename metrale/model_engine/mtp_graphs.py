@@ -1,0 +1,207 @@
+"""`MtpGraphRunner`: an MTP propose of k drafts as one CUDA graph per batch rung: the head's
+catch-up over each sequence's pending rows (padded to Q = k + 1 rows), then k - 1 recursive
+head steps, each drafting with an on-device argmax; one read back at the end.
+
+Owner: model-engine (`MtpDrafting.mtp_propose` routes steady-state proposes here; the
+factory captures it when the MTP head drafts on CUDA).
+
+Invariants:
+- A replay serves sequences whose pending rows number 1..Q and end at `seq_len`, each with
+  blocks and context for positions up to `seq_len + k - 1` (the padding rows write the head's
+  KV at positions `seq_len .. start + Q - 1`, the recursion at `seq_len .. seq_len + k - 2`:
+  all past `seq_len`, so nothing valid is overwritten, and the next catch-up rewrites them
+  before the head reads them). Anything else runs eagerly.
+- Sequence b owns rows `b * Q .. b * Q + Q - 1`; its first draft comes from row
+  `b * Q + r - 1` (its last pending row), and every recursive step reads that row's hidden.
+- Padding sequences (past the real batch) take positions from 0 in the null block (block 0),
+  as the decode graphs' padding does; their drafts are never read.
+- Inputs reach the graph only through the runner's buffers; without a capture (`capture`
+  not called: the CPU) the same body runs eagerly, so the buffer logic is testable anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.model_engine.traits import DECODE_BATCH_LADDER, SequenceState, padded_batch_n
+
+logger = logging.getLogger(__name__)
+
+
+class MtpGraphRunner:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        head_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        k: int,
+    ) -> None:
+        if k < 1:
+            raise ValueError(f"an MTP propose drafts at least one token, got k={k}")
+        self.module = module
+        self.head_kv = head_kv
+        self.device = device
+        self.block_size = block_size
+        self.k = k
+        self.q = k + 1
+        top = padded_batch_n(max_batch)
+        self.rungs = sorted({1, *(r for r in DECODE_BATCH_LADDER if r <= top), top})
+        n, q, width = self.rungs[-1], self.q, max_blocks_per_seq
+        hidden_size = module.config.hidden_size
+        self.ids = torch.zeros(n * q, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(n * q, hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(n * q, dtype=torch.int64, device=device)
+        self.slots = torch.zeros(n * q, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.last_rows = torch.zeros(n, dtype=torch.int64, device=device)
+        self.bases = torch.zeros(n, dtype=torch.int64, device=device)
+        self.qsl_rows = torch.arange(n + 1, dtype=torch.int32, device=device) * q
+        self.qsl_step = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        #: Proposes served by this runner (a metric).
+        self.replays = 0
+
+    # ------------------------------------------------------------------ the graph body
+
+    def _meta(self, rungs: int, positions: torch.Tensor, slots: torch.Tensor,
+              lens: torch.Tensor, query_len: int) -> AttentionMetadata:  # fmt: skip
+        return AttentionMetadata(
+            positions=positions,
+            slot_mapping=slots,
+            query_start_loc=(self.qsl_rows if query_len > 1 else self.qsl_step)[: rungs + 1],
+            seq_lens=lens,
+            block_tables=self.block_tables[:rungs],
+            num_decode=rungs,
+            query_lens_host=[query_len] * rungs,
+            seq_lens_host=[],  # not available inside a graph
+            max_query_len=query_len,
+            max_seq_len=self.block_tables.shape[1] * self.block_size,
+            decode_query_len=query_len,
+        )
+
+    def _body(self, rungs: int) -> torch.Tensor:
+        module, head, bs = self.module, self.module.mtp, self.block_size
+        embed = module.input_embeddings()
+        tokens = rungs * self.q
+        meta = self._meta(
+            rungs, self.positions[:tokens], self.slots[:tokens], self.seq_lens[:rungs], self.q
+        )
+        normed, nxt = head(
+            embed(self.ids[:tokens]), self.hidden[:tokens], self.positions[:tokens], meta,
+            self.head_kv,
+        )  # fmt: skip
+        last = self.last_rows[:rungs]
+        draft = module.compute_logits(normed.index_select(0, last)).argmax(dim=-1)
+        hidden = nxt.index_select(0, last)
+        drafts = [draft]
+        tables = self.block_tables[:rungs]
+        for j in range(1, self.k):
+            pos = self.bases[:rungs] + (j - 1)
+            block = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).to(torch.int64)
+            slots = block * bs + pos % bs
+            meta = self._meta(rungs, pos, slots, (pos + 1).to(torch.int32), 1)
+            normed, hidden = head(embed(draft), hidden, pos, meta, self.head_kv)
+            draft = module.compute_logits(normed).argmax(dim=-1)
+            drafts.append(draft)
+        return torch.stack(drafts, dim=1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for rungs in reversed(self.rungs):
+                for _ in range(2):  # warm-up: autotuning, lazy init
+                    self._body(rungs)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[rungs] = self._body(rungs)
+                self.graphs[rungs] = graph
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+        logger.info(
+            "captured %d MTP propose graphs (k=%d, batch %s) in %.2fs using %.1f MiB",
+            len(self.graphs), self.k, ",".join(map(str, self.rungs)), self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ a propose
+
+    def can_run(self, rows: int) -> bool:
+        return 0 < rows <= self.rungs[-1]
+
+    @torch.inference_mode()
+    def run(
+        self,
+        seqs: Sequence[SequenceState],
+        next_tokens: Sequence[Sequence[int]],
+        hiddens: Sequence[torch.Tensor],
+    ) -> list[list[int]]:
+        """k drafts per sequence: `next_tokens[b]` are the tokens its pending rows pair with
+        (1..Q of them), `hiddens[b]` those rows (`[r, hidden]`)."""
+        rows, q, bs = len(seqs), self.q, self.block_size
+        rungs = next(r for r in self.rungs if r >= rows)
+        total = rungs * q
+        ids = np.zeros(total, dtype=np.int64)
+        positions = np.tile(np.arange(q, dtype=np.int64), rungs)  # padding: 0.. in block 0
+        slots = positions % bs
+        lens = np.full(rungs, q, dtype=np.int64)
+        last = np.arange(rungs, dtype=np.int64) * q
+        bases = np.full(rungs, q, dtype=np.int64)
+        tables = np.zeros((rungs, self.block_tables.shape[1]), dtype=np.int64)
+        hidden_index: list[int] = []
+        for b, (seq, nxt) in enumerate(zip(seqs, next_tokens, strict=True)):
+            r = len(nxt)
+            if not 1 <= r <= q:
+                raise ValueError(f"an MTP graph takes 1..{q} pending rows, got {r}")
+            start = seq.seq_len - r
+            tables[b, : len(seq.block_table)] = seq.block_table
+            pos = np.arange(start, start + q, dtype=np.int64)
+            a = b * q
+            ids[a : a + r] = nxt
+            positions[a : a + q] = pos
+            slots[a : a + q] = tables[b, pos // bs] * bs + pos % bs
+            lens[b] = start + q
+            last[b] = a + r - 1
+            bases[b] = seq.seq_len
+            hidden_index.extend(range(a, a + r))
+
+        def up(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+        self.ids[:total].copy_(up(ids))
+        self.positions[:total].copy_(up(positions))
+        self.slots[:total].copy_(up(slots))
+        self.seq_lens[:rungs].copy_(up(lens))
+        self.last_rows[:rungs].copy_(up(last))
+        self.bases[:rungs].copy_(up(bases))
+        self.block_tables[:rungs].copy_(up(tables))
+        index = up(np.asarray(hidden_index, dtype=np.int64))
+        self.hidden.index_copy_(0, index, torch.cat(list(hiddens)).to(self.hidden.dtype))
+        graph = self.graphs.get(rungs)
+        if graph is not None:
+            graph.replay()
+            out = self.outputs[rungs]
+        else:  # not captured (the CPU): the same body, eagerly
+            out = self._body(rungs)
+        self.replays += 1
+        return out[:rows].tolist()
