@@ -68,6 +68,13 @@ class MtpGraphRunner:
         self.bases = torch.zeros(n, dtype=torch.int64, device=device)
         self.qsl_rows = torch.arange(n + 1, dtype=torch.int32, device=device) * q
         self.qsl_step = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # ids, positions, slots (a row each), lengths, last rows, bases (a sequence each),
+        # the block table: one pinned host buffer, one host-to-device copy a propose (the
+        # propose reads its drafts back before the buffer is written again).
+        pinned = device.type == "cuda"
+        self._staging = torch.zeros(
+            3 * n * q + 3 * n + n * width, dtype=torch.int64, pin_memory=pinned
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -161,13 +168,20 @@ class MtpGraphRunner:
         rows, q, bs = len(seqs), self.q, self.block_size
         rungs = next(r for r in self.rungs if r >= rows)
         total = rungs * q
-        ids = np.zeros(total, dtype=np.int64)
-        positions = np.tile(np.arange(q, dtype=np.int64), rungs)  # padding: 0.. in block 0
-        slots = positions % bs
-        lens = np.full(rungs, q, dtype=np.int64)
-        last = np.arange(rungs, dtype=np.int64) * q
-        bases = np.full(rungs, q, dtype=np.int64)
-        tables = np.zeros((rungs, self.block_tables.shape[1]), dtype=np.int64)
+        width = self.block_tables.shape[1]
+        stage = self._staging.numpy()
+        ids, positions, slots = stage[: 3 * total].reshape(3, total)
+        lens, last, bases = stage[3 * total : 3 * total + 3 * rungs].reshape(3, rungs)
+        end = 3 * total + 3 * rungs + rungs * width
+        tables = stage[3 * total + 3 * rungs : end].reshape(rungs, width)
+        # Padding sequences: positions 0.. in the null block (table row 0 everywhere).
+        ids[:] = 0
+        positions[:] = np.tile(np.arange(q, dtype=np.int64), rungs)
+        slots[:] = positions % bs
+        lens[:] = q
+        last[:] = np.arange(rungs, dtype=np.int64) * q
+        bases[:] = q
+        tables[:] = 0
         hidden_index: list[int] = []
         for b, (seq, nxt) in enumerate(zip(seqs, next_tokens, strict=True)):
             r = len(nxt)
@@ -184,19 +198,22 @@ class MtpGraphRunner:
             last[b] = a + r - 1
             bases[b] = seq.seq_len
             hidden_index.extend(range(a, a + r))
-
-        def up(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-        self.ids[:total].copy_(up(ids))
-        self.positions[:total].copy_(up(positions))
-        self.slots[:total].copy_(up(slots))
-        self.seq_lens[:rungs].copy_(up(lens))
-        self.last_rows[:rungs].copy_(up(last))
-        self.bases[:rungs].copy_(up(bases))
-        self.block_tables[:rungs].copy_(up(tables))
-        index = up(np.asarray(hidden_index, dtype=np.int64))
-        self.hidden.index_copy_(0, index, torch.cat(list(hiddens)).to(self.hidden.dtype))
+        staged = self._staging[:end].to(self.device, non_blocking=True)
+        self.ids[:total].copy_(staged[:total])
+        self.positions[:total].copy_(staged[total : 2 * total])
+        self.slots[:total].copy_(staged[2 * total : 3 * total])
+        per_seq = staged[3 * total : 3 * total + 3 * rungs].view(3, rungs)
+        self.seq_lens[:rungs].copy_(per_seq[0])
+        self.last_rows[:rungs].copy_(per_seq[1])
+        self.bases[:rungs].copy_(per_seq[2])
+        self.block_tables[:rungs].copy_(staged[3 * total + 3 * rungs :].view(rungs, width))
+        index = torch.tensor(hidden_index, dtype=torch.int64)
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        joined = hiddens[0] if len(hiddens) == 1 else torch.cat(list(hiddens))
+        self.hidden.index_copy_(
+            0, index.to(self.device, non_blocking=True), joined.to(self.hidden.dtype)
+        )
         graph = self.graphs.get(rungs)
         if graph is not None:
             graph.replay()
