@@ -77,6 +77,12 @@ for part in $PARTS; do
       --shape qwen3-8b --mtp --ks 1,2,3,4 --batches 1,32 --measure-batches 32 \
       --out-dir "$OUT" >"$OUT/spec_cost_mtp.log" 2>&1
     echo "rc=$?"; grep -E "^batch|projected|measured|record" "$OUT/spec_cost_mtp.log"
+    timeout 120 python3 tools/profile_mtp.py --config-dir bench/configs/qwen3-8b --shape qwen3-8b \
+      --k 4 --out-dir "$OUT" >"$OUT/profile_mtp_8b.log" 2>&1
+    echo "rc=$?"; grep -E "^1 |^32 |record" "$OUT/profile_mtp_8b.log"
+    timeout 120 python3 tools/profile_mtp.py --config-dir metrale/assets/tiny-code \
+      --shape metrale-tiny-code --k 3 --out-dir "$OUT" >"$OUT/profile_mtp_tiny.log" 2>&1
+    echo "rc=$?"; grep -E "^1 |^32 |record" "$OUT/profile_mtp_tiny.log"
     ;;
   latency8b)
     stamp latency qwen3-8b

@@ -10,10 +10,12 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from metrale.bench.record import write_record
 from metrale.bench.spec import with_mtp_layer
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.config import EngineConfig
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--out-dir", default="bench/records")
     args = ap.parse_args()
     path = str(with_mtp_layer(prepare_model_dir(args.config_dir)))
     batches = [int(b) for b in args.batches.split(",")]
@@ -98,6 +102,19 @@ def main() -> None:
         out[b] = profile_batch(model, runner, b, args)
         print(b, {k: round(x, 3) for k, x in out[b].items()}, flush=True)
     print(json.dumps(out))
+    path_out = write_record(
+        "mtp-profile",
+        model_shape=args.shape or Path(args.config_dir).name,
+        config={"k": args.k, "batches": batches, "context": args.context, "iters": args.iters,
+                "weights": "dummy", "graphs": "decode, verify and MTP propose graphs"},
+        figures=out,
+        device="cuda",
+        out_dir=args.out_dir,
+        notes="decode_ms / verify_ms: one forward of the rows (decode; k drafts); propose_ms: "
+        "the whole mtp_propose call (staging, graph, read back) after a decode step; "
+        "replay_ms: the MTP propose graph alone (catch-up + k - 1 head steps, argmaxes)",
+    )  # fmt: skip
+    print(f"record: {path_out}")
 
 
 if __name__ == "__main__":

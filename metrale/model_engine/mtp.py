@@ -115,7 +115,11 @@ class MtpDrafting:
 
     def _keep_mtp_rows(self, rows: Sequence[ForwardRow], hidden: torch.Tensor | None) -> None:
         """After a forward (before `_advance`): append each row's hidden rows (`hidden` holds
-        every token row of the forward in order; None: the forward produced none)."""
+        every token row of the forward in order; None: the forward produced none). One copy
+        for the whole forward (graph outputs are overwritten by the next replay); each
+        sequence keeps a view of its rows."""
+        if hidden is not None:
+            hidden = hidden.clone()
         offset = 0
         for row in rows:
             n = len(row.tokens)
@@ -131,8 +135,7 @@ class MtpDrafting:
             return
         if not isinstance(pending, MtpPending) or pending.end != start:
             seq.proposer_state = pending = MtpPending(start)  # a restart: a hole before it
-        # A copy: graph outputs are overwritten by the next replay.
-        pending.append(part.clone())
+        pending.append(part)
 
     def _cut_mtp_rows(self, seq: SequenceState) -> None:
         """Drop pending rows at or past `seq_len` (a verify's rejected drafts)."""

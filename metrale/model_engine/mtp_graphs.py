@@ -69,11 +69,11 @@ class MtpGraphRunner:
         self.qsl_rows = torch.arange(n + 1, dtype=torch.int32, device=device) * q
         self.qsl_step = torch.arange(n + 1, dtype=torch.int32, device=device)
         # ids, positions, slots (a row each), lengths, last rows, bases (a sequence each),
-        # the block table: one pinned host buffer, one host-to-device copy a propose (the
+        # the block table, the rows that receive pending hidden rows: one pinned host buffer, one host-to-device copy a propose (the
         # propose reads its drafts back before the buffer is written again).
         pinned = device.type == "cuda"
         self._staging = torch.zeros(
-            3 * n * q + 3 * n + n * width, dtype=torch.int64, pin_memory=pinned
+            4 * n * q + 3 * n + n * width, dtype=torch.int64, pin_memory=pinned
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -182,7 +182,8 @@ class MtpGraphRunner:
         last[:] = np.arange(rungs, dtype=np.int64) * q
         bases[:] = q
         tables[:] = 0
-        hidden_index: list[int] = []
+        count = 0
+        index = stage[end : end + total]
         for b, (seq, nxt) in enumerate(zip(seqs, next_tokens, strict=True)):
             r = len(nxt)
             if not 1 <= r <= q:
@@ -197,8 +198,9 @@ class MtpGraphRunner:
             lens[b] = start + q
             last[b] = a + r - 1
             bases[b] = seq.seq_len
-            hidden_index.extend(range(a, a + r))
-        staged = self._staging[:end].to(self.device, non_blocking=True)
+            index[count : count + r] = np.arange(a, a + r)
+            count += r
+        staged = self._staging[: end + count].to(self.device, non_blocking=True)
         self.ids[:total].copy_(staged[:total])
         self.positions[:total].copy_(staged[total : 2 * total])
         self.slots[:total].copy_(staged[2 * total : 3 * total])
@@ -206,14 +208,9 @@ class MtpGraphRunner:
         self.seq_lens[:rungs].copy_(per_seq[0])
         self.last_rows[:rungs].copy_(per_seq[1])
         self.bases[:rungs].copy_(per_seq[2])
-        self.block_tables[:rungs].copy_(staged[3 * total + 3 * rungs :].view(rungs, width))
-        index = torch.tensor(hidden_index, dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory()
+        self.block_tables[:rungs].copy_(staged[3 * total + 3 * rungs : end].view(rungs, width))
         joined = hiddens[0] if len(hiddens) == 1 else torch.cat(list(hiddens))
-        self.hidden.index_copy_(
-            0, index.to(self.device, non_blocking=True), joined.to(self.hidden.dtype)
-        )
+        self.hidden.index_copy_(0, staged[end:], joined.to(self.hidden.dtype))
         graph = self.graphs.get(rungs)
         if graph is not None:
             graph.replay()
