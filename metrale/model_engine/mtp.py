@@ -37,6 +37,7 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.traits import FED_TOKEN, SequenceState, Stream
+from metrale.spec.config import MAX_SPECULATIVE_TOKENS
 
 #: Most hidden rows kept per sequence for the head (a long prompt keeps its last ones).
 MAX_PENDING_ROWS = 4096
@@ -305,8 +306,63 @@ class MtpDrafting:
             k -= 1
         return k
 
+    # ------------------------------------------------------------ the seed's entry points
 
-def pending_rows(seq: SequenceState) -> Any:
+    def run_mtp_propose(
+        self, token: int, position: int, seq: SequenceState, stream: Stream = None
+    ) -> int | None:
+        """One draft for `seq` (`token` is its newest token, at `position == seq_len`)."""
+        drafts = self.mtp_propose([seq], [token], [1], [position])[0]
+        return drafts[0] if drafts else None
+
+    def run_mtp_propose_multi(
+        self,
+        token: int,
+        position: int,
+        num_drafts: int,
+        seq: SequenceState,
+        stream: Stream = None,
+        grammar_bitmask: Any = None,
+    ) -> list[int]:
+        """Up to `num_drafts` drafts for one sequence. Grammar masks are refused: structured
+        output does not exist yet (issue 17), so nothing could have made one."""
+        if grammar_bitmask is not None:
+            raise ValueError("MTP drafting under a grammar mask is not supported")
+        return self.mtp_propose([seq], [token], [num_drafts], [position])[0]
+
+    def run_mtp_catchup_batched(
+        self,
+        tokens: Sequence[int],
+        first_slot: int,
+        first_pos: Sequence[int],
+        seqs: Sequence[SequenceState],
+    ) -> int:
+        """Feed the head every pending row of `seqs` (`tokens[i]`: sequence i's newest token)
+        without drafting further; returns the rows consumed. A propose does this itself; this
+        keeps the head's context current for sequences that are not speculating (their rows
+        would otherwise wait, up to `MAX_PENDING_ROWS`). `first_slot` / `first_pos` are the
+        seed's hidden-row ring coordinates, unused here (the rows live with each sequence)."""
+        del first_slot, first_pos
+        before = sum(p.rows for p in (pending_rows(s) for s in seqs) if p is not None)
+        self.mtp_propose(seqs, tokens, [1] * len(seqs))
+        after = sum(p.rows for p in (pending_rows(s) for s in seqs) if p is not None)
+        return before - after
+
+    def trim_proposer_state(
+        self, seq: SequenceState, num_accepted: int, stream: Stream = None
+    ) -> None:
+        """Drop the head's pending rows past `seq_len` (`commit_accepted_prefix` does this
+        after every verify; calling it again is harmless)."""
+        if self.mtp_enabled:
+            self._cut_mtp_rows(seq)
+
+    def mtp_slot_draft_capacity(self, slot_idx: int) -> int:
+        """Drafts a step may send to one sequence: no per-slot buffer bounds them here (the
+        hybrid verify stash is sized per forward), so the configuration's cap."""
+        return MAX_SPECULATIVE_TOKENS
+
+
+def pending_rows(seq: SequenceState) -> MtpPending | None:
     """The sequence's pending hidden rows (tests and metrics)."""
     pending = seq.proposer_state
     return pending if isinstance(pending, MtpPending) else None

@@ -10,6 +10,8 @@ wherever a prompt diverges the verify token must be among plain decoding's top 5
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +107,57 @@ def test_cuda_mtp_speculation_keeps_greedy_tokens(dtype: str) -> None:
     assert stats.acceptance_rate > 0.2
     if dtype == "float32":
         assert identical >= len(prompts) - 1, f"only {identical}/{len(prompts)} identical"
+
+
+def test_cuda_hybrid_speculation_with_an_mtp_head(tmp_path: Path) -> None:
+    """A tiny Qwen3-Next with an MTP head on CUDA: the recurrent layers' token-by-token
+    verify, the checkpoint and replay at commit, and the head drafting; greedy tokens equal
+    plain decoding's (float32)."""
+    from tests.helpers.checkpoints import HYBRID_VARIANTS
+    from tests.helpers.mtp import with_mtp_head
+
+    variant = next(v for v in HYBRID_VARIANTS if v.name == "qwen3next")
+    path = str(with_mtp_head(variant, tmp_path / "qwen3next-mtp", 3))
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(6, 500, (int(n),), generator=g).tolist() for n in (9, 23, 40, 17)]
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32, logprobs=5)
+    ref = LLM(path, device="cuda", dtype="float32").generate(prompts, params)
+    on = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2, "gate": "off"},
+    )
+    got = on.generate(prompts, params)
+    stats = on.engine.spec_stats
+    print(f"hybrid mtp: acceptance {stats.acceptance_rate:.2f}, {stats.verify_steps} verifies")
+    assert stats.num_draft_tokens > 0
+    assert count_identical_or_near_ties(ref, got) >= len(prompts) - 1
+
+
+def test_cuda_draft_model_speculation() -> None:
+    """The bundled model drafting for itself on CUDA (its own eager pool beside the
+    target's graphs): drafts are the target's own greedy tokens, so nearly all accepted."""
+    from metrale.engine.engine import BUNDLED_MODEL_DIR
+
+    off = LLM(None, device="cuda", dtype="float32", num_kv_blocks=400)
+    prompts = [off.get_tokenizer().encode(p) for p in PROMPTS]
+    ref = off.generate(prompts, PARAMS)
+    on = LLM(
+        None,
+        device="cuda",
+        dtype="float32",
+        num_kv_blocks=400,
+        speculative_config={
+            "method": "draft_model", "model": str(BUNDLED_MODEL_DIR),
+            "num_speculative_tokens": 4, "gate": "off",
+        },
+    )  # fmt: skip
+    got = on.generate(prompts, PARAMS)
+    stats = on.engine.spec_stats
+    identical = count_identical_or_near_ties(ref, got)
+    print(
+        f"draft model: {identical}/{len(prompts)} identical, acceptance {stats.acceptance_rate:.3f}"
+    )
+    assert stats.acceptance_rate > 0.9
+    assert identical >= len(prompts) - 1

@@ -261,3 +261,26 @@ def test_propose_graph_body_gives_the_eager_drafts() -> None:
     assert checks == 3 and runner.replays == 3
     for seq in seqs:
         model.free_sequence(seq)
+
+
+def test_seed_entry_points_run_the_same_head() -> None:
+    config = EngineConfig(
+        model=BUNDLED, device="cpu", dtype="float32", speculative_config=mtp(3), num_kv_blocks=64
+    )
+    model, _ = load_model(config, BUNDLED)
+    ids = list(range(200, 240))
+    a, b, c = (model.alloc_sequence() for _ in range(3))
+    for seq in (a, b, c):
+        model.prefill_chunk(ids[:30], seq, 0, 30, True)
+    chain = model.mtp_propose([a], [ids[30]], [3])[0]
+    assert model.run_mtp_propose_multi(ids[30], 30, 3, b) == chain
+    assert model.run_mtp_propose(ids[30], 30, c) == chain[0]
+    assert model.run_mtp_propose(ids[30], 30, c) is None  # its rows are consumed
+    # Nothing pending now: a catch-up consumes nothing; after a decode step, one row.
+    assert model.run_mtp_catchup_batched([ids[30]], 0, [30], [b]) == 0
+    model.decode_batch([ids[30]], [b])
+    assert model.run_mtp_catchup_batched([ids[31]], 0, [31], [b]) == 1
+    with pytest.raises(ValueError, match="grammar"):
+        model.run_mtp_propose_multi(ids[31], 31, 2, b, grammar_bitmask=object())
+    for seq in (a, b, c):
+        model.free_sequence(seq)
