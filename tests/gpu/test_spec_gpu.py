@@ -133,6 +133,20 @@ def test_cuda_hybrid_speculation_with_an_mtp_head(tmp_path: Path) -> None:
     print(f"hybrid mtp: acceptance {stats.acceptance_rate:.2f}, {stats.verify_steps} verifies")
     assert stats.num_draft_tokens > 0
     assert count_identical_or_near_ties(ref, got) >= len(prompts) - 1
+    # The random head's drafts are all rejected: scripted drafts give partial acceptance.
+    truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, ref)}
+    scripted = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "gate": "off"},
+        proposer=ScriptedProposer(truth, wrong=0.3),
+    )
+    got = scripted.generate(prompts, params)
+    stats = scripted.engine.spec_stats
+    print(f"hybrid scripted: acceptance {stats.acceptance_rate:.2f} {stats.accepted_per_pos}")
+    assert 0 < stats.acceptance_rate < 1
+    assert count_identical_or_near_ties(ref, got) >= len(prompts) - 1
 
 
 def test_cuda_draft_model_speculation() -> None:
