@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from metrale.bench.record import write_record
-from metrale.bench.spec import with_mtp_layer
+from metrale.bench.spec_cost import with_mtp_layer
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.config import EngineConfig
 from metrale.model_engine.factory import load_model

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import offline, serve, spec, ttft
+    from metrale.bench import offline, serve, spec, spec_cost, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -24,10 +24,10 @@ def add_bench_parser(sub: Any) -> None:
          offline.run_latency, None),
         ("throughput", "offline throughput, the nano-vllm recipe", offline.add_throughput,
          offline.run_throughput, None),
-        ("spec", "speculative decoding on held-out code: ngram, suffix vs off",
+        ("spec", "speculative decoding on held-out code: ngram, suffix, mtp, draft_model vs off",
          spec.add_arguments, spec.run, "WARNING"),
         ("spec-cost", "verify step cost vs decode, projected/measured speedup",
-         spec.add_cost_arguments, spec.run_cost, "INFO"),
+         spec_cost.add_cost_arguments, spec_cost.run_cost, "INFO"),
         ("serve", "concurrency ladder against an OpenAI-compatible URL", serve.add_arguments,
          serve.run, None),
     ]  # fmt: skip

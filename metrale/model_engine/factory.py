@@ -42,6 +42,7 @@ from metrale.model_engine.gpu_setup import (
     kv_budget_bytes,
     warm_forward_shapes,
 )
+from metrale.model_engine.mtp import require_mtp_head
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
@@ -144,13 +145,8 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     )
     spec = config.speculative()
     mtp = spec is not None and spec.method == "mtp"
-    if mtp and not getattr(module, "has_mtp", False):
-        raise InvalidRequestError(
-            f"speculative method 'mtp' needs a checkpoint with MTP layers; {model_dir} "
-            f"({arch_name}) has none (no num_nextn_predict_layers in config.json, or no "
-            "mtp.* tensors)",
-            param="speculative_config.method",
-        )
+    if mtp:
+        require_mtp_head(module, f"{model_dir} ({arch_name})")
     # The MTP head's KV layers follow the main model's, under the same block tables.
     kv_layers = module.kv_layer_count + (module.mtp.kv_layer_count if mtp else 0)
     per_block = PagedKVCache.bytes_per_block(

@@ -34,6 +34,7 @@ import torch
 
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.errors import InvalidRequestError
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.traits import FED_TOKEN, SequenceState, Stream
@@ -78,6 +79,16 @@ class MtpPending:
 
     def joined(self) -> torch.Tensor:
         return self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+
+
+def require_mtp_head(module: torch.nn.Module, source: str) -> None:
+    """Refuse speculative method "mtp" for a module without an MTP head, naming `source`."""
+    if not getattr(module, "has_mtp", False):
+        raise InvalidRequestError(
+            f"speculative method 'mtp' needs a checkpoint with MTP layers; {source} has none "
+            "(no num_nextn_predict_layers in config.json, or no mtp.* tensors)",
+            param="speculative_config.method",
+        )
 
 
 class MtpDrafting:

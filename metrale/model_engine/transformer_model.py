@@ -46,7 +46,7 @@ from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
-from metrale.model_engine.mtp import MtpDrafting
+from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
@@ -82,13 +82,8 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         mtp: bool = False,
     ) -> None:
         self.module = module
-        if mtp and not getattr(module, "has_mtp", False):
-            raise InvalidRequestError(
-                f"speculative method 'mtp' needs a checkpoint with MTP layers; "
-                f"{config.architecture} here has none (no num_nextn_predict_layers, or no "
-                "mtp.* tensors)",
-                param="speculative_config.method",
-            )
+        if mtp:
+            require_mtp_head(module, config.architecture)
         head_layers = module.mtp.kv_layer_count if mtp else 0
         if kv_cache.num_layers != module.kv_layer_count + head_layers:
             raise ValueError(

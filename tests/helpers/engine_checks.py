@@ -5,7 +5,10 @@ Owner: tests.
 
 from __future__ import annotations
 
-from metrale import Engine
+from collections.abc import Sequence
+
+from metrale import Engine, SamplingParams
+from metrale.engine.request import RequestOutput
 
 
 def assert_no_leaks(engine: Engine) -> None:
@@ -28,3 +31,28 @@ def assert_no_leaks(engine: Engine) -> None:
     if ssm_pool is not None:  # hybrid models: every SSM slot and verify stash comes back
         assert ssm_pool.num_free() == ssm_pool.num_slots and ssm_pool.num_allocated() == 0
         assert len(model.ssm_stash) == 0, "a verify checkpoint outlived its sequence"
+
+
+def run_aborting(
+    engine: Engine,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    abort_at_step: int,
+    aborted: Sequence[int] = (2, 4),
+) -> dict[str, RequestOutput]:
+    """Add `prompts` as requests `r0, r1, ...`, step the engine to the end and abort the
+    requests numbered `aborted` after step `abort_at_step`; the final output of each request
+    that finished, by request id."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, params, prompt_token_ids=list(p))
+    finals: dict[str, RequestOutput] = {}
+    steps = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        steps += 1
+        if steps == abort_at_step:
+            for i in aborted:
+                engine.abort_request(f"r{i}")
+    return finals

@@ -19,7 +19,7 @@ from metrale.engine.draft_proposer import DraftModelProposer
 from metrale.errors import CheckpointError
 from metrale.spec.proposer import DraftRequest
 from tests.helpers.checkpoints import DENSE_VARIANTS, DRAFT_VARIANTS, build, truncated
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_aborting
 from tests.spec.test_spec_engine import (
     assert_same,
     chi_square_homogeneity,
@@ -138,18 +138,7 @@ def test_abort_mid_speculation_keeps_others_identical() -> None:
     ref = LLM(str(path), device="cpu").generate(ps, params)
     llm = LLM(str(path), device="cpu", speculative_config=spec(truncated(LLAMA, 1)))
     engine = llm.engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
-    finals = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        if steps == 3:
-            engine.abort_request("r2")
-            engine.abort_request("r4")
+    finals = run_aborting(engine, ps, params, 3)
     for i in (0, 1, 3, 5):
         assert finals[f"r{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
     assert engine.spec_stats.num_drafts > 0

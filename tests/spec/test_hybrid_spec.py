@@ -21,7 +21,7 @@ from metrale.model_engine.ssm_verify import SlotStash
 from metrale.model_engine.traits import PrefillSlice, SequenceState
 from metrale.model_engine.transformer_model import TransformerModel
 from tests.helpers.checkpoints import HYBRID_VARIANTS, Variant, build
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_aborting
 from tests.helpers.spec import ScriptedProposer
 from tests.spec.test_spec_engine import SPEC, assert_same, greedy, prompts
 
@@ -114,18 +114,7 @@ def test_abort_mid_speculation_keeps_others_identical_every_hybrid(variant: obje
     truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ps, ref)}
     llm = LLM(path, device="cpu", speculative_config=SPEC, proposer=ScriptedProposer(truth))
     engine = llm.engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
-    finals = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        if steps == 4:
-            engine.abort_request("r2")
-            engine.abort_request("r4")
+    finals = run_aborting(engine, ps, params, 4)
     for i in (0, 1, 3, 5):
         assert finals[f"r{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
     assert engine.spec_stats.verify_steps > 0

@@ -23,7 +23,7 @@ from metrale.model_engine.factory import load_model
 from metrale.model_engine.mtp import pending_rows
 from metrale.model_engine.traits import PrefillSlice
 from tests.helpers.checkpoints import DENSE_VARIANTS, HYBRID_VARIANTS, build
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_aborting
 from tests.helpers.mtp import with_mtp_head
 from tests.spec.test_spec_engine import (
     assert_same,
@@ -172,18 +172,7 @@ def test_mtp_abort_mid_speculation_keeps_others_identical(
     params = greedy(30)
     ref = LLM(path, device="cpu").generate(ps, params)
     engine = LLM(path, device="cpu", speculative_config=mtp(3)).engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
-    finals = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        if steps == 4:
-            engine.abort_request("r2")
-            engine.abort_request("r4")
+    finals = run_aborting(engine, ps, params, 4)
     for i in (0, 1, 3, 5):
         assert finals[f"r{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
     assert engine.spec_stats.num_draft_tokens > 0

@@ -20,7 +20,7 @@ import torch
 from metrale import LLM, SamplingParams
 from metrale.spec.proposer import DraftRequest
 from tests.helpers.checkpoints import DENSE_VARIANTS, MOE_VARIANTS, build
-from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.engine_checks import assert_no_leaks, run_aborting
 from tests.helpers.spec import ScriptedProposer
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "gate": "off"}
@@ -169,18 +169,7 @@ def test_abort_mid_speculation_keeps_others_identical() -> None:
     truth = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(ps, ref)}
     llm = LLM(path, device="cpu", speculative_config=SPEC, proposer=ScriptedProposer(truth))
     engine = llm.engine
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", None, params, prompt_token_ids=p)
-    finals = {}
-    steps = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-        steps += 1
-        if steps == 3:
-            engine.abort_request("r2")
-            engine.abort_request("r4")
+    finals = run_aborting(engine, ps, params, 3)
     for i in (0, 1, 3, 5):
         assert finals[f"r{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
     assert_no_leaks(engine)
