@@ -40,8 +40,11 @@ from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.traits import FED_TOKEN, SequenceState, Stream
 from metrale.spec.config import MAX_SPECULATIVE_TOKENS
 
-#: Most hidden rows kept per sequence for the head (a long prompt keeps its last ones).
-MAX_PENDING_ROWS = 4096
+#: Most hidden rows kept per sequence for the head (a long prompt keeps its last ones; so do
+#: long stretches of plain decoding while the gate keeps speculation off). The memory bound:
+#: `max_num_seqs * MAX_PENDING_ROWS * hidden_size` elements of the model dtype (Qwen3-8B:
+#: 8 MiB a sequence), outside the KV budget.
+MAX_PENDING_ROWS = 1024
 
 
 @dataclass

@@ -133,6 +133,22 @@ def test_bundled_model_greedy_identical_and_accepting() -> None:
     assert_no_leaks(on.engine)
 
 
+def test_prefix_cache_hits_keep_tokens_and_drafts() -> None:
+    """A second round of the same prompts hits the prefix cache: the head has no hidden rows
+    for the cached positions (their head KV came with the cached blocks), and the tokens stay
+    those of plain decoding."""
+    ps = prompts(4, seed=9, lo=40, hi=70)
+    params = greedy(24)
+    ref = LLM(BUNDLED, device="cpu").generate(ps, params)
+    on = LLM(BUNDLED, device="cpu", speculative_config=mtp(3))
+    assert_same(ref, on.generate(ps, params))
+    before = on.engine.spec_stats.num_accepted_tokens
+    assert_same(ref, on.generate(ps, params))
+    assert on.engine.scheduler.stats.prefix_hit_tokens > 0
+    assert on.engine.spec_stats.num_accepted_tokens > before
+    assert_no_leaks(on.engine)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
 def test_tiny_heads_greedy_identical_chunked(arch: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue("qwen3_mtp" if arch == "qwen3" else "qwen3_next_mtp")
@@ -145,10 +161,12 @@ def test_tiny_heads_greedy_identical_chunked(arch: str, request: pytest.FixtureR
     assert_no_leaks(on.engine)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["bundled", "qwen3", "qwen3_next"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_mtp_through_preemption(mode: str, arch: str, request: pytest.FixtureRequest) -> None:
-    qwen3_mtp = request.getfixturevalue("qwen3_mtp" if arch == "qwen3" else "qwen3_next_mtp")
+    paths = {"bundled": lambda: BUNDLED, "qwen3": lambda: request.getfixturevalue("qwen3_mtp"),
+             "qwen3_next": lambda: request.getfixturevalue("qwen3_next_mtp")}  # fmt: skip
+    qwen3_mtp = paths[arch]()
     ps = prompts(12, seed=3)
     params = greedy(40, min_tokens=40)
     ref = LLM(qwen3_mtp, device="cpu", max_num_seqs=12, num_kv_blocks=400).generate(ps, params)
