@@ -47,6 +47,7 @@ from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
 from metrale.models.loader import load_weights
+from metrale.models.quantization import parse_quantization
 from metrale.models.registry import resolve_architecture
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     source = str(Path(model_dir) / "config.json")
     arch_name, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
     mcfg = parse_model_config(raw, source)
+    quant = parse_quantization(raw, source)  # an unsupported method fails here, before loading
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     max_model_len = config.max_model_len or mcfg.max_position_embeddings
@@ -130,7 +132,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     if config.load_format == "dummy":
         _dummy_init(module)
     else:
-        absent = load_weights(module, model_dir, module.weight_mapping())
+        absent = load_weights(module, model_dir, module.weight_mapping(), quant=quant)
         if absent:
             logger.info("checkpoint has no %s weights; dropped", ", ".join(sorted(absent)))
             module.drop_optional_weights(absent)

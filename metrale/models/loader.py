@@ -11,6 +11,8 @@ Invariants:
 - Every parameter of the model is written exactly once (a stacked parameter once per shard);
   anything left unwritten at the end is an error, never left at its initial value.
 - Tensors the architecture does not use are counted and logged, not silently dropped.
+- A float8 tensor is loaded only through the checkpoint's quantization scheme (its scale
+  applied); without one it is an error (`quantization.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from safetensors import safe_open
 
 from metrale.errors import CheckpointError
 from metrale.model_config import ModelConfig
+from metrale.models.quantization import WeightQuant, dequantized
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +157,10 @@ def load_weights(
     mapping: WeightMapping,
     *,
     skip_params: set[str] | None = None,
+    quant: WeightQuant | None = None,
 ) -> set[str]:
-    """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes.
+    """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes;
+    quantized weights (`quant`) arrive dequantized (`quantization.dequantized`).
 
     Returns the optional prefixes (`mapping.optional_prefixes`) of which no tensor was found;
     the caller drops those parameters."""
@@ -166,7 +171,7 @@ def load_weights(
         name: None for name in params if name not in skip_params
     }
     unused: list[str] = []
-    for hf_name, tensor, path in iter_tensors(files):
+    for hf_name, tensor, path in dequantized(iter_tensors(files), quant):
         name = mapping.rename(hf_name) if mapping.rename else hf_name
         if any(name.endswith(s) for s in mapping.ignored_suffixes):
             continue

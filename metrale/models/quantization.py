@@ -1,0 +1,192 @@
+"""Quantized checkpoints: which `quantization_config` a checkpoint may carry, and the FP8
+weights it holds, dequantized at load.
+
+Owner: models (the factory parses the scheme; the loader streams tensors through
+`dequantized`).
+
+Invariants:
+- A `quantization_config` this module does not implement is a start-up error naming the
+  method (and what is supported), never a silent cast; so is a float8 tensor in a checkpoint
+  without one, and a quantized weight whose scale is missing (or a scale without its weight).
+- Supported, weights only: block-wise FP8 (`quant_method: fp8`, E4M3, `weight_block_size`,
+  `weight_scale_inv` per block: Qwen3-*-FP8, DeepSeek), per-channel or per-tensor FP8
+  (`fbgemm_fp8`, and `compressed-tensors` float 8-bit weights with `strategy` channel or
+  tensor: `weight_scale`). The weight is dequantized exactly (`fp8 * scale` in float32) and
+  then stored in the model's dtype; activations stay in that dtype (a checkpoint's static
+  `input_scale` is not used: the matmuls run in higher precision than FP8 kernels would).
+  There is no FP8 GEMM yet: the weights take the bytes of the model dtype (logged).
+- Layers the config lists as not converted (`modules_to_not_convert`, `ignore`) arrive in the
+  model dtype and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED = ("fp8 (block-wise, weight_block_size)", "fbgemm_fp8", "compressed-tensors (fp8)")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How a checkpoint's quantized weights are stored."""
+
+    #: "block": `weight_scale_inv [ceil(out / bo), ceil(in / bi)]`; "channel":
+    #: `weight_scale [out, 1]` (or `[out]`); "tensor": `weight_scale` of one element.
+    kind: str
+    #: The checkpoint's method name, for messages.
+    method: str
+    block: tuple[int, int] | None = None
+
+    @property
+    def scale_suffix(self) -> str:
+        return "weight_scale_inv" if self.kind == "block" else "weight_scale"
+
+    def describe(self) -> str:
+        if self.kind == "block":
+            return f"{self.method}: FP8 E4M3 weights, {self.block[0]}x{self.block[1]} block scales"  # type: ignore[index]
+        return f"{self.method}: FP8 weights, per-{self.kind} scales"
+
+
+def parse_quantization(raw: dict[str, Any], source: str) -> WeightQuant | None:
+    """The checkpoint's weight quantization, None when it has none; an unsupported one is a
+    `CheckpointError` naming the method."""
+    config = raw.get("quantization_config")
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: quantization_config is not an object")
+    method = str(config.get("quant_method") or "").lower()
+    refused = CheckpointError(
+        f"{source}: quantization method {method or '(none named)'!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED)}); refusing to load rather than run the "
+        "quantized weights without their scales"
+    )
+    if method == "fp8":
+        block = config.get("weight_block_size")
+        if not (isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in block
+        )):  # fmt: skip
+            raise CheckpointError(
+                f"{source}: quant_method 'fp8' without a weight_block_size [rows, cols] "
+                "(per-tensor fp8 of this method is not supported)"
+            )
+        if str(config.get("fmt", "e4m3")).lower() != "e4m3":
+            raise CheckpointError(f"{source}: fp8 format {config.get('fmt')!r} is not supported")
+        return WeightQuant("block", method, (block[0], block[1]))
+    if method == "fbgemm_fp8":
+        return WeightQuant("channel", method)
+    if method == "compressed-tensors":
+        groups = config.get("config_groups") or {}
+        kinds = set()
+        for name, group in groups.items():
+            weights = (group or {}).get("weights") or {}
+            if weights.get("num_bits") != 8 or weights.get("type") != "float":
+                raise CheckpointError(
+                    f"{source}: compressed-tensors group {name!r} stores "
+                    f"{weights.get('num_bits')}-bit {weights.get('type')} weights; only 8-bit "
+                    "float (fp8) weights are supported"
+                )
+            strategy = weights.get("strategy")
+            if strategy not in ("channel", "tensor"):
+                raise CheckpointError(
+                    f"{source}: compressed-tensors weight strategy {strategy!r} is not "
+                    "supported (channel or tensor)"
+                )
+            kinds.add(strategy)
+        if len(kinds) != 1:
+            raise CheckpointError(f"{source}: compressed-tensors config names no weight group")
+        return WeightQuant(kinds.pop(), method)
+    raise refused
+
+
+def _dequantize(weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if quant.kind == "block":
+        bo, bi = quant.block  # type: ignore[misc]
+        rows, cols = w.shape
+        need = (-(-rows // bo), -(-cols // bi))
+        if tuple(s.shape) != need:
+            raise ValueError(f"block scales have shape {list(s.shape)}, expected {list(need)}")
+        s = s.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+        return w * s
+    if quant.kind == "channel":
+        if s.numel() != w.shape[0]:
+            raise ValueError(f"channel scales have {s.numel()} entries for {w.shape[0]} rows")
+        return w * s.reshape(-1, 1)
+    if s.numel() != 1:
+        raise ValueError(f"a per-tensor scale has {s.numel()} entries")
+    return w * s.reshape(())
+
+
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor, Path]], quant: WeightQuant | None
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """The checkpoint's tensors with every quantized weight replaced by its float32
+    dequantization (its scale consumed); everything else unchanged. Pairs a weight with its
+    scale in whatever order and shard they come."""
+    waiting_weights: dict[str, tuple[torch.Tensor, Path]] = {}
+    waiting_scales: dict[str, tuple[torch.Tensor, Path]] = {}
+    count = 0
+    for name, tensor, path in tensors:
+        if quant is None:
+            if tensor.dtype in FP8_DTYPES:
+                raise CheckpointError(
+                    f"{path}: tensor '{name}' is {tensor.dtype} but config.json has no "
+                    "quantization_config to say how it is scaled"
+                )
+            yield name, tensor, path
+            continue
+        if name.endswith("." + quant.scale_suffix):
+            base = name[: -len(quant.scale_suffix)] + "weight"
+            if base in waiting_weights:
+                weight, wpath = waiting_weights.pop(base)
+                count += 1
+                yield base, _checked(base, weight, tensor, quant, wpath), wpath
+            else:
+                waiting_scales[base] = (tensor, path)
+            continue
+        if name.endswith(".input_scale") or name.endswith(".input_scale_inv"):
+            continue  # activation scales: activations stay in the model dtype
+        if tensor.dtype in FP8_DTYPES:
+            if name in waiting_scales:
+                scale, _ = waiting_scales.pop(name)
+                count += 1
+                yield name, _checked(name, tensor, scale, quant, path), path
+            else:
+                waiting_weights[name] = (tensor, path)
+            continue
+        yield name, tensor, path
+    if waiting_weights or waiting_scales:
+        orphan = sorted(waiting_weights) or sorted(waiting_scales)
+        what = "has no scale" if waiting_weights else "scales no weight"
+        raise CheckpointError(
+            f"quantized tensor '{orphan[0]}' {what} ({quant.scale_suffix if quant else ''}); "
+            f"{len(waiting_weights) + len(waiting_scales)} such tensors in all"
+        )
+    if quant is not None:
+        logger.warning(
+            "%s: %d weights dequantized at load to the model dtype (no FP8 GEMM yet: they "
+            "take its bytes, and the matmuls run in it)",
+            quant.describe(), count,
+        )  # fmt: skip
+
+
+def _checked(
+    name: str, weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuant, path: Path
+) -> torch.Tensor:
+    try:
+        return _dequantize(weight, scale, quant)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: tensor '{name}': {exc}") from exc

@@ -1,0 +1,142 @@
+"""Quantized checkpoints: FP8 weights load with their scales (block-wise and per-channel),
+giving transformers' greedy tokens on the dequantized weights; anything the loader does not
+implement is refused at start-up, naming it.
+
+The FP8 checkpoints are made here from a float32 test checkpoint: every decoder-layer linear
+weight is quantized to E4M3 with a scale per block (or per row), as Qwen3-*-FP8 stores them;
+the oracle is transformers running the same weights dequantized (`fp8 * scale`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from metrale import LLM, SamplingParams
+from metrale.errors import CheckpointError
+from tests.helpers.checkpoints import DENSE_VARIANTS, build, load_hf
+from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.parity import assert_matches, hf_greedy, mixed_prompts
+
+QWEN3 = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FP8_MAX = 448.0
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 weights and `weight_scale_inv` (one scale per block: amax / 448)."""
+    bo, bi = block
+    rows, cols = w.shape
+    scales = torch.empty(-(-rows // bo), -(-cols // bi))
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            tile = w[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi]
+            s = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+            scales[i, j] = s
+            q[i * bo : (i + 1) * bo, j * bi : (j + 1) * bi] = (tile / s).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w / s).to(torch.float8_e4m3fn), s
+
+
+def fp8_checkpoint(dst: Path, kind: str) -> tuple[Path, Path]:
+    """`(fp8 checkpoint, its dequantized float32 twin)` of the Qwen3 test variant."""
+    src = build(QWEN3)
+    fp8, ref = dst / "fp8", dst / "dequantized"
+    for d in (fp8, ref):
+        shutil.copytree(src, d)
+    (file,) = sorted(fp8.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    quantized: dict[str, torch.Tensor] = {}
+    dequantized: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEARS:
+            w = t.float()
+            if kind == "block":
+                q, s = quantize_block(w, (16, 16))
+                quantized[name], quantized[name + "_scale_inv"] = q, s
+                full = s.repeat_interleave(16, 0)[: w.shape[0]].repeat_interleave(16, 1)
+                dequantized[name] = q.float() * full[:, : w.shape[1]]
+            else:
+                q, s = quantize_channel(w)
+                quantized[name], quantized[name + "_scale"] = q, s
+                dequantized[name] = q.float() * s
+        else:
+            quantized[name] = dequantized[name] = t
+    save_file(quantized, str(file))
+    save_file(dequantized, str(sorted(ref.glob("*.safetensors"))[0]))
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {
+        "block": {"quant_method": "fp8", "activation_scheme": "dynamic",
+                  "weight_block_size": [16, 16]},
+        "channel": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
+        "compressed": {
+            "quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                "input_activations": {"num_bits": 8, "type": "float", "dynamic": True},
+            }},
+            "ignore": ["lm_head"],
+        },
+    }[kind]  # fmt: skip
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, ref
+
+
+@pytest.mark.parametrize("kind", ["block", "channel", "compressed"])
+def test_fp8_checkpoint_gives_transformers_tokens_on_the_dequantized_weights(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fp8, ref = fp8_checkpoint(tmp_path, kind)
+    prompts = mixed_prompts(4)
+    llm = LLM(str(fp8), device="cpu", dtype="float32", num_kv_blocks=120)
+    assert "dequantized at load" in caplog.text
+    params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, logprobs=5)
+    outs = llm.generate(prompts, params)
+    hf = load_hf(ref)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches(out, hf_greedy(hf, prompt, 16))
+    assert_no_leaks(llm.engine)
+    # The quantization is real: the dequantized weights differ from the float32 originals.
+    original = load_file(str(sorted(build(QWEN3).glob("*.safetensors"))[0]))
+    deq = load_file(str(sorted(ref.glob("*.safetensors"))[0]))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(original[name], deq[name])
+
+
+def test_unsupported_quantization_is_refused_naming_the_method(tmp_path: Path) -> None:
+    path = shutil.copytree(build(QWEN3), tmp_path / "awq")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="'awq' is not supported"):
+        LLM(str(path), device="cpu")
+
+
+def test_fp8_tensor_without_a_quantization_config_is_refused(tmp_path: Path) -> None:
+    fp8, _ = fp8_checkpoint(tmp_path, "block")
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="no quantization_config"):
+        LLM(str(fp8), device="cpu")
+
+
+def test_fp8_weight_without_its_scale_is_refused(tmp_path: Path) -> None:
+    fp8, _ = fp8_checkpoint(tmp_path, "block")
+    (file,) = sorted(fp8.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, str(file))
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight' has no scale"):
+        LLM(str(fp8), device="cpu")
