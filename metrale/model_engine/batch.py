@@ -42,6 +42,8 @@ class ForwardRow:
     #: First position of the row when it is not `seq.seq_len` (an MTP head's catch-up
     #: rows rewrite positions the main model has already computed).
     start_at: int | None = None
+    #: A prompt chunk (not a decode or verify row).
+    prefill: bool = False
     #: Hybrid verify: the forward's capture when recurrent layers run this decode-side row
     #: token by token (see `metrale.model_engine.ssm_verify`); None otherwise.
     ssm_verify: RecurrentVerify | None = None

@@ -16,6 +16,9 @@ Invariants:
   graphed step without hidden rows) restarts them, and the head's KV before the restart
   is a hole: drafts get worse, never wrong (the verify decides). At most
   `MAX_PENDING_ROWS` rows are kept (the oldest are dropped the same way).
+- A forward's prompt chunks feed the head at once every pending row whose next token they
+  know (all but each chunk's last row: `_mtp_prefill_catch_up`), so the head sees a prompt
+  in full and its pending rows stay few; decode and verify rows wait for the next propose.
 - A propose consumes every pending row of its sequences (row p pairs hidden p with token
   p + 1, the newest committed token for the last row), then runs one head step per further
   draft at positions `seq_len .. seq_len + k - 2`. Blocks for those positions are taken
@@ -234,10 +237,7 @@ class MtpDrafting:
             nxt = [*seq.tokens[pending.start + 1 : seq.seq_len], int(newest[i])]
             rows.append(ForwardRow(seq, nxt, True, start_at=pending.start))
             hiddens.append(pending.joined())
-        batch = build_forward_batch(rows, 0, self.block_size, self.device)
-        normed, nxt_hidden = head(
-            embed(batch.input_ids), torch.cat(hiddens), batch.meta.positions, batch.meta, head_kv
-        )
+        batch, normed, nxt_hidden = self._head_rows(rows, hiddens)
         last = batch.logits_indices
         drafts = self.module.compute_logits(normed.index_select(0, last)).argmax(dim=-1)
         hidden = nxt_hidden.index_select(0, last)
@@ -265,6 +265,47 @@ class MtpDrafting:
         for n, i in enumerate(active):
             out[i] = draft_lists[n]
         return out
+
+    def _head_rows(
+        self, rows: list[ForwardRow], hiddens: list[torch.Tensor]
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One eager head forward over varlen rows (`start_at` each): the batch, the normed
+        rows and the rows a further head step reads."""
+        batch = build_forward_batch(rows, 0, self.block_size, self.device)
+        joined = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
+        embed = self.module.input_embeddings()
+        normed, nxt = self.module.mtp(
+            embed(batch.input_ids), joined, batch.meta.positions, batch.meta,
+            self.head_kv_layers,
+        )  # fmt: skip
+        return batch, normed, nxt
+
+    def _mtp_prefill_catch_up(self, rows: Sequence[ForwardRow]) -> None:
+        """After a forward's prefill chunks (before `_advance`): feed the head every pending
+        row whose next token is known now (all but each chunk's last row), so a prompt's
+        context reaches the head in full, at prefill time, and the first propose after it is
+        a steady-state one (a row or two)."""
+        todo: list[ForwardRow] = []
+        hiddens: list[torch.Tensor] = []
+        for row in rows:
+            seq, pending = row.seq, row.seq.proposer_state
+            if not isinstance(pending, MtpPending) or pending.rows < 2:
+                continue
+            if pending.end != row.start + len(row.tokens):
+                continue
+            # Positions [pending.start, end - 1) pair with tokens [pending.start + 1, end).
+            first = pending.start + 1
+            known = [*seq.tokens[first : row.start], *row.tokens[max(0, first - row.start) :]]
+            if any(t == FED_TOKEN for t in known):
+                continue
+            joined = pending.joined()
+            todo.append(ForwardRow(seq, known, False, start_at=pending.start))
+            hiddens.append(joined[: len(known)])
+            last = MtpPending(pending.end - 1)
+            last.append(joined[len(known) :])
+            seq.proposer_state = last
+        if todo:
+            self._head_rows(todo, hiddens)
 
     def _mtp_graphed(
         self,

@@ -261,7 +261,11 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             chunk = list(sl.prompt_tokens[sl.chunk_start : sl.chunk_start + sl.chunk_len])
             rows.append(
                 ForwardRow(
-                    sl.seq, chunk, sl.is_last_chunk, sl.seq.collect_prompt_logprobs is not None
+                    sl.seq,
+                    chunk,
+                    sl.is_last_chunk,
+                    sl.seq.collect_prompt_logprobs is not None,
+                    prefill=True,
                 )
             )
         if not rows:
@@ -403,6 +407,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         if self.mtp_enabled:
             hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
             self._keep_mtp_rows(rows, for_head)
+            self._mtp_prefill_catch_up([r for r in rows if r.prefill])
         else:
             hidden = self.module(*args, **kwargs)
         selected = hidden.index_select(0, batch.logits_indices)

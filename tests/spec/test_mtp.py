@@ -103,8 +103,8 @@ def test_bundled_head_drafts_equal_its_reference_implementation() -> None:
         ids = torch.randint(10, 8000, (n + 1,), generator=g).tolist()
         seq = model.alloc_sequence()
         model.prefill_chunk(ids[:n], seq, 0, n, True)
-        pending = pending_rows(seq)
-        assert pending is not None and pending.start == 0 and pending.end == n
+        pending = pending_rows(seq)  # the prompt's rows went to the head at prefill: one left
+        assert pending is not None and pending.start == n - 1 and pending.end == n
         got = model.mtp_propose([seq], [ids[n]], [3])[0]
         assert got == _reference_chain(ref, ids, got), n
         assert pending_rows(seq).end == n  # consumed: the next rows start at seq_len
@@ -210,7 +210,7 @@ def test_prefill_rows_without_hidden_leave_a_hole_not_an_error() -> None:
     seq.proposer_state = None  # as if the first 20 rows came from the prefix cache
     model.prefill_batch_chunk([PrefillSlice(ids, seq, 20, 19, True)])
     pending = pending_rows(seq)
-    assert pending is not None and (pending.start, pending.end) == (20, 39)
+    assert pending is not None and (pending.start, pending.end) == (38, 39)
     assert len(model.mtp_propose([seq], [ids[39]], [2])[0]) == 2
     model.free_sequence(seq)
 
