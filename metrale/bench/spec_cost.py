@@ -317,7 +317,9 @@ def measure_speedup(
     with forced_acceptance(acceptance):
         decode_all(spec_engine)  # warm-up
         spec_engine.speculation.stats = type(spec_engine.spec_stats)()
+        counters0 = engine.model.forward_counters()
         spec_s, spec_tokens = decode_all(spec_engine)
+    counters = {k: v - counters0.get(k, 0) for k, v in engine.model.forward_counters().items()}
     st = spec_engine.spec_stats
     return {
         "plain_seconds": plain_s,
@@ -332,6 +334,8 @@ def measure_speedup(
         "acceptance": "forced: a Bernoulli draw per draft in place of the argmax test",
         "batch": batch,
         "proposer": "mtp" if mtp else "repeat-last",
+        # Graph replays and eager forwards (and MTP proposes) of the speculating run.
+        "forward_counters": counters,
     }
 
 

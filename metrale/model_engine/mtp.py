@@ -109,6 +109,8 @@ class MtpDrafting:
     mtp_enabled: bool
     #: Captured propose graphs by draft count k (CUDA; empty: every propose runs eagerly).
     mtp_graphs: dict[int, MtpGraphRunner]
+    #: Proposes served by a graph and run eagerly (the slower path, counted).
+    mtp_proposes: dict[str, int]
 
     if TYPE_CHECKING:  # provided by `TransformerModel`
 
@@ -214,7 +216,9 @@ class MtpDrafting:
         if not candidates:
             return out
         if self._mtp_graphed(seqs, newest, max_drafts, candidates, out):
+            self.mtp_proposes["graphed"] += 1
             return out
+        self.mtp_proposes["eager"] += 1
         active: list[int] = []
         ks: list[int] = []
         for i in candidates:

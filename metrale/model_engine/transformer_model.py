@@ -92,6 +92,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             )
         self.mtp_enabled = mtp
         self.mtp_graphs = {}
+        self.mtp_proposes = {"graphed": 0, "eager": 0}
         self.ssm_pool = ssm_pool
         self.ssm_stash = SsmVerifyStash(ssm_pool) if ssm_pool is not None else None
         self.config = config
@@ -161,7 +162,11 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
 
     def forward_counters(self) -> dict[str, int]:
         replays = self.graph_runner.replays if self.graph_runner is not None else 0
-        return {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+        counters = {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+        if self.mtp_enabled:
+            counters["mtp_graphed_proposes"] = self.mtp_proposes["graphed"]
+            counters["mtp_eager_proposes"] = self.mtp_proposes["eager"]
+        return counters
 
     # ------------------------------------------------------------------ SSM slots
 

@@ -150,14 +150,16 @@ class VerifyForwards:
             tables[i, : len(s.block_table)] = s.block_table
         with torch.inference_mode():
             logits = runner.run_verify(tokens, starts, tables)
+            index = None
             if all(len(d) + 1 == q for d in drafts):
                 selected = logits  # no padding: every row is the graph's rows
             else:
-                index = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-                host = torch.tensor(index, dtype=torch.int64)
+                rows_kept = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
+                host = torch.tensor(rows_kept, dtype=torch.int64)
                 if logits.device.type == "cuda":
                     host = host.pin_memory()
-                selected = logits.index_select(0, host.to(logits.device, non_blocking=True))
+                index = host.to(logits.device, non_blocking=True)
+                selected = logits.index_select(0, index)
         self._last_hidden = None
         rows = [
             ForwardRow(s, [int(t), *map(int, d)], True)
@@ -165,9 +167,8 @@ class VerifyForwards:
         ]
         if self.mtp_enabled:  # the head reads the real rows, not the padding
             hidden = runner.head_hidden(len(seqs), q)
-            if hidden is not None:
-                keep = [b * q + j for b, d in enumerate(drafts) for j in range(len(d) + 1)]
-                hidden = hidden[torch.tensor(keep, device=hidden.device)]
+            if hidden is not None and index is not None:
+                hidden = hidden.index_select(0, index)
             self._keep_mtp_rows(rows, hidden)
         self._advance(rows)
         for s in seqs:
