@@ -321,9 +321,13 @@ class MtpDrafting:
     ) -> bool:
         """The propose through a captured graph (`mtp_graphs`), when one has the batch's k
         and every sequence fits it (see `mtp_graphs.py`); fills `out`. False: run eagerly."""
-        k = max(max_drafts[i] for i in candidates)
-        runner = self.mtp_graphs.get(k)
-        if runner is None or not runner.can_run(len(candidates)):
+        wanted = max(max_drafts[i] for i in candidates)
+        # The smallest captured k that covers every row (extra drafts are cut off below).
+        k = min((k for k in self.mtp_graphs if k >= wanted), default=None)
+        if k is None:
+            return False
+        runner = self.mtp_graphs[k]
+        if not runner.can_run(len(candidates)):
             return False
         chosen = [seqs[i] for i in candidates]
         for seq in chosen:
