@@ -118,6 +118,8 @@ class MtpDrafting:
 
         def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int: ...
 
+        def reclaim_prefix_blocks(self, n: int) -> int: ...
+
     @property
     def main_kv_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The main model's KV layers (the head's follow them)."""
@@ -336,7 +338,7 @@ class MtpDrafting:
             if pending.rows > runner.q or not self.fits_context(seq, k + 1):
                 return False
         need = [self.blocks_needed(seq, k) for seq in chosen]
-        if sum(need) > self.block_pool.num_free:
+        if not self._free_blocks_for_drafts(sum(need)):
             return False
         for seq, n in zip(chosen, need, strict=True):
             if n:
@@ -354,6 +356,14 @@ class MtpDrafting:
             seq.proposer_state = MtpPending(seq.seq_len)
         return True
 
+    def _free_blocks_for_drafts(self, need: int) -> bool:
+        """Whether `need` blocks are free, evicting prefix-cache blocks nobody holds when
+        they are not (as a decode step that needs a block does)."""
+        short = need - self.block_pool.num_free
+        if short > 0:
+            self.reclaim_prefix_blocks(short)
+        return need <= self.block_pool.num_free
+
     def _draft_room(self, seq: SequenceState, k: int) -> int:
         """Drafts `seq` can take (at most `k`): the head writes positions up to
         `seq_len + k - 2`, and the verify needs `seq_len + k` within the context; blocks for
@@ -362,7 +372,7 @@ class MtpDrafting:
             k -= 1
         while k > 1:
             need = self.blocks_needed(seq, k - 1)
-            if need <= self.block_pool.num_free:
+            if self._free_blocks_for_drafts(need):
                 if need:
                     seq.block_table.extend(self.block_pool.allocate(need))
                 break
