@@ -125,6 +125,7 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = None,
 ) -> FastAPI:
     model_name = served_model_name or engine.info.served_model_name
     metrics = ServerMetrics(engine, model_name)
@@ -136,6 +137,7 @@ def create_app(
         metrics=metrics,
         api_key=api_key,
         max_body_bytes=max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens,
     )
 
     @asynccontextmanager

@@ -67,6 +67,13 @@ def add_serve_parser(subparsers: Any) -> None:
         help="seconds in-flight requests may finish after SIGTERM (default 5)",
     )
     parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="refuse prompts of more tokens (400) before templating or tokenizing them when "
+        "their length alone rules them out (default: the context length less one)",
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine on a thread of the server process instead of its own process "
@@ -112,6 +119,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}", param="port")
     if args.shutdown_grace < 0:
         raise InvalidRequestError("--shutdown-grace must be >= 0", param="shutdown_grace")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise InvalidRequestError("--max-prompt-tokens must be >= 1", param="max_prompt_tokens")
     return serve(
         config,
         host=args.host,
@@ -120,6 +129,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         log_level=str(args.log_level).upper(),
         engine_process=not args.engine_in_process,
+        max_prompt_tokens=args.max_prompt_tokens,
     )
 
 
@@ -132,6 +142,7 @@ def serve(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "INFO",
     engine_process: bool = True,
+    max_prompt_tokens: int | None = None,
 ) -> int:
     import uvicorn
 
@@ -156,7 +167,7 @@ def serve(
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     sock = _bind(host, port)
-    app = create_app(engine, api_key=api_key)
+    app = create_app(engine, api_key=api_key, max_prompt_tokens=max_prompt_tokens)
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(

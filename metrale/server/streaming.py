@@ -39,7 +39,13 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
 
 
 class ClientDisconnected(Exception):
-    """The client closed the connection before the response was complete."""
+    """The client closed the connection before the response was complete. `stage` says
+    when: "body" (while sending its body), "queue" (before its first token: queued or in
+    prefill) or "stream" (after it)."""
+
+    def __init__(self, stage: str = "queue") -> None:
+        super().__init__(f"the client disconnected ({stage})")
+        self.stage = stage
 
 
 class EventStreamResponse(StreamingResponse):

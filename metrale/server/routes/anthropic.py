@@ -27,7 +27,7 @@ from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
-from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.routes.common import open_generation
 from metrale.server.state import ServerState
 from metrale.server.streaming import EventStreamResponse, sse, until_disconnected
 
@@ -94,7 +94,7 @@ class _MessageJob:
 async def create_message(request: Request) -> Response:
     gen = await open_generation(request, MessagesRequest)
     state, req = gen.state, gen.body
-    text, ids = render_chat(state.tokenizer, chat_messages(req), add_generation_prompt=True)
+    text, ids = await gen.chat_prompt(chat_messages(req), add_generation_prompt=True)
     message_id = f"msg_{uuid.uuid4().hex}"
     params = req.sampling_params(state.sampling_defaults)
     (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")

@@ -12,20 +12,26 @@ Invariants:
   tenant of the request's API key and `tenant` field (`request_tenant`).
 - A chat prompt's token ids are its rendered text encoded without added special tokens (the
   template writes them).
+- Prompts are prepared by `Generation.completion_prompts` / `Generation.chat_prompt`: the
+  character bound is checked first (`ServerState.check_prompt_chars`), then a prompt of
+  `OFFLOAD_MIN_CHARS` or more is templated and tokenized on a worker thread (the event loop
+  keeps answering `/health` and small requests meanwhile), then its token count is checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from metrale.engine.handle import RequestStream
 from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import RequestModel, parse_body
+from metrale.server.protocol.openai import completion_prompts
 from metrale.server.state import ServerState, read_json, request_tenant, server_state
 from metrale.tokenizer.tokenizer import Tokenizer
 
@@ -41,6 +47,25 @@ class GenerationBody(Protocol):
 
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
+R = TypeVar("R")
+#: Prompts of at least this many characters are templated and tokenized on a worker thread.
+OFFLOAD_MIN_CHARS = 8192
+
+
+async def off_loop(size: int, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """`fn(*args, **kwargs)`, on a worker thread when `size` reaches `OFFLOAD_MIN_CHARS`."""
+    if size >= OFFLOAD_MIN_CHARS:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _text_chars(prompt: Any) -> int:
+    """Characters of a completions prompt's text (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return 0
 
 
 @dataclass
@@ -51,6 +76,27 @@ class Generation(Generic[BodyT]):
     state: ServerState
     tracker: RequestTracker
     body: BodyT
+
+    async def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """A completions `prompt` as (text, token ids) pairs, checked against the limits."""
+        state = self.state
+        chars = _text_chars(prompt)
+        state.check_prompt_chars(chars, "prompt")
+        prompts = await off_loop(chars, completion_prompts, prompt, state.tokenizer)
+        for _, ids in prompts:
+            state.check_prompt_tokens(len(ids), "prompt")
+        return prompts
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], param: str = "messages", **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """`render_chat` of `messages`, checked against the limits (see the invariants)."""
+        state = self.state
+        chars = sum(len(m["content"]) for m in messages)
+        state.check_prompt_chars(chars, param)
+        text, ids = await off_loop(chars, render_chat, state.tokenizer, messages, **template_kwargs)
+        state.check_prompt_tokens(len(ids), param)
+        return text, ids
 
     async def add(
         self,

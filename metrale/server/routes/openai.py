@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
-from metrale.server.errors import InternalServerError, error_body
+from metrale.server.errors import InternalServerError, error_body, safe_text
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.openai import (
     ChatCompletionRequest,
@@ -40,12 +40,11 @@ from metrale.server.protocol.openai import (
     CompletionRequest,
     chat_logprobs_content,
     chat_messages,
-    completion_prompts,
     finish_reason,
     merge_completion_logprobs,
     usage,
 )
-from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.routes.common import open_generation
 from metrale.server.state import ServerState, server_state
 from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
 
@@ -78,7 +77,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
     if model_id != state.model_name:
-        raise NotFoundError(f"the model '{model_id}' does not exist", param="model")
+        raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
     return JSONResponse(_model_card(state))
 
 
@@ -201,7 +200,7 @@ async def _collect(request: Request, job: _Job) -> None:
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
-    prompts = completion_prompts(req.prompt, state.tokenizer)
+    prompts = await gen.completion_prompts(req.prompt)
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     params = req.sampling_params(
@@ -350,8 +349,7 @@ class _CompletionView:
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
-    text, ids = render_chat(
-        state.tokenizer,
+    text, ids = await gen.chat_prompt(
         chat_messages(req.messages),
         add_generation_prompt=req.add_generation_prompt,
         **(req.chat_template_kwargs or {}),
