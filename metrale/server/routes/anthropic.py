@@ -29,7 +29,12 @@ from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
 from metrale.server.routes.common import open_generation
 from metrale.server.state import ServerState
-from metrale.server.streaming import EventStreamResponse, sse, until_disconnected
+from metrale.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    sse,
+    until_disconnected,
+)
 
 router = APIRouter()
 
@@ -100,9 +105,14 @@ async def create_message(request: Request) -> Response:
     (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")
     job = _MessageJob(state, message_id, stream, len(ids), gen.tracker)
     if req.stream:
-        return EventStreamResponse(_events(job), on_close=job.close)
+        return EventStreamResponse(
+            _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     try:
         await until_disconnected(request, job.run_to_end())
+    except ClientDisconnected:
+        gen.tracker.client_left()
+        raise
     finally:
         job.close()
     assert job.final is not None

@@ -6,7 +6,7 @@ fields; `render_chat` turns chat messages into the prompt text and token ids.
 
 Invariants:
 - The order of the opening is the same on every route: tracker started, body read (413 past
-  `max_body_bytes`), parsed (400 naming the field), unsupported fields refused, model checked
+  `max_body_bytes`; a client leaving meanwhile is a client abort at stage "body"), parsed (400 naming the field), unsupported fields refused, model checked
   (404) — all before any engine request exists.
 - Every engine request of a generation gets the body's `speculative` and the draft-lookup
   tenant of the request's API key and `tenant` field (`request_tenant`).
@@ -33,6 +33,7 @@ from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import RequestModel, parse_body
 from metrale.server.protocol.openai import completion_prompts
 from metrale.server.state import ServerState, read_json, request_tenant, server_state
+from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
 
@@ -122,7 +123,12 @@ async def open_generation(request: Request, body_type: type[BodyT]) -> Generatio
     """Start tracking `request`, parse its body as `body_type` and check it."""
     state = server_state(request)
     tracker = state.metrics.track()
-    body = parse_body(body_type, await read_json(request, state.max_body_bytes))
+    try:
+        raw = await read_json(request, state.max_body_bytes)
+    except ClientDisconnected:
+        tracker.client_left("body")
+        raise
+    body = parse_body(body_type, raw)
     checked: GenerationBody = body  # type: ignore[assignment]
     checked.check_supported()
     state.check_model(checked.model)

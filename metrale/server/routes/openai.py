@@ -46,7 +46,13 @@ from metrale.server.protocol.openai import (
 )
 from metrale.server.routes.common import open_generation
 from metrale.server.state import ServerState, server_state
-from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
+from metrale.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    merge_streams,
+    sse,
+    until_disconnected,
+)
 
 SYSTEM_FINGERPRINT = "fp_metrale"
 
@@ -189,6 +195,9 @@ async def _event_stream(
 async def _collect(request: Request, job: _Job) -> None:
     try:
         await until_disconnected(request, job.run_to_end())
+    except ClientDisconnected:
+        job.tracker.client_left()
+        raise
     finally:
         job.close()
 
@@ -214,7 +223,9 @@ async def create_completion(request: Request) -> Response:
     job = _Job(state, request_id, streams, prompts, params.n, gen.tracker)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
-        return EventStreamResponse(view.events(), on_close=job.close)
+        return EventStreamResponse(
+            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     await _collect(request, job)
     return JSONResponse(view.response())
 
@@ -364,7 +375,9 @@ async def create_chat_completion(request: Request) -> Response:
     job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
     view = _ChatView(job, req)
     if req.stream:
-        return EventStreamResponse(view.events(), on_close=job.close)
+        return EventStreamResponse(
+            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     await _collect(request, job)
     return JSONResponse(view.response())
 
