@@ -70,6 +70,7 @@ class EngineHandle(Protocol):
         adapter_id: int = 0,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> RequestStream: ...
 
 
@@ -181,6 +182,7 @@ class AddArgs:
     adapter_id: int
     speculative: bool
     lookup_tenant: str | None
+    cache_namespace: str | None = None
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -196,7 +198,7 @@ class AddArgs:
             self.request_id, self.prompt, self.params,
             prompt_token_ids=self.prompt_token_ids, timeout=self.timeout,
             adapter_id=self.adapter_id, speculative=self.speculative,
-            lookup_tenant=self.lookup_tenant,
+            lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
         )  # fmt: skip
 
 
@@ -273,6 +275,7 @@ class HandleBase(ABC, Generic[E]):
         adapter_id: int = 0,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -283,7 +286,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant,
+            lookup_tenant, cache_namespace,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:

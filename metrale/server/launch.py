@@ -57,8 +57,22 @@ def add_serve_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require this key (Bearer or x-api-key) on /v1/* (default: ${API_KEY_ENV})",
+        help="require this key (Bearer or x-api-key) on /v1/*; repeat for several keys, each "
+        f"its own tenant (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read more API keys from this file, one per line ('#' comments)",
+    )
+    parser.add_argument(
+        "--prefix-cache-isolation",
+        choices=("none", "api-key"),
+        default="none",
+        help="none: one prefix cache shared by all clients | api-key: blocks keyed by the "
+        "request's API key, so one tenant's cache hits never show in another's timing",
     )
     parser.add_argument(
         "--shutdown-grace",
@@ -114,7 +128,24 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from metrale.engine_flags import engine_config_from_args
 
     config = engine_config_from_args(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from metrale.server.auth import read_key_file
+
+    api_key = list(args.api_key or [])
+    if args.api_key_file:
+        try:
+            api_key += read_key_file(args.api_key_file)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"cannot read --api-key-file {args.api_key_file}: {exc.strerror or exc}",
+                param="api_key_file",
+            ) from None
+    if not api_key and os.environ.get(API_KEY_ENV):
+        api_key = [os.environ[API_KEY_ENV]]
+    if args.prefix_cache_isolation == "api-key" and not api_key:
+        raise InvalidRequestError(
+            "--prefix-cache-isolation api-key needs at least one --api-key",
+            param="prefix_cache_isolation",
+        )
     if not 0 <= args.port < 65536:
         raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}", param="port")
     if args.shutdown_grace < 0:
@@ -130,6 +161,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         log_level=str(args.log_level).upper(),
         engine_process=not args.engine_in_process,
         max_prompt_tokens=args.max_prompt_tokens,
+        prefix_cache_isolation=args.prefix_cache_isolation,
     )
 
 
@@ -138,11 +170,12 @@ def serve(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "INFO",
     engine_process: bool = True,
     max_prompt_tokens: int | None = None,
+    prefix_cache_isolation: str = "none",
 ) -> int:
     import uvicorn
 
@@ -167,7 +200,12 @@ def serve(
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     sock = _bind(host, port)
-    app = create_app(engine, api_key=api_key, max_prompt_tokens=max_prompt_tokens)
+    app = create_app(
+        engine,
+        api_key=api_key,
+        max_prompt_tokens=max_prompt_tokens,
+        prefix_cache_isolation=prefix_cache_isolation,
+    )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(

@@ -11,6 +11,9 @@ Invariants:
   `ContextLengthError` (400, `context_length_exceeded`) naming the field.
 - `read_json` decodes bodies of `OFFLOAD_BYTES` or more on a worker thread, so the event loop
   (and `/health`) never waits on one big body.
+- A request's prefix-cache namespace (`cache_namespace`) joins its key's tenant (under
+  `--prefix-cache-isolation api-key`) and its `cache_salt`: different namespaces never share
+  a cached block, so `cached_tokens` and TTFT never reveal another tenant's prompts.
 - `add_requests` either returns one accepted stream per prompt or raises having aborted the
   ones it had already added, so a bad prompt in a batch leaves nothing running.
 """
@@ -52,6 +55,8 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     api_key: str | None = None
+    #: "none": one prefix cache for every client; "api-key": one per API key (tenant).
+    prefix_cache_isolation: str = "none"
     max_body_bytes: int = MAX_BODY_BYTES
     #: `--max-prompt-tokens`: most prompt tokens a request may send (None: the context's).
     max_prompt_tokens: int | None = None
@@ -116,6 +121,7 @@ class ServerState:
         prompt_param: str = "prompt",
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -127,7 +133,7 @@ class ServerState:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
-                    lookup_tenant=lookup_tenant,
+                    lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:
@@ -145,6 +151,18 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.metrale  # type: ignore[no-any-return]
+
+
+def cache_namespace(request: Request, cache_salt: str | None) -> str | None:
+    """The prefix-cache namespace of `request`: its API key's tenant under
+    `--prefix-cache-isolation api-key`, and its body's `cache_salt`; None (the shared cache)
+    when neither applies."""
+    parts = []
+    if server_state(request).prefix_cache_isolation == "api-key":
+        parts.append(lookup_tenant(authenticated_key(request.scope)))
+    if cache_salt:
+        parts.append(f"salt:{cache_salt}")
+    return "|".join(parts) or None
 
 
 def request_tenant(request: Request, tenant: str | None) -> str:

@@ -10,8 +10,8 @@ Invariants:
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
 - Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
-  is a JSON boolean (anything else is a 400 naming it), `tenant` a string of at most
-  `MAX_TENANT_LEN` characters.
+  is a JSON boolean (anything else is a 400 naming it), `tenant` and `cache_salt` (vLLM's)
+  non-empty strings of at most `MAX_TENANT_LEN` characters.
 - `decode_json` refuses, with a 400 naming the problem (and the field where there is one),
   before any model sees the body: invalid JSON or UTF-8, `NaN` / `Infinity`, containers nested
   deeper than `MAX_JSON_DEPTH`, integers of more than `MAX_INT_DIGITS` digits, and any string
@@ -68,6 +68,9 @@ class SpeculationFields(RequestModel):
     speculative: StrictBool = True
     #: Subdivides the request's draft-lookup tenant (see `metrale.server.auth.lookup_tenant`).
     tenant: str | None = Field(default=None, max_length=MAX_TENANT_LEN)
+    #: vLLM's `cache_salt`: requests with different salts (or none) never share prefix-cache
+    #: blocks, so a cache hit's timing tells nothing across them.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_LEN)
 
 
 def unsupported(field: str, what: str | None = None) -> Unsupported:

@@ -8,8 +8,9 @@ Invariants:
 - The order of the opening is the same on every route: tracker started, body read (413 past
   `max_body_bytes`; a client leaving meanwhile is a client abort at stage "body"), parsed (400 naming the field), unsupported fields refused, model checked
   (404) — all before any engine request exists.
-- Every engine request of a generation gets the body's `speculative` and the draft-lookup
-  tenant of the request's API key and `tenant` field (`request_tenant`).
+- Every engine request of a generation gets the body's `speculative`, the draft-lookup
+  tenant of the request's API key and `tenant` field (`request_tenant`), and its prefix-cache
+  namespace (`cache_namespace`: key tenant under isolation, `cache_salt`).
 - A chat prompt's token ids are its rendered text encoded without added special tokens (the
   template writes them).
 - Prompts are prepared by `Generation.completion_prompts` / `Generation.chat_prompt`: the
@@ -32,7 +33,13 @@ from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import RequestModel, parse_body
 from metrale.server.protocol.openai import completion_prompts
-from metrale.server.state import ServerState, read_json, request_tenant, server_state
+from metrale.server.state import (
+    ServerState,
+    cache_namespace,
+    read_json,
+    request_tenant,
+    server_state,
+)
 from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
@@ -43,6 +50,7 @@ class GenerationBody(Protocol):
     model: str | None
     speculative: bool
     tenant: str | None
+    cache_salt: str | None
 
     def check_supported(self) -> None: ...
 
@@ -116,6 +124,7 @@ class Generation(Generic[BodyT]):
             prompt_param=prompt_param,
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
+            cache_namespace=cache_namespace(self.request, body.cache_salt),
         )
 
 
