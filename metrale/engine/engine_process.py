@@ -368,6 +368,11 @@ class EngineProcess(HandleBase[_Assembly]):
     def is_running(self) -> bool:
         return self._dead is None and self._process.is_alive()
 
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id (what a supervisor or a fault test watches)."""
+        return self._process.pid
+
     def start(self) -> None:
         if self._reader is not None:
             return

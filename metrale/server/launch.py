@@ -12,6 +12,9 @@ Invariants:
 - SIGTERM or Ctrl-C: stop accepting connections and new requests, let in-flight requests
   finish for `--shutdown-grace` seconds, then end the rest with an error frame / 503, stop
   the engine thread and exit 0. A second Ctrl-C exits at once.
+- The engine handle is a `SupervisedEngine`: a dead engine fails its in-flight requests at
+  once and, unless `--no-restart-engine-on-failure`, is restarted without restarting the
+  server.
 - Importing this module is cheap (no FastAPI/uvicorn/torch until the command runs).
 """
 
@@ -88,6 +91,13 @@ def add_serve_parser(subparsers: Any) -> None:
         "their length alone rules them out (default: the context length less one)",
     )
     parser.add_argument(
+        "--restart-engine-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when the engine process dies, fail its in-flight requests at once (503) and "
+        "start a new one (default on; counted in metrale_engine_restarts_total)",
+    )
+    parser.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine on a thread of the server process instead of its own process "
@@ -162,6 +172,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         engine_process=not args.engine_in_process,
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_isolation=args.prefix_cache_isolation,
+        restart_engine=args.restart_engine_on_failure,
     )
 
 
@@ -176,12 +187,14 @@ def serve(
     engine_process: bool = True,
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
+    restart_engine: bool = True,
 ) -> int:
     import uvicorn
 
     from metrale.engine.async_engine import AsyncEngine, EngineHandle
     from metrale.engine.engine import resolve_model_dir
     from metrale.engine.engine_process import EngineProcess
+    from metrale.engine.supervisor import SupervisedEngine
     from metrale.server.app import create_app
 
     model_dir = resolve_model_dir(config.model)
@@ -193,9 +206,11 @@ def serve(
         "in its own process" if engine_process else "on a thread of this process",
     )
     start = time.perf_counter()
-    engine: EngineHandle = (
-        EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
-    )
+
+    def build() -> EngineHandle:
+        return EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
+
+    engine: EngineHandle = SupervisedEngine(build, restart=restart_engine)
     info = engine.info
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 

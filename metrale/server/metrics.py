@@ -73,6 +73,11 @@ class _EngineCollector(Collector):
             return CounterMetricFamily(name, doc, value=value)
 
         yield gauge("metrale_engine_alive", "1 while the engine loop runs", float(snap.alive))
+        yield counter(
+            "metrale_engine_restarts",
+            "engine restarts after a failure (--restart-engine-on-failure)",
+            getattr(self.engine, "restarts", 0),
+        )
         yield gauge(
             "metrale_num_requests_waiting", "sequences waiting for admission", snap.num_waiting
         )
