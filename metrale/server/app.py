@@ -1,7 +1,8 @@
 """`create_app`: the FastAPI application around one engine handle (`AsyncEngine` in-process,
 or `EngineProcess`).
 
-Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /v1/models[/{id}]`,
+Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
+schemas), `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`.
 
 Invariants:
@@ -170,7 +171,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.metrale = state
 

@@ -27,7 +27,7 @@ from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
-from metrale.server.routes.common import open_generation
+from metrale.server.routes.common import open_generation, request_body
 from metrale.server.state import ServerState
 from metrale.server.streaming import (
     ClientDisconnected,
@@ -95,7 +95,7 @@ class _MessageJob:
         }
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
 async def create_message(request: Request) -> Response:
     gen = await open_generation(request, MessagesRequest)
     state, req = gen.state, gen.body

@@ -68,6 +68,26 @@ async def off_loop(size: int, fn: Callable[..., R], *args: Any, **kwargs: Any) -
     return fn(*args, **kwargs)
 
 
+def request_body(model: type[RequestModel]) -> dict[str, Any]:
+    """The `openapi_extra` that documents a route's JSON body as `model`'s schema (its
+    `$defs` inlined), so `/openapi.json` describes what each route reads."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 def _text_chars(prompt: Any) -> int:
     """Characters of a completions prompt's text (0 for token ids)."""
     if isinstance(prompt, str):

@@ -44,7 +44,7 @@ from metrale.server.protocol.openai import (
     merge_completion_logprobs,
     usage,
 )
-from metrale.server.routes.common import open_generation
+from metrale.server.routes.common import open_generation, request_body
 from metrale.server.state import ServerState, server_state
 from metrale.server.streaming import (
     ClientDisconnected,
@@ -205,7 +205,7 @@ async def _collect(request: Request, job: _Job) -> None:
 # ------------------------------------------------------------------------ completions
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
@@ -356,7 +356,7 @@ class _CompletionView:
 # ------------------------------------------------------------------- chat completions
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
