@@ -203,6 +203,7 @@ class Engine:
         final_only: bool = False,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -210,7 +211,8 @@ class Engine:
         `RequestOutputKind.FINAL_ONLY`: offline callers skip building an output per token).
         `speculative=False` opts this request out of speculative decoding; `lookup_tenant`
         partitions the cross-request draft lookup (None: this request neither feeds nor
-        reads it)."""
+        reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
+        prefix-cache blocks apart from every other namespace's."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
@@ -233,6 +235,7 @@ class Engine:
                 deadline=deadline,
                 speculative=speculative,
                 lookup_tenant=lookup_tenant,
+                cache_namespace=cache_namespace,
             )
             for i in range(n)
         ]

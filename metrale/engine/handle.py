@@ -11,7 +11,8 @@ Invariants:
   caller cancelled while waiting aborts the request (it may have been added meanwhile).
 - Every accepted request's stream ends with a finished `RequestOutput` or an exception: a
   handle that dies ends every open stream and every unanswered add with its `EngineDeadError`
-  and refuses new requests with it; a draining handle refuses new requests only.
+  and refuses new requests with it, then calls `on_death` once (after every stream has its
+  error); a draining handle refuses new requests only.
 - Outputs reach their streams' event loops through `post_by_loop`: one `call_soon_threadsafe`
   per event loop per delivery, never one per request.
 - `_streams` (open requests), `_dead` and `_draining` change only under `_lock`.
@@ -70,6 +71,7 @@ class EngineHandle(Protocol):
         adapter_id: int = 0,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> RequestStream: ...
 
 
@@ -181,6 +183,7 @@ class AddArgs:
     adapter_id: int
     speculative: bool
     lookup_tenant: str | None
+    cache_namespace: str | None = None
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -196,7 +199,7 @@ class AddArgs:
             self.request_id, self.prompt, self.params,
             prompt_token_ids=self.prompt_token_ids, timeout=self.timeout,
             adapter_id=self.adapter_id, speculative=self.speculative,
-            lookup_tenant=self.lookup_tenant,
+            lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
         )  # fmt: skip
 
 
@@ -219,6 +222,8 @@ class HandleBase(ABC, Generic[E]):
         self._streams: dict[str, E] = {}
         self._dead: MetraleError | None = None
         self._draining: MetraleError | None = None
+        #: Called once, with the error, when the handle dies (a supervisor's restart hook).
+        self.on_death: Callable[[EngineDeadError], None] | None = None
 
     # ------------------------------------------------------------- transport hooks
 
@@ -273,6 +278,7 @@ class HandleBase(ABC, Generic[E]):
         adapter_id: int = 0,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -283,7 +289,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant,
+            lookup_tenant, cache_namespace,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:
@@ -342,7 +348,8 @@ class HandleBase(ABC, Generic[E]):
     def _die(self, error: EngineDeadError) -> None:
         """The engine is gone: fail every open stream and unanswered add, refuse new ones."""
         with self._lock:
-            if self._dead is None:
+            first = self._dead is None
+            if first:
                 self._dead = error
             entries = list(self._streams.items())
             self._streams.clear()
@@ -355,3 +362,5 @@ class HandleBase(ABC, Generic[E]):
         for request_id, entry in entries:
             self._forget_dead(request_id)
             self._stream_of(entry)._post(copy.copy(error))
+        if first and self.on_death is not None:
+            self.on_death(error)

@@ -211,7 +211,8 @@ class SequenceState:
     mtp_capture_gen: int = 0
     #: Ticket for the shared MTP hidden-row interval (0: not drawn).
     mtp_store_gen: int = 0
-    #: Prefix-cache namespace of the sequence's LoRA adapter; 0 is the base model.
+    #: Prefix-cache namespace: the LoRA adapter's id (0: the base model), or a hash of it and
+    #: the request's cache namespace (`scheduler.sequence.prefix_namespace`).
     adapter_id: int = 0
     #: Paged metadata for chunked prefill, allocated by the first chunk that needs it.
     chunked_prefill_meta: ChunkedPrefillPageMetadata | None = None

@@ -13,6 +13,8 @@ Invariants:
 - A sequence is admitted only when the blocks for all its known tokens plus the one it will
   sample (less what the prefix cache supplies) are available after the running prefills'
   reservations and the decode rows' need, so an admitted prefill finishes without preempting.
+- The prefix cache is looked up, reclaimed and filled under a sequence's `prefix_namespace`
+  (its adapter id and `cache_namespace`): sequences of different namespaces never share blocks.
 - `_start` leaves nothing behind on failure: the state it allocated is freed and the sequence
   is WAITING again.
 """
@@ -27,7 +29,7 @@ from metrale.errors import KVCacheExhausted
 from metrale.model_engine.traits import blocks_for
 from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.plan import StepPlan
-from metrale.scheduler.sequence import SchedSequence, Status
+from metrale.scheduler.sequence import SchedSequence, Status, prefix_namespace  # noqa: F401
 
 
 def tenant_key(tenant: str | None) -> int | None:
@@ -52,7 +54,7 @@ class Admission(SchedulerParts):
             return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
         if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
-            matched = self.model.prefix_match_len(seq.all_tokens, seq.adapter_id)
+            matched = self.model.prefix_match_len(seq.all_tokens, seq.prefix_namespace)
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
@@ -67,7 +69,7 @@ class Admission(SchedulerParts):
             if need > available:
                 tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
                 target = need + self._reserved_blocks() + self._decode_need(None, plan.spec)
-                self.model.reclaim_prefix_blocks_for(tokens, seq.adapter_id, target)
+                self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
                 available = self._available_blocks() - self._decode_need(None, plan.spec)
                 need, _ = self._admission_need(seq)
                 if need > available:
@@ -96,7 +98,7 @@ class Admission(SchedulerParts):
     def _start(self, seq: SchedSequence) -> None:
         """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
         state = self.model.alloc_sequence()  # blocks come a forward at a time
-        state.adapter_id = seq.adapter_id
+        state.adapter_id = seq.prefix_namespace
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
         seq.state = state

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -73,6 +74,17 @@ class TokenView(Sequence[int]):
         return self._prompt[i] if i < n else self._output[i - n]
 
 
+def prefix_namespace(adapter_id: int, cache_namespace: str | None) -> int:
+    """The prefix cache's namespace key of a sequence: its adapter id, or, with a
+    `cache_namespace`, a 62-bit hash of both with bit 62 set (never a plain adapter id), so
+    namespaces never share blocks (stable across processes)."""
+    if not cache_namespace:
+        return adapter_id
+    raw = f"{adapter_id}\0{cache_namespace}".encode("utf-8", "surrogatepass")
+    digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+    return (1 << 62) | (digest & ((1 << 62) - 1))
+
+
 @dataclass(eq=False)
 class SchedSequence:
     seq_id: str
@@ -107,6 +119,16 @@ class SchedSequence:
     speculative: bool = True
     #: Tenant of the cross-request draft lookup; None keeps it out of every shared index.
     lookup_tenant: str | None = None
+    #: Prefix-cache namespace beyond the adapter (a tenant and/or a request's `cache_salt`):
+    #: sequences of different namespaces never share prefix-cache blocks; None: the
+    #: adapter's shared one.
+    cache_namespace: str | None = None
+
+    @property
+    def prefix_namespace(self) -> int:
+        """The prefix cache's key of this sequence's namespace (`prefix_namespace`)."""
+        return prefix_namespace(self.adapter_id, self.cache_namespace)
+
     #: Drafts proposed for the next step (see the invariants); empty when none.
     spec_token_ids: list[int] = field(default_factory=list)
     #: Draft tokens this stream verified, and how many of them were accepted.

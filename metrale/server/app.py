@@ -1,7 +1,8 @@
 """`create_app`: the FastAPI application around one engine handle (`AsyncEngine` in-process,
 or `EngineProcess`).
 
-Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /v1/models[/{id}]`,
+Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
+schemas), `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`.
 
 Invariants:
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -29,8 +30,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.engine.async_engine import EngineHandle
-from metrale.errors import MetraleError
-from metrale.server.auth import ApiKeyMiddleware
+from metrale.errors import InvalidRequestError, MetraleError
+from metrale.server.auth import ApiKeyMiddleware, api_keys
 from metrale.server.errors import (
     PayloadTooLargeError,
     error_response,
@@ -45,6 +46,8 @@ from metrale.server.streaming import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
+#: `--prefix-cache-isolation` choices: one shared prefix cache, or one per API key.
+PREFIX_CACHE_ISOLATION = ("none", "api-key")
 #: Status recorded for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED_REQUEST = 499
 
@@ -122,10 +125,26 @@ class _BodyLimitMiddleware:
 def create_app(
     engine: EngineHandle,
     *,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    max_prompt_tokens: int | None = None,
+    prefix_cache_isolation: str = "none",
 ) -> FastAPI:
+    """The app over `engine`. `api_key`: one key or several (each its own tenant);
+    `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
+    keys = api_keys(api_key)
+    if prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
+        raise InvalidRequestError(
+            f"prefix_cache_isolation must be one of {', '.join(PREFIX_CACHE_ISOLATION)}, got "
+            f"{prefix_cache_isolation!r}",
+            param="prefix_cache_isolation",
+        )
+    if prefix_cache_isolation == "api-key" and not keys:
+        raise InvalidRequestError(
+            "--prefix-cache-isolation api-key needs at least one --api-key",
+            param="prefix_cache_isolation",
+        )
     model_name = served_model_name or engine.info.served_model_name
     metrics = ServerMetrics(engine, model_name)
     state = ServerState(
@@ -134,8 +153,10 @@ def create_app(
         model_name=model_name,
         max_model_len=engine.info.max_model_len,
         metrics=metrics,
-        api_key=api_key,
+        api_key=keys[0] if keys else None,
+        prefix_cache_isolation=prefix_cache_isolation,
         max_body_bytes=max_body_bytes,
+        max_prompt_tokens=max_prompt_tokens,
     )
 
     @asynccontextmanager
@@ -150,7 +171,7 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
     )
     app.state.metrale = state
 
@@ -192,7 +213,7 @@ def create_app(
     app.include_router(anthropic_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)
-    app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(ApiKeyMiddleware, api_key=keys)
     app.add_middleware(_BodyLimitMiddleware, limit=max_body_bytes)
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app

@@ -9,6 +9,9 @@ Invariants:
 - A client never sees a traceback: an unexpected exception is logged here and answered with a
   500 whose message names only the exception type.
 - 503 answers (queue full, engine dead or shutting down) carry `Retry-After`.
+- Every message and param is safe to write whatever value it echoes: lone surrogates become
+  U+FFFD and text past `MAX_ECHO_CHARS` is cut (`safe_text`), so an error answer can never
+  fail to encode or echo a huge body back.
 - `code` is a stable machine-readable string (`context_length_exceeded`, `model_not_found`,
   `invalid_api_key`, ...) or null.
 """
@@ -16,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -33,6 +37,17 @@ from metrale.errors import (
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER_SECONDS = 1
+#: Longest message (characters) an error answer carries; an echoed value is cut to fit.
+MAX_ECHO_CHARS = 1024
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def safe_text(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` as it may be written to a client: valid Unicode (a lone surrogate becomes U+FFFD)
+    and at most `limit` characters (cut with "...")."""
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return _SURROGATE.sub("\ufffd", text)
 
 
 class PayloadTooLargeError(InvalidRequestError):
@@ -71,9 +86,9 @@ def as_metrale_error(exc: BaseException) -> MetraleError:
 def error_object(exc: BaseException) -> dict[str, Any]:
     err = as_metrale_error(exc)
     return {
-        "message": err.message,
+        "message": safe_text(str(err.message)),
         "type": err.error_type,
-        "param": err.param,
+        "param": safe_text(err.param, 256) if isinstance(err.param, str) else err.param,
         "code": _code(err),
     }
 

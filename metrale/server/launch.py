@@ -12,6 +12,9 @@ Invariants:
 - SIGTERM or Ctrl-C: stop accepting connections and new requests, let in-flight requests
   finish for `--shutdown-grace` seconds, then end the rest with an error frame / 503, stop
   the engine thread and exit 0. A second Ctrl-C exits at once.
+- The engine handle is a `SupervisedEngine`: a dead engine fails its in-flight requests at
+  once and, unless `--no-restart-engine-on-failure`, is restarted without restarting the
+  server.
 - Importing this module is cheap (no FastAPI/uvicorn/torch until the command runs).
 """
 
@@ -57,14 +60,42 @@ def add_serve_parser(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--api-key",
+        action="append",
         default=None,
-        help=f"require this key (Bearer or x-api-key) on /v1/* (default: ${API_KEY_ENV})",
+        help="require this key (Bearer or x-api-key) on /v1/*; repeat for several keys, each "
+        f"its own tenant (default: ${API_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read more API keys from this file, one per line ('#' comments)",
+    )
+    parser.add_argument(
+        "--prefix-cache-isolation",
+        choices=("none", "api-key"),
+        default="none",
+        help="none: one prefix cache shared by all clients | api-key: blocks keyed by the "
+        "request's API key, so one tenant's cache hits never show in another's timing",
     )
     parser.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_S,
         help="seconds in-flight requests may finish after SIGTERM (default 5)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        help="refuse prompts of more tokens (400) before templating or tokenizing them when "
+        "their length alone rules them out (default: the context length less one)",
+    )
+    parser.add_argument(
+        "--restart-engine-on-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="when the engine process dies, fail its in-flight requests at once (503) and "
+        "start a new one (default on; counted in metrale_engine_restarts_total)",
     )
     parser.add_argument(
         "--engine-in-process",
@@ -107,11 +138,30 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from metrale.engine_flags import engine_config_from_args
 
     config = engine_config_from_args(args)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    from metrale.server.auth import read_key_file
+
+    api_key = list(args.api_key or [])
+    if args.api_key_file:
+        try:
+            api_key += read_key_file(args.api_key_file)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"cannot read --api-key-file {args.api_key_file}: {exc.strerror or exc}",
+                param="api_key_file",
+            ) from None
+    if not api_key and os.environ.get(API_KEY_ENV):
+        api_key = [os.environ[API_KEY_ENV]]
+    if args.prefix_cache_isolation == "api-key" and not api_key:
+        raise InvalidRequestError(
+            "--prefix-cache-isolation api-key needs at least one --api-key",
+            param="prefix_cache_isolation",
+        )
     if not 0 <= args.port < 65536:
         raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}", param="port")
     if args.shutdown_grace < 0:
         raise InvalidRequestError("--shutdown-grace must be >= 0", param="shutdown_grace")
+    if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
+        raise InvalidRequestError("--max-prompt-tokens must be >= 1", param="max_prompt_tokens")
     return serve(
         config,
         host=args.host,
@@ -120,6 +170,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         log_level=str(args.log_level).upper(),
         engine_process=not args.engine_in_process,
+        max_prompt_tokens=args.max_prompt_tokens,
+        prefix_cache_isolation=args.prefix_cache_isolation,
+        restart_engine=args.restart_engine_on_failure,
     )
 
 
@@ -128,16 +181,20 @@ def serve(
     *,
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
-    api_key: str | None = None,
+    api_key: str | list[str] | None = None,
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "INFO",
     engine_process: bool = True,
+    max_prompt_tokens: int | None = None,
+    prefix_cache_isolation: str = "none",
+    restart_engine: bool = True,
 ) -> int:
     import uvicorn
 
     from metrale.engine.async_engine import AsyncEngine, EngineHandle
     from metrale.engine.engine import resolve_model_dir
     from metrale.engine.engine_process import EngineProcess
+    from metrale.engine.supervisor import SupervisedEngine
     from metrale.server.app import create_app
 
     model_dir = resolve_model_dir(config.model)
@@ -149,14 +206,21 @@ def serve(
         "in its own process" if engine_process else "on a thread of this process",
     )
     start = time.perf_counter()
-    engine: EngineHandle = (
-        EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
-    )
+
+    def build() -> EngineHandle:
+        return EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
+
+    engine: EngineHandle = SupervisedEngine(build, restart=restart_engine)
     info = engine.info
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     sock = _bind(host, port)
-    app = create_app(engine, api_key=api_key)
+    app = create_app(
+        engine,
+        api_key=api_key,
+        max_prompt_tokens=max_prompt_tokens,
+        prefix_cache_isolation=prefix_cache_isolation,
+    )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(

@@ -10,7 +10,11 @@ Invariants:
 - Label values are bounded: `endpoint` is one of the known routes or "other", `status` an
   HTTP status code, `reason` a finish reason, `position` a draft slot below k (at most 16),
   `scope` and `to` the gate's two scopes and two directions.
-- A request is counted once in `metrale_requests_total`, with the status it answered.
+- A request is counted once in `metrale_requests_total`, with the status it answered (499 for
+  a client that left first).
+- A client that leaves before its answer is complete is a client abort, not an error: counted
+  once in `metrale_client_aborts_total{stage}` ("body": while sending its body, "queue": before
+  its first token, queued or in prefill, "stream": after it) and logged at INFO.
 - The speculative decoding series (`metrale_spec_decode_*`, vLLM's names) are always exposed,
   zero when speculation is off; the per-position series has one `position` per draft slot
   (0..k-1), none when speculation is off.
@@ -18,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +32,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from metrale.engine.async_engine import EngineHandle, EngineSnapshot
+
+logger = logging.getLogger(__name__)
+#: The stages at which a client abort is counted (`metrale_client_aborts_total{stage}`).
+ABORT_STAGES = ("body", "queue", "stream")
 
 KNOWN_ENDPOINTS = frozenset(
     {
@@ -64,6 +73,11 @@ class _EngineCollector(Collector):
             return CounterMetricFamily(name, doc, value=value)
 
         yield gauge("metrale_engine_alive", "1 while the engine loop runs", float(snap.alive))
+        yield counter(
+            "metrale_engine_restarts",
+            "engine restarts after a failure (--restart-engine-on-failure)",
+            getattr(self.engine, "restarts", 0),
+        )
         yield gauge(
             "metrale_num_requests_waiting", "sequences waiting for admission", snap.num_waiting
         )
@@ -240,6 +254,14 @@ class ServerMetrics:
             "metrale_request_latency_seconds", "time from request arrival to its last token",
             buckets=_E2E_BUCKETS, registry=r,
         )  # fmt: skip
+        self.client_aborts = Counter(
+            "metrale_client_aborts",
+            "requests whose client left before the answer was complete, by stage (body: "
+            "while sending the body; queue: before the first token; stream: after it)",
+            ["stage"], registry=r,
+        )  # fmt: skip
+        for stage in ABORT_STAGES:
+            self.client_aborts.labels(stage)
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._cached_total = 0
@@ -278,6 +300,18 @@ class RequestTracker:
         self._last_time = self.arrival
         self._tokens = 0
         self._done = False
+        self._left = False
+
+    def client_left(self, stage: str | None = None) -> None:
+        """The client went away before its answer was complete: one client abort, at `stage`
+        (default: "queue" before the first token, else "stream"); INFO, never an error."""
+        if self._left:
+            return
+        self._left = True
+        if stage is None:
+            stage = "queue" if self.first_token is None else "stream"
+        self.metrics.client_aborts.labels(stage).inc()
+        logger.info("client disconnected (%s) after %.3f s", stage, time.monotonic() - self.arrival)
 
     def on_tokens(self, total_tokens: int) -> None:
         """Called with the running total of generated tokens (all choices) after an output."""

@@ -4,6 +4,16 @@ Owner: server. One `ServerState` per app (built by `create_app`, kept on `app.st
 read it through `server_state(request)`. No module-level mutable state.
 
 Invariants:
+- Prompt limits come before the expensive work: `check_prompt_chars` refuses a text prompt
+  that cannot fit `prompt_token_limit` tokens (more characters than that many of the
+  vocabulary's longest tokens could spell, with a 2x margin for normalisers) before it is
+  templated or tokenized; `check_prompt_tokens` checks the count after. Both raise
+  `ContextLengthError` (400, `context_length_exceeded`) naming the field.
+- `read_json` decodes bodies of `OFFLOAD_BYTES` or more on a worker thread, so the event loop
+  (and `/health`) never waits on one big body.
+- A request's prefix-cache namespace (`cache_namespace`) joins its key's tenant (under
+  `--prefix-cache-isolation api-key`) and its `cache_salt`: different namespaces never share
+  a cached block, so `cached_tokens` and TTFT never reveal another tenant's prompts.
 - `add_requests` either returns one accepted stream per prompt or raises having aborted the
   ones it had already added, so a bad prompt in a batch leaves nothing running.
 """
@@ -14,21 +24,27 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from starlette.requests import Request
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
 
 from metrale.engine.async_engine import EngineHandle, RequestStream
 from metrale.engine.engine import DEFAULT_TENANT
-from metrale.errors import MetraleError, NotFoundError
+from metrale.errors import ContextLengthError, MetraleError, NotFoundError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.auth import authenticated_key, lookup_tenant
-from metrale.server.errors import PayloadTooLargeError
+from metrale.server.errors import PayloadTooLargeError, safe_text
 from metrale.server.metrics import ServerMetrics
 from metrale.server.protocol.common import decode_json
+from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
 #: Largest request body accepted (bytes); larger ones get 413.
 MAX_BODY_BYTES = 32 * 2**20
+#: Bodies of at least this many bytes are decoded on a worker thread.
+OFFLOAD_BYTES = 64 * 2**10
+#: Margin of the character bound over the token limit (normalisers may shrink text).
+_CHAR_BOUND_MARGIN = 2
 
 
 @dataclass
@@ -39,8 +55,48 @@ class ServerState:
     max_model_len: int
     metrics: ServerMetrics
     api_key: str | None = None
+    #: "none": one prefix cache for every client; "api-key": one per API key (tenant).
+    prefix_cache_isolation: str = "none"
     max_body_bytes: int = MAX_BODY_BYTES
+    #: `--max-prompt-tokens`: most prompt tokens a request may send (None: the context's).
+    max_prompt_tokens: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _max_token_chars: int | None = field(default=None, repr=False)
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """Most tokens one prompt may have: `--max-prompt-tokens`, at most the context
+        less the one output token every request needs."""
+        room = max(self.max_model_len - 1, 1)
+        return min(self.max_prompt_tokens, room) if self.max_prompt_tokens else room
+
+    @property
+    def max_token_chars(self) -> int:
+        """Characters of the vocabulary's longest token (byte-level BPE: its bytes)."""
+        if self._max_token_chars is None:
+            vocab = self.tokenizer.backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max((len(t) for t in vocab), default=1) or 1
+        return self._max_token_chars
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Refuse, before any tokenizing, a text of `chars` characters that cannot fit."""
+        bound = self.prompt_token_limit * self.max_token_chars * _CHAR_BOUND_MARGIN
+        if chars > bound:
+            raise ContextLengthError(
+                f"the prompt has {chars} characters, more than {self.prompt_token_limit} "
+                f"tokens (the prompt limit) can hold; it was not tokenized",
+                param=param,
+            )
+
+    def check_prompt_tokens(self, tokens: int, param: str) -> None:
+        limit = self.prompt_token_limit
+        if tokens > limit:
+            why = "--max-prompt-tokens" if limit == self.max_prompt_tokens else "the context"
+            raise ContextLengthError(
+                f"the prompt has {tokens} tokens; at most {limit} are accepted ({why}: this "
+                f"model's maximum context length is {self.max_model_len} tokens)",
+                param=param,
+            )
 
     @property
     def sampling_defaults(self) -> SamplingDefaults:
@@ -51,7 +107,8 @@ class ServerState:
         """Refuse a request for a model this server does not serve (404, param "model")."""
         if model is not None and model != self.model_name:
             raise NotFoundError(
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"the model '{safe_text(model, 256)}' does not exist; this server serves "
+                f"'{self.model_name}'",
                 param="model",
             )
 
@@ -64,6 +121,7 @@ class ServerState:
         prompt_param: str = "prompt",
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
+        cache_namespace: str | None = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -75,7 +133,7 @@ class ServerState:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
-                    lookup_tenant=lookup_tenant,
+                    lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:
@@ -95,6 +153,18 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.metrale  # type: ignore[no-any-return]
 
 
+def cache_namespace(request: Request, cache_salt: str | None) -> str | None:
+    """The prefix-cache namespace of `request`: its API key's tenant under
+    `--prefix-cache-isolation api-key`, and its body's `cache_salt`; None (the shared cache)
+    when neither applies."""
+    parts = []
+    if server_state(request).prefix_cache_isolation == "api-key":
+        parts.append(lookup_tenant(authenticated_key(request.scope)))
+    if cache_salt:
+        parts.append(f"salt:{cache_salt}")
+    return "|".join(parts) or None
+
+
 def request_tenant(request: Request, tenant: str | None) -> str:
     """The draft-lookup tenant of `request`: its API key's, subdivided by the body's
     explicit `tenant` (`metrale.server.auth.lookup_tenant`)."""
@@ -102,9 +172,18 @@ def request_tenant(request: Request, tenant: str | None) -> str:
 
 
 async def read_json(request: Request, limit: int) -> object:
+    """The body, decoded by `decode_json` (off the event loop when large); 413 past `limit`;
+    `ClientDisconnected` when the client leaves before sending all of it."""
     body = bytearray()
-    async for chunk in request.stream():
-        body.extend(chunk)
-        if len(body) > limit:
-            raise PayloadTooLargeError(f"the request body is larger than {limit} bytes")
-    return decode_json(bytes(body))
+    try:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise PayloadTooLargeError(f"the request body is larger than {limit} bytes")
+    except ClientDisconnect:
+        raise ClientDisconnected("body") from None
+    raw = bytes(body)
+    del body
+    if len(raw) >= OFFLOAD_BYTES:
+        return await run_in_threadpool(decode_json, raw)
+    return decode_json(raw)

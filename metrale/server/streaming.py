@@ -6,7 +6,8 @@ Invariants:
 - A streaming response watches the connection while it streams: when the client goes away,
   the body generator is cancelled and closed at once (its `finally` aborts the engine
   requests, freeing their KV), whether it was waiting on the engine or on the socket; its
-  `on_close` runs in every case, even if the body never started.
+  `on_close` runs in every case, even if the body never started; `on_disconnect` (before it)
+  only when the client left first.
 - A non-streaming request whose client disconnects is cancelled the same way
   (`until_disconnected`).
 - `merge_streams` yields the outputs of several streams as they come; when it is closed or
@@ -39,7 +40,13 @@ def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
 
 
 class ClientDisconnected(Exception):
-    """The client closed the connection before the response was complete."""
+    """The client closed the connection before the response was complete. `stage` says
+    when: "body" (while sending its body), "queue" (before its first token: queued or in
+    prefill) or "stream" (after it)."""
+
+    def __init__(self, stage: str = "queue") -> None:
+        super().__init__(f"the client disconnected ({stage})")
+        self.stage = stage
 
 
 class EventStreamResponse(StreamingResponse):
@@ -52,8 +59,10 @@ class EventStreamResponse(StreamingResponse):
         content: AsyncIterator[str],
         status_code: int = 200,
         on_close: Callable[[], None] | None = None,
+        on_disconnect: Callable[[], None] | None = None,
     ) -> None:
         self.on_close = on_close
+        self.on_disconnect = on_disconnect
         super().__init__(
             content,
             status_code=status_code,
@@ -61,16 +70,22 @@ class EventStreamResponse(StreamingResponse):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        left = False
         try:
             async with anyio.create_task_group() as group:
 
                 async def stream() -> None:
-                    with contextlib.suppress(OSError):  # the socket went away mid-send
+                    nonlocal left
+                    try:
                         await self.stream_response(send)
+                    except OSError:  # the socket went away mid-send
+                        left = True
                     group.cancel_scope.cancel()
 
                 async def watch() -> None:
+                    nonlocal left
                     await self.listen_for_disconnect(receive)
+                    left = True
                     group.cancel_scope.cancel()
 
                 group.start_soon(stream)
@@ -80,6 +95,8 @@ class EventStreamResponse(StreamingResponse):
             if aclose is not None:
                 with anyio.CancelScope(shield=True):
                     await aclose()
+            if left and self.on_disconnect is not None:
+                self.on_disconnect()
             if self.on_close is not None:
                 self.on_close()
 

@@ -10,13 +10,19 @@ Invariants:
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
 - Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
-  is a JSON boolean (anything else is a 400 naming it), `tenant` a string of at most
-  `MAX_TENANT_LEN` characters.
+  is a JSON boolean (anything else is a 400 naming it), `tenant` and `cache_salt` (vLLM's)
+  non-empty strings of at most `MAX_TENANT_LEN` characters.
+- `decode_json` refuses, with a 400 naming the problem (and the field where there is one),
+  before any model sees the body: invalid JSON or UTF-8, `NaN` / `Infinity`, containers nested
+  deeper than `MAX_JSON_DEPTH`, integers of more than `MAX_INT_DIGITS` digits, and any string
+  or key holding a lone surrogate (`"\\ud800"`): such text is refused, never replaced. What it
+  returns is plain JSON data whose text always encodes as UTF-8.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -27,6 +33,14 @@ ModelT = TypeVar("ModelT", bound="RequestModel")
 
 #: Longest explicit `tenant` a request may name.
 MAX_TENANT_LEN = 256
+#: Deepest nesting of arrays and objects a body may have (the top-level object is 1).
+MAX_JSON_DEPTH = 64
+#: Most digits of one JSON integer (a signed 64-bit integer has at most 19).
+MAX_INT_DIGITS = 20
+#: Raw bytes that may decode to a surrogate: a `\\uD800`..`\\uDFFF` escape, or the UTF-8-style
+#: encoding of one (which `json.loads` lets through); only bodies holding one are walked.
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class RequestModel(BaseModel):
@@ -54,6 +68,9 @@ class SpeculationFields(RequestModel):
     speculative: StrictBool = True
     #: Subdivides the request's draft-lookup tenant (see `metrale.server.auth.lookup_tenant`).
     tenant: str | None = Field(default=None, max_length=MAX_TENANT_LEN)
+    #: vLLM's `cache_salt`: requests with different salts (or none) never share prefix-cache
+    #: blocks, so a cache hit's timing tells nothing across them.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_LEN)
 
 
 def unsupported(field: str, what: str | None = None) -> Unsupported:
@@ -63,13 +80,111 @@ def unsupported(field: str, what: str | None = None) -> Unsupported:
     )
 
 
+class _HugeInt:
+    """An integer literal past `MAX_INT_DIGITS`, kept as text until its field is known."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+
+class _BadConstant(Exception):
+    pass
+
+
+def _parse_constant(name: str) -> Any:
+    raise _BadConstant(name)
+
+
 def decode_json(raw: bytes) -> Any:
+    """The body as JSON data, or an `InvalidRequestError` naming what is wrong with it (see
+    the module invariants). Its cost is linear in the body; callers run large bodies off the
+    event loop."""
     if not raw:
         raise InvalidRequestError("the request body is empty; expected a JSON object", param=None)
+    huge: list[bool] = []
+
+    def parse_int(text: str) -> int | _HugeInt:
+        if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+            huge.append(True)
+            return _HugeInt(text)
+        return int(text)
+
     try:
-        return json.loads(raw)
+        value = json.loads(raw, parse_int=parse_int, parse_constant=_parse_constant)
+    except RecursionError:
+        raise InvalidRequestError(
+            "the request body nests arrays or objects too deeply (more than "
+            f"{MAX_JSON_DEPTH} levels are refused)"
+        ) from None
+    except _BadConstant as exc:
+        raise InvalidRequestError(
+            f"the request body is not valid JSON: {exc} is not a JSON value"
+        ) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequestError(f"the request body is not valid JSON: {exc}") from None
+    nested = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    text = _MAYBE_SURROGATE.search(raw) is not None
+    if nested or text or huge:
+        _check_tree(value, text_check=text)
+    return value
+
+
+#: A path into the body as a linked list, (parent, key), built per node without copying.
+_Path = tuple[Any, str | int] | None
+
+
+def _path(path: _Path) -> str | None:
+    parts: list[str | int] = []
+    while path is not None:
+        path, key = path
+        parts.append(key)
+    return _loc_to_param(tuple(reversed(parts)))
+
+
+def _check_tree(value: Any, *, text_check: bool) -> None:
+    """Walk the decoded body (iteratively: a deep body cannot overflow the stack) for the
+    limits `json.loads` does not enforce."""
+    stack: list[tuple[Any, _Path, int]] = [(value, None, 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                top = path  # named by its top-level field: the full path is as deep
+                while top is not None and top[0] is not None:
+                    top = top[0]
+                where = _path(top)
+                raise InvalidRequestError(
+                    f"'{where or 'the request body'}' nests arrays or objects more than "
+                    f"{MAX_JSON_DEPTH} levels deep",
+                    param=where,
+                )
+            if isinstance(node, dict):
+                for key, item in node.items():
+                    if text_check and _SURROGATE.search(key):
+                        raise _surrogate_error(path, "a key")
+                    stack.append((item, (path, key), depth))
+            else:
+                for i, item in enumerate(node):
+                    stack.append((item, (path, i), depth))
+        elif isinstance(node, _HugeInt):
+            where = _path(path)
+            raise InvalidRequestError(
+                f"invalid value for '{where or 'the request body'}': an integer of "
+                f"{len(node.digits.lstrip('-'))} digits (at most {MAX_INT_DIGITS} are accepted)",
+                param=where,
+            )
+        elif text_check and isinstance(node, str) and _SURROGATE.search(node):
+            raise _surrogate_error(path, "the text")
+
+
+def _surrogate_error(path: _Path, what: str) -> InvalidRequestError:
+    where = _path(path)
+    return InvalidRequestError(
+        f"invalid value for '{where or 'the request body'}': {what} holds a lone UTF-16 "
+        "surrogate (such as \\ud800), which is not valid Unicode; it is refused, not replaced",
+        param=where,
+    )
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:

@@ -27,9 +27,14 @@ from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
-from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.routes.common import open_generation, request_body
 from metrale.server.state import ServerState
-from metrale.server.streaming import EventStreamResponse, sse, until_disconnected
+from metrale.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    sse,
+    until_disconnected,
+)
 
 router = APIRouter()
 
@@ -90,19 +95,24 @@ class _MessageJob:
         }
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=request_body(MessagesRequest))
 async def create_message(request: Request) -> Response:
     gen = await open_generation(request, MessagesRequest)
     state, req = gen.state, gen.body
-    text, ids = render_chat(state.tokenizer, chat_messages(req), add_generation_prompt=True)
+    text, ids = await gen.chat_prompt(chat_messages(req), add_generation_prompt=True)
     message_id = f"msg_{uuid.uuid4().hex}"
     params = req.sampling_params(state.sampling_defaults)
     (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")
     job = _MessageJob(state, message_id, stream, len(ids), gen.tracker)
     if req.stream:
-        return EventStreamResponse(_events(job), on_close=job.close)
+        return EventStreamResponse(
+            _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     try:
         await until_disconnected(request, job.run_to_end())
+    except ClientDisconnected:
+        gen.tracker.client_left()
+        raise
     finally:
         job.close()
     assert job.final is not None

@@ -6,27 +6,41 @@ fields; `render_chat` turns chat messages into the prompt text and token ids.
 
 Invariants:
 - The order of the opening is the same on every route: tracker started, body read (413 past
-  `max_body_bytes`), parsed (400 naming the field), unsupported fields refused, model checked
+  `max_body_bytes`; a client leaving meanwhile is a client abort at stage "body"), parsed (400 naming the field), unsupported fields refused, model checked
   (404) — all before any engine request exists.
-- Every engine request of a generation gets the body's `speculative` and the draft-lookup
-  tenant of the request's API key and `tenant` field (`request_tenant`).
+- Every engine request of a generation gets the body's `speculative`, the draft-lookup
+  tenant of the request's API key and `tenant` field (`request_tenant`), and its prefix-cache
+  namespace (`cache_namespace`: key tenant under isolation, `cache_salt`).
 - A chat prompt's token ids are its rendered text encoded without added special tokens (the
   template writes them).
+- Prompts are prepared by `Generation.completion_prompts` / `Generation.chat_prompt`: the
+  character bound is checked first (`ServerState.check_prompt_chars`), then a prompt of
+  `OFFLOAD_MIN_CHARS` or more is templated and tokenized on a worker thread (the event loop
+  keeps answering `/health` and small requests meanwhile), then its token count is checked.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from metrale.engine.handle import RequestStream
 from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import RequestModel, parse_body
-from metrale.server.state import ServerState, read_json, request_tenant, server_state
+from metrale.server.protocol.openai import completion_prompts
+from metrale.server.state import (
+    ServerState,
+    cache_namespace,
+    read_json,
+    request_tenant,
+    server_state,
+)
+from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
 
@@ -36,11 +50,51 @@ class GenerationBody(Protocol):
     model: str | None
     speculative: bool
     tenant: str | None
+    cache_salt: str | None
 
     def check_supported(self) -> None: ...
 
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
+R = TypeVar("R")
+#: Prompts of at least this many characters are templated and tokenized on a worker thread.
+OFFLOAD_MIN_CHARS = 8192
+
+
+async def off_loop(size: int, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """`fn(*args, **kwargs)`, on a worker thread when `size` reaches `OFFLOAD_MIN_CHARS`."""
+    if size >= OFFLOAD_MIN_CHARS:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def request_body(model: type[RequestModel]) -> dict[str, Any]:
+    """The `openapi_extra` that documents a route's JSON body as `model`'s schema (its
+    `$defs` inlined), so `/openapi.json` describes what each route reads."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def _text_chars(prompt: Any) -> int:
+    """Characters of a completions prompt's text (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    return 0
 
 
 @dataclass
@@ -51,6 +105,27 @@ class Generation(Generic[BodyT]):
     state: ServerState
     tracker: RequestTracker
     body: BodyT
+
+    async def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """A completions `prompt` as (text, token ids) pairs, checked against the limits."""
+        state = self.state
+        chars = _text_chars(prompt)
+        state.check_prompt_chars(chars, "prompt")
+        prompts = await off_loop(chars, completion_prompts, prompt, state.tokenizer)
+        for _, ids in prompts:
+            state.check_prompt_tokens(len(ids), "prompt")
+        return prompts
+
+    async def chat_prompt(
+        self, messages: list[dict[str, Any]], param: str = "messages", **template_kwargs: Any
+    ) -> tuple[str, list[int]]:
+        """`render_chat` of `messages`, checked against the limits (see the invariants)."""
+        state = self.state
+        chars = sum(len(m["content"]) for m in messages)
+        state.check_prompt_chars(chars, param)
+        text, ids = await off_loop(chars, render_chat, state.tokenizer, messages, **template_kwargs)
+        state.check_prompt_tokens(len(ids), param)
+        return text, ids
 
     async def add(
         self,
@@ -69,6 +144,7 @@ class Generation(Generic[BodyT]):
             prompt_param=prompt_param,
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
+            cache_namespace=cache_namespace(self.request, body.cache_salt),
         )
 
 
@@ -76,7 +152,12 @@ async def open_generation(request: Request, body_type: type[BodyT]) -> Generatio
     """Start tracking `request`, parse its body as `body_type` and check it."""
     state = server_state(request)
     tracker = state.metrics.track()
-    body = parse_body(body_type, await read_json(request, state.max_body_bytes))
+    try:
+        raw = await read_json(request, state.max_body_bytes)
+    except ClientDisconnected:
+        tracker.client_left("body")
+        raise
+    body = parse_body(body_type, raw)
     checked: GenerationBody = body  # type: ignore[assignment]
     checked.check_supported()
     state.check_model(checked.model)

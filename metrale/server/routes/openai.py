@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
-from metrale.server.errors import InternalServerError, error_body
+from metrale.server.errors import InternalServerError, error_body, safe_text
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.openai import (
     ChatCompletionRequest,
@@ -40,14 +40,19 @@ from metrale.server.protocol.openai import (
     CompletionRequest,
     chat_logprobs_content,
     chat_messages,
-    completion_prompts,
     finish_reason,
     merge_completion_logprobs,
     usage,
 )
-from metrale.server.routes.common import open_generation, render_chat
+from metrale.server.routes.common import open_generation, request_body
 from metrale.server.state import ServerState, server_state
-from metrale.server.streaming import EventStreamResponse, merge_streams, sse, until_disconnected
+from metrale.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    merge_streams,
+    sse,
+    until_disconnected,
+)
 
 SYSTEM_FINGERPRINT = "fp_metrale"
 
@@ -78,7 +83,7 @@ async def list_models(request: Request) -> JSONResponse:
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
     if model_id != state.model_name:
-        raise NotFoundError(f"the model '{model_id}' does not exist", param="model")
+        raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
     return JSONResponse(_model_card(state))
 
 
@@ -190,6 +195,9 @@ async def _event_stream(
 async def _collect(request: Request, job: _Job) -> None:
     try:
         await until_disconnected(request, job.run_to_end())
+    except ClientDisconnected:
+        job.tracker.client_left()
+        raise
     finally:
         job.close()
 
@@ -197,11 +205,11 @@ async def _collect(request: Request, job: _Job) -> None:
 # ------------------------------------------------------------------------ completions
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
-    prompts = completion_prompts(req.prompt, state.tokenizer)
+    prompts = await gen.completion_prompts(req.prompt)
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     params = req.sampling_params(
@@ -215,7 +223,9 @@ async def create_completion(request: Request) -> Response:
     job = _Job(state, request_id, streams, prompts, params.n, gen.tracker)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
-        return EventStreamResponse(view.events(), on_close=job.close)
+        return EventStreamResponse(
+            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     await _collect(request, job)
     return JSONResponse(view.response())
 
@@ -346,12 +356,11 @@ class _CompletionView:
 # ------------------------------------------------------------------- chat completions
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
-    text, ids = render_chat(
-        state.tokenizer,
+    text, ids = await gen.chat_prompt(
         chat_messages(req.messages),
         add_generation_prompt=req.add_generation_prompt,
         **(req.chat_template_kwargs or {}),
@@ -366,7 +375,9 @@ async def create_chat_completion(request: Request) -> Response:
     job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
     view = _ChatView(job, req)
     if req.stream:
-        return EventStreamResponse(view.events(), on_close=job.close)
+        return EventStreamResponse(
+            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
+        )
     await _collect(request, job)
     return JSONResponse(view.response())
 
