@@ -1,4 +1,4 @@
-"""The `metrale` command: `generate`, `serve`, `bench`.
+"""The `metrale` command: `generate`, `serve`, `top`, `bench`.
 
 Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place,
 `metrale.engine_flags` (`add_engine_arguments` / `engine_config_from_args`, re-exported here),
@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    from metrale.top.cli import add_top_parser
+
+    add_top_parser(sub)
     try:
         from metrale.bench.cli import add_bench_parser
     except ImportError:

@@ -33,7 +33,7 @@ TIERS: list[set[str]] = [
     {"model_engine"},
     {"scheduler"},
     {"engine"},
-    {"server", "bench"},
+    {"server", "bench", "top"},
     {"cli", ROOT},
 ]
 RANK = {unit: rank for rank, tier in enumerate(TIERS) for unit in tier}
