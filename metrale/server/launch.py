@@ -48,29 +48,31 @@ def add_serve_parser(subparsers: Any) -> None:
         "/v1/completions, /v1/chat/completions, /v1/messages, /v1/models, /health, /metrics.",
     )
     add_log_level(parser)
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
+    # The serve-only flags get their own --help section; the engine's follow, by topic.
+    server = parser.add_argument_group("server", "HTTP address, auth and shutdown")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
+    server.add_argument(
         "--port",
         type=int,
         default=DEFAULT_PORT,
         help="port (default 8888; 0: any free port, see the summary line)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--api-key",
         default=None,
         help=f"require this key (Bearer or x-api-key) on /v1/* (default: ${API_KEY_ENV})",
     )
-    parser.add_argument(
+    server.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_S,
         help="seconds in-flight requests may finish after SIGTERM (default 5)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine on a thread of the server process instead of its own process "
-        "(slower under many concurrent streams: both then share one GIL)",
+        "(slower under many concurrent streams: both then share one GIL; default: off)",
     )
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)
