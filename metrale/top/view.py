@@ -31,6 +31,15 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _switches(counts: dict[str, int]) -> str:
+    """`global 1/2, row 3/4`: the throughput gate's switches off / on, per scope."""
+    scopes = sorted({key.split("->")[0] for key in counts})
+    return (
+        ", ".join(f"{s} {counts.get(f'{s}->off', 0)}/{counts.get(f'{s}->on', 0)}" for s in scopes)
+        or "-"
+    )
+
+
 def sections(frame: Frame) -> list[Section]:
     out: list[Section] = [
         (
@@ -118,10 +127,7 @@ def sections(frame: Frame) -> list[Section]:
                         " ".join(f"{p:.2f}" for p in spec.per_position) or "-",
                     ),
                     ("verify steps", f"{spec.verify_steps:,}"),
-                    (
-                        "gate switches",
-                        ", ".join(f"{k} {v}" for k, v in sorted(spec.gate_switches.items())) or "-",
-                    ),
+                    ("gate off/on", _switches(spec.gate_switches)),
                 ],
             )
         )
