@@ -4,4 +4,8 @@
 
 Owner: top. A client of the server's HTTP API only: it imports nothing of the engine or the
 server, so it runs on any machine that can reach the port.
+
+Invariants:
+- Reads only `/metrics` (never needs the key) and `/v1/models`; sends nothing else.
+- Nothing here is imported by the engine or the server.
 """

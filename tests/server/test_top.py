@@ -113,11 +113,7 @@ def test_bad_key_and_unreachable_are_one_line(server: ServerProcess) -> None:
         port = sock.getsockname()[1]
     done = _top("--url", f"127.0.0.1:{port}", "--once")
     assert done.returncode == 1, done
-    assert (
-        done.stderr
-        == f"metrale top: cannot reach http://127.0.0.1:{port}/metrics: Connection refused\n"
-        or done.stderr.startswith("metrale top: cannot reach ")
-    ), done
+    assert done.stderr.startswith(f"metrale top: cannot reach http://127.0.0.1:{port}/metrics")
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
     with pytest.raises(TopError) as err:
         normalize_url("ftp://x")
