@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.metrale-installed
 
-.PHONY: test lint format venv clean serve
+.PHONY: test lint format venv clean serve plots
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ serve: $(STAMP)
 		exit 2; \
 	fi
 	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) -m metrale.cli serve $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+
+# The README's benchmark charts (docs/charts/*.png), from every record in bench/records/.
+plots: $(STAMP)
+	$(PY) -m metrale.cli bench plot bench/records --out docs/charts
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,4 @@
-"""The `metrale` command: `generate`, `serve`, `bench`.
+"""The `metrale` command: `generate`, `serve`, `top`, `bench`.
 
 Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place,
 `metrale.engine_flags` (`add_engine_arguments` / `engine_config_from_args`, re-exported here),
@@ -79,17 +79,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion for one prompt")
     add_log_level(gen)
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
-    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (off)")
-    gen.add_argument("--min-p", type=float, default=None, help="default: the model's, else 0")
-    gen.add_argument(
-        "--repetition-penalty", type=float, default=None, help="default: the model's, else 1"
+    req = gen.add_argument_group("request", "sampling of this one request")
+    req.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: 64)")
+    req.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default: 0)")
+    req.add_argument("--top-p", type=float, default=None, help="(default: the model's, else 1)")
+    req.add_argument("--top-k", type=int, default=None, help="(default: the model's, else 0: off)")
+    req.add_argument("--min-p", type=float, default=None, help="(default: the model's, else 0)")
+    req.add_argument(
+        "--repetition-penalty", type=float, default=None, help="(default: the model's, else 1)"
     )
-    gen.add_argument("--seed-request", type=int, default=None, help="sampling seed of the request")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    req.add_argument(
+        "--seed-request",
+        type=int,
+        default=None,
+        help="sampling seed of the request (default: none)",
+    )
+    req.add_argument("--stop", action="append", help="stop string, repeatable (default: none)")
+    req.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template (default: off)"
+    )
     add_engine_arguments(gen)
     gen.set_defaults(handler=_generate)
 
@@ -99,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_serve_parser(sub)
+    from metrale.top.cli import add_top_parser
+
+    add_top_parser(sub)
     try:
         from metrale.bench.cli import add_bench_parser
     except ImportError:

@@ -9,6 +9,9 @@ Invariants:
 - One flag per `EngineConfig` field, named after it (`_` -> `-`), typed by its annotation,
   defaulting to its default; booleans take `--x/--no-x`.
 - `FLAG_HELP` holds the help text of the flags that need more than their name.
+- `--help` groups the flags by topic (`FLAG_TOPICS`, in `TOPICS` order); a field not listed
+  there lands in `DEFAULT_TOPIC`, so a new `EngineConfig` field needs no entry to appear.
+  Every flag's help ends with its default unless the help text already says it.
 - Importing this module is cheap (argparse and the config dataclass only).
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import types
 import typing
 from typing import Any
@@ -24,23 +28,89 @@ from metrale.config import EngineConfig
 
 FLAG_HELP = {
     "model": "checkpoint directory (default: the bundled metrale-tiny-code)",
+    "tokenizer": "tokenizer directory (default: the checkpoint's)",
     "device": "auto | cpu | cuda",
     "dtype": "auto | float32 | bfloat16 | float16",
     "max_model_len": "longest prompt + output in tokens (default: the checkpoint's)",
+    "max_num_batched_tokens": "most tokens in one forward (default: 2048 on the CPU, 8192 on "
+    "CUDA, at least --max-num-seqs)",
     "max_num_seqs": "most sequences running at once",
-    "max_num_batched_tokens": "most tokens in one forward",
-    "num_kv_blocks": "exact KV pool size in blocks (overrides memory sizing)",
+    "block_size": "tokens per KV block (a power of two)",
+    "num_kv_blocks": "exact KV pool size in blocks, the null block included (default: sized "
+    "from memory)",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights, "
+    "activations, KV, graphs)",
+    "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
+    "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
+    "seed": "seed of the sampler for unseeded requests",
+    "served_model_name": "model name in the API (default: the checkpoint directory's name)",
+    "chat_template": "a Jinja chat template file or string (default: the tokenizer's)",
+    "enforce_eager": "no CUDA graphs: every forward runs eagerly",
+    "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "preemption_mode": "recompute | swap",
-    "request_timeout": "per-request deadline in seconds (0: none)",
+    "request_timeout": "per-request deadline in seconds (default: none; 0: none)",
     "load_format": "auto | dummy (random weights of the config's shapes)",
     "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
     "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
     "async_scheduling": "launch each plain decode step before the previous one is read back "
     "(input tokens fed on the device); --no-async-scheduling plans every step after the last",
     "speculative_config": "speculative decoding as JSON, in vLLM's shape, e.g. "
-    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix)',
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix, mtp, draft_model; default: off)',
 }
+
+
+#: `--help` sections, in order: (title, description). A topic without flags shows nothing.
+TOPICS: dict[str, str] = {
+    "model": "what is served and how it is read",
+    "memory": "KV cache, prefix cache and swap",
+    "scheduling": "batching, admission, preemption, deadlines and step execution",
+    "speculation": "speculative decoding",
+    "lora": "LoRA adapters",
+    "engine": "other engine settings",
+}
+DEFAULT_TOPIC = "engine"
+#: The topic of each `EngineConfig` field (others: `DEFAULT_TOPIC`).
+FLAG_TOPICS: dict[str, str] = {
+    **dict.fromkeys(
+        ("model", "tokenizer", "device", "dtype", "max_model_len", "served_model_name",
+         "chat_template", "load_format", "generation_config", "seed"),
+        "model",
+    ),
+    **dict.fromkeys(
+        ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
+         "enable_prefix_caching", "swap_space_gb"),
+        "memory",
+    ),
+    **dict.fromkeys(
+        ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "request_timeout",
+         "max_queue", "async_scheduling", "enforce_eager"),
+        "scheduling",
+    ),
+    "speculative_config": "speculation",
+}  # fmt: skip
+
+
+def with_default(help_text: str, default: Any) -> str:
+    """`help_text` ending with its default, unless it already names one."""
+    if re.search(r"\bdefault:? ", help_text):
+        return help_text
+    shown = "none" if default is None else default
+    if isinstance(default, bool):
+        shown = "on" if default else "off"
+    return f"{help_text} (default: {shown})"
+
+
+def topic_groups(parser: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """One argument group per topic of `TOPICS`, in that order."""
+    return {name: parser.add_argument_group(name, text) for name, text in TOPICS.items()}
+
+
+def drop_empty_groups(parser: argparse.ArgumentParser) -> None:
+    """Take the groups that got no flag out of `--help`."""
+    for group in list(parser._action_groups):
+        if group.title in TOPICS and not group._group_actions:
+            parser._action_groups.remove(group)
 
 
 def _base_type(annotation: Any) -> type:
@@ -54,20 +124,23 @@ def add_engine_arguments(
     parser: argparse.ArgumentParser, *, positional_model: bool = False
 ) -> None:
     hints = typing.get_type_hints(EngineConfig)
+    groups = topic_groups(parser)
     for f in dataclasses.fields(EngineConfig):
+        group = groups[FLAG_TOPICS.get(f.name, DEFAULT_TOPIC)]
         if f.name == "model" and positional_model:
-            parser.add_argument("model", nargs="?", default=None, help=FLAG_HELP["model"])
-            parser.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+            group.add_argument("model", nargs="?", default=None, help=FLAG_HELP["model"])
+            group.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
             continue
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hints[f.name])
-        help_text = FLAG_HELP.get(f.name, f.name.replace("_", " "))
+        help_text = with_default(FLAG_HELP.get(f.name, f.name.replace("_", " ")), f.default)
         if typ is bool:
-            parser.add_argument(
+            group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
         else:
-            parser.add_argument(flag, type=typ, default=f.default, help=help_text)
+            group.add_argument(flag, type=typ, default=f.default, help=help_text)
+    drop_empty_groups(parser)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

@@ -61,6 +61,7 @@ from metrale.engine.speculation import Speculation
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
+from metrale.progress import LoadProgress, load_progress
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
@@ -101,7 +102,10 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         max_prefill_chunk: int | None = None,
         proposer: Proposer | None = None,
+        progress: LoadProgress | None = None,
     ) -> None:
+        """`progress` hears how the load goes (default: `load_progress()`, a bar on a
+        terminal, log lines otherwise)."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         # Read before the weights, so that a bad generation_config.json fails fast.
@@ -119,7 +123,9 @@ class Engine:
             )
         self.load_report: LoadReport | None = None
         if model is None:
-            model, self.load_report = load_model(config, self.model_dir)
+            model, self.load_report = load_model(
+                config, self.model_dir, progress if progress is not None else load_progress()
+            )
         self.model = model
         self.tokenizer = tokenizer or Tokenizer.from_dir(
             config.tokenizer or self.model_dir, chat_template=config.chat_template

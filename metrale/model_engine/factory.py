@@ -49,6 +49,7 @@ from metrale.models.config import ModelConfig, parse_model_config, read_config_j
 from metrale.models.loader import load_weights
 from metrale.models.quantization import parse_quantization
 from metrale.models.registry import resolve_architecture
+from metrale.progress import LoadProgress, NullProgress, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,21 @@ def _dummy_init(module: torch.nn.Module) -> None:
                 p.uniform_(-0.02, 0.02, generator=gen)
 
 
-def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, LoadReport]:
+def load_model(
+    config: EngineConfig, model_dir: str, progress: LoadProgress | None = None
+) -> tuple[TransformerModel, LoadReport]:
+    """The model of `model_dir` built, loaded and sized for `config`; `progress` hears of
+    each weight shard, then of KV sizing, graph capture and kernel warm-up."""
+    progress = progress or NullProgress()
+    try:
+        return _load_model(config, model_dir, progress)
+    finally:
+        progress.close()
+
+
+def _load_model(
+    config: EngineConfig, model_dir: str, progress: LoadProgress
+) -> tuple[TransformerModel, LoadReport]:
     start = time.perf_counter()
     raw = read_config_json(model_dir)
     source = str(Path(model_dir) / "config.json")
@@ -130,9 +145,13 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
         module = cls(mcfg, ops, max_model_len)
     module.eval()
     if config.load_format == "dummy":
+        progress.begin_phase("random weights")
         _dummy_init(module)
+        progress.end_phase("random weights", "--load-format dummy")
     else:
-        absent = load_weights(module, model_dir, module.weight_mapping(), quant=quant)
+        absent = load_weights(
+            module, model_dir, module.weight_mapping(), quant=quant, progress=progress
+        )
         if absent:
             logger.info("checkpoint has no %s weights; dropped", ", ".join(sorted(absent)))
             module.drop_optional_weights(absent)
@@ -154,6 +173,7 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     per_block = PagedKVCache.bytes_per_block(
         kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
     )
+    progress.begin_phase("KV sizing")
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
@@ -182,10 +202,19 @@ def load_model(config: EngineConfig, model_dir: str) -> tuple[TransformerModel, 
     model.kernel_ops = ops
     kv_bytes = num_blocks * per_block
     breakdown.kv_bytes = kv_bytes
+    progress.end_phase(
+        "KV sizing",
+        f"{num_blocks - 1} usable blocks x {config.block_size} tokens ({human_bytes(kv_bytes)}"
+        f"{', set by num_kv_blocks' if config.num_kv_blocks is not None else ''})",
+    )
     if device.type == "cuda" and not config.enforce_eager:
+        progress.begin_phase("graph capture")
         _capture_graphs(model, config, max_model_len, breakdown, ops.implementations)
+        progress.end_phase("graph capture", human_bytes(breakdown.graph_bytes))
     if device.type == "cuda":
+        progress.begin_phase("kernel warm-up")
         warm = warm_forward_shapes(model, config.max_num_seqs)
+        progress.end_phase("kernel warm-up", f"{config.max_num_seqs} rows")
         logger.info("prefill and mixed-batch kernels compiled for the common shapes in %.1fs", warm)
     report = LoadReport(
         weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from metrale.errors import CheckpointError
 from metrale.model_config import ModelConfig
 from metrale.models.quantization import WeightQuant, dequantized
+from metrale.progress import LoadProgress, NullProgress
 
 logger = logging.getLogger(__name__)
 
@@ -158,12 +159,14 @@ def load_weights(
     *,
     skip_params: set[str] | None = None,
     quant: WeightQuant | None = None,
+    progress: LoadProgress | None = None,
 ) -> set[str]:
     """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes;
     quantized weights (`quant`) arrive dequantized (`quantization.dequantized`).
 
     Returns the optional prefixes (`mapping.optional_prefixes`) of which no tensor was found;
-    the caller drops those parameters."""
+    the caller drops those parameters. `progress` hears of each tensor's bytes and each
+    finished shard."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     skip_params = skip_params or set()
@@ -171,7 +174,7 @@ def load_weights(
         name: None for name in params if name not in skip_params
     }
     unused: list[str] = []
-    for hf_name, tensor, path in dequantized(iter_tensors(files), quant):
+    for hf_name, tensor, path in dequantized(_reported(files, progress or NullProgress()), quant):
         name = mapping.rename(hf_name) if mapping.rename else hf_name
         if any(name.endswith(s) for s in mapping.ignored_suffixes):
             continue
@@ -234,6 +237,21 @@ def load_weights(
             ", ".join(sorted(unused)[:4]),
         )
     return absent
+
+
+def _reported(
+    files: list[Path], progress: LoadProgress
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """`iter_tensors(files)`, telling `progress` of each tensor's bytes (once the caller has
+    copied it) and of each finished file."""
+    sizes = [f.stat().st_size for f in files]
+    progress.begin_weights(len(files), sum(sizes))
+    for index, (path, size) in enumerate(zip(files, sizes)):
+        for item in iter_tensors([path]):
+            yield item
+            progress.advance(item[1].numel() * item[1].element_size())
+        progress.shard_done(index, path, size)
+    progress.end_weights()
 
 
 def _match_expert(name: str, shards: list[ExpertShard]) -> tuple[str, int, ExpertShard] | None:

@@ -51,57 +51,59 @@ def add_serve_parser(subparsers: Any) -> None:
         "/v1/completions, /v1/chat/completions, /v1/messages, /v1/models, /health, /metrics.",
     )
     add_log_level(parser)
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
-    parser.add_argument(
+    # The serve-only flags get their own --help section; the engine's follow, by topic.
+    server = parser.add_argument_group("server", "HTTP address, auth and shutdown")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default 127.0.0.1)")
+    server.add_argument(
         "--port",
         type=int,
         default=DEFAULT_PORT,
         help="port (default 8888; 0: any free port, see the summary line)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--api-key",
         action="append",
         default=None,
         help="require this key (Bearer or x-api-key) on /v1/*; repeat for several keys, each "
         f"its own tenant (default: ${API_KEY_ENV})",
     )
-    parser.add_argument(
+    server.add_argument(
         "--api-key-file",
         default=None,
         help="read more API keys from this file, one per line ('#' comments)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--prefix-cache-isolation",
         choices=("none", "api-key"),
         default="none",
         help="none: one prefix cache shared by all clients | api-key: blocks keyed by the "
         "request's API key, so one tenant's cache hits never show in another's timing",
     )
-    parser.add_argument(
+    server.add_argument(
         "--shutdown-grace",
         type=float,
         default=DEFAULT_SHUTDOWN_GRACE_S,
         help="seconds in-flight requests may finish after SIGTERM (default 5)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--max-prompt-tokens",
         type=int,
         default=None,
         help="refuse prompts of more tokens (400) before templating or tokenizing them when "
         "their length alone rules them out (default: the context length less one)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--restart-engine-on-failure",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="when the engine process dies, fail its in-flight requests at once (503) and "
         "start a new one (default on; counted in metrale_engine_restarts_total)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--engine-in-process",
         action="store_true",
         help="run the engine on a thread of the server process instead of its own process "
-        "(slower under many concurrent streams: both then share one GIL)",
+        "(slower under many concurrent streams: both then share one GIL; default: off)",
     )
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)

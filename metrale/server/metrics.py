@@ -7,6 +7,8 @@ read from the engine handle's `snapshot()` at scrape time (speculative decoding'
 
 Invariants:
 - Every series is named `metrale_*`; counters end in `_total` when exposed.
+- `metrale_model_info` is one series of value 1 whose labels (`model`, `dtype`, `device`)
+  name what is served; the dashboard (`metrale top`) reads the dtype there.
 - Label values are bounded: `endpoint` is one of the known routes or "other", `status` an
   HTTP status code, `reason` a finish reason, `position` a draft slot below k (at most 16),
   `scope` and `to` the gate's two scopes and two directions.
@@ -78,6 +80,15 @@ class _EngineCollector(Collector):
             "engine restarts after a failure (--restart-engine-on-failure)",
             getattr(self.engine, "restarts", 0),
         )
+        info = getattr(self.engine, "info", None)
+        if info is not None:
+            model = GaugeMetricFamily(
+                "metrale_model_info",
+                "the served model (always 1): its name, dtype and device",
+                labels=["model", "dtype", "device"],
+            )
+            model.add_metric([self.metrics.model_name, info.dtype, info.device], 1.0)
+            yield model
         yield gauge(
             "metrale_num_requests_waiting", "sequences waiting for admission", snap.num_waiting
         )

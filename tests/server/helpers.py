@@ -40,10 +40,15 @@ def tiny_checkpoint() -> Path:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, checkpoint: str | None = None
+    ) -> None:
+        """`checkpoint`: the model directory (default: the tiny test checkpoint, served as
+        `SERVED_NAME`); with one given, the served name is the server's own default."""
+        name = [] if checkpoint else ["--served-model-name", SERVED_NAME]
         self.args = [
-            sys.executable, "-m", "metrale.cli", "serve", str(tiny_checkpoint()),
-            "--port", "0", "--device", "cpu", "--served-model-name", SERVED_NAME, *args,
+            sys.executable, "-m", "metrale.cli", "serve", checkpoint or str(tiny_checkpoint()),
+            "--port", "0", "--device", "cpu", *name, *args,
         ]  # fmt: skip
         fd, name = tempfile.mkstemp(prefix="metrale-serve-", suffix=".log")
         self._log_path = Path(name)

@@ -22,7 +22,8 @@ ROOT = "__init__"  # `from metrale import X` for a name that is no unit: the pac
 
 #: Bottom to top. The order is the one the code keeps today; units in one tier are independent.
 TIERS: list[set[str]] = [
-    {"errors"},
+    # `progress`: the start-up reporter the loader and the factory are handed (no imports).
+    {"errors", "progress"},
     # Leaves: typed errors only (kernels: none at all).
     {"kernels", "cache", "tokenizer", "spec", "model_config"},
     # Building blocks over the leaves; `config` reads the speculative config (`spec`).
@@ -32,7 +33,7 @@ TIERS: list[set[str]] = [
     {"model_engine"},
     {"scheduler"},
     {"engine"},
-    {"server", "bench"},
+    {"server", "bench", "top"},
     {"cli", ROOT},
 ]
 RANK = {unit: rank for rank, tier in enumerate(TIERS) for unit in tier}
