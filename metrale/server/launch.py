@@ -70,14 +70,15 @@ def add_serve_parser(subparsers: Any) -> None:
     server.add_argument(
         "--api-key-file",
         default=None,
-        help="read more API keys from this file, one per line ('#' comments)",
+        help="read more API keys from this file, one per line ('#' comments; default: none)",
     )
     server.add_argument(
         "--prefix-cache-isolation",
         choices=("none", "api-key"),
         default="none",
         help="none: one prefix cache shared by all clients | api-key: blocks keyed by the "
-        "request's API key, so one tenant's cache hits never show in another's timing",
+        "request's API key, so one tenant's cache hits never show in another's timing "
+        "(default: none)",
     )
     server.add_argument(
         "--shutdown-grace",
