@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.metrale-installed
 
-.PHONY: test lint format venv clean serve plots
+.PHONY: test lint format venv clean serve plots soak
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,16 @@ serve: $(STAMP)
 # The README's benchmark charts (docs/charts/*.png), from every record in bench/records/.
 plots: $(STAMP)
 	$(PY) -m metrale.cli bench plot bench/records --out docs/charts
+
+# The issue-24 soak (not in CI): the bundled model on the CPU at saturation for DURATION seconds
+# with client disconnects, malformed requests and one engine kill; writes a record under
+# bench/records/ and fails on a 5xx outside the kill window, a leaked KV block, RSS growth of
+# 10% or more, or a KAT change. `make soak DURATION=60 SOAK_ARGS="--out-dir /tmp/soak"`.
+DURATION ?= 600
+SOAK_ARGS ?=
+
+soak: $(STAMP)
+	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) tools/soak.py --duration $(DURATION) $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
