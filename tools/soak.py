@@ -330,6 +330,7 @@ class Soak:
                     cut = rng.randint(0, 20) if disconnect else None
                     async with client.stream("POST", self.url + path, json=body) as reply:
                         rec["status"] = reply.status_code
+                        rec["retry_after"] = reply.headers.get("retry-after")
                         lines = 0
                         async for line in reply.aiter_lines():
                             if cut is not None and lines >= cut:
@@ -343,12 +344,17 @@ class Soak:
                 else:
                     reply = await client.post(self.url + path, json=body)
                     rec["status"] = reply.status_code
+                    rec["retry_after"] = reply.headers.get("retry-after")
                     if reply.status_code >= 400:
                         rec["error_body"] = reply.text[:300]
         except httpx.HTTPError as exc:
             rec["exception"] = f"{type(exc).__name__}: {exc}"[:300]
         rec["end"] = time.monotonic()
         self.results.append(rec)
+        if rec.get("status") == 503 or "exception" in rec:
+            # As a real client would (and so the kill window is not thousands of instant 503s):
+            # wait as `retry-after` says, at most a second.
+            await asyncio.sleep(min(1.0, max(0.1, float(rec.get("retry_after") or 0.5))))
 
     async def client_loop(self, index: int, deadline: float) -> None:
         rng = random.Random(self.args.seed * 1000 + index)
@@ -555,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
                 " ERROR " in ln or ln.startswith("ERROR") for ln in log.splitlines()
             ),
             "tracebacks": log.count("Traceback (most recent call last)"),
+            # The supervisor's "the engine died" line is the kill's own, expected.
+            "error_samples": [ln[:300] for ln in log.splitlines() if " ERROR " in ln][:20],
             "exit_code": exit_code,
             "path": str(server_log),
         },
