@@ -332,11 +332,14 @@ def load_draft_model(
     target: TransformerModel,
     load_format: str = "auto",
     target_dir: str | None = None,
+    max_num_seqs: int = 32,
 ) -> TransformerModel:
     """The draft checkpoint as its own `TransformerModel` on the target's device and dtype:
     its own KV pool of as many blocks of the target's block size as the target's (the same
     token capacity; `load_model` budgeted its bytes), no prefix cache, eager forwards (no
-    CUDA graphs), context capped at the target's `max_model_len`."""
+    CUDA graphs; on CUDA its kernels are compiled for the shapes of up to `max_num_seqs` rows
+    at load), context capped at the target's `max_model_len`. Quantized drafts load as
+    quantized targets do (`quantization.py`)."""
     start = time.perf_counter()
     raw = read_config_json(draft_dir)
     arch_name, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
@@ -349,10 +352,11 @@ def load_draft_model(
         module = cls(mcfg, ops, max_model_len)
     module.eval()
     _refuse_hybrid_draft(module, draft_dir)
+    quant = parse_quantization(raw, str(Path(draft_dir) / "config.json"))
     if load_format == "dummy":
         _dummy_init(module)
     else:
-        absent = load_weights(module, draft_dir, module.weight_mapping())
+        absent = load_weights(module, draft_dir, module.weight_mapping(), quant=quant)
         if absent:
             module.drop_optional_weights(absent)
     num_blocks = target.kv_cache.num_blocks
@@ -365,6 +369,9 @@ def load_draft_model(
     )
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if device.type == "cuda":  # its kernels compile now, not in the first requests' steps
+        warm = warm_forward_shapes(model, max_num_seqs)
+        logger.info("draft model kernels compiled for the common shapes in %.1fs", warm)
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     per_block = PagedKVCache.bytes_per_block(
         module.kv_layer_count, target.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype

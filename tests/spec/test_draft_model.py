@@ -259,3 +259,17 @@ def test_a_hybrid_draft_is_refused() -> None:
     with pytest.raises(CheckpointError) as err:
         LLM(str(build(LLAMA)), device="cpu", speculative_config=spec(build(hybrid)))
     assert "recurrent" in str(err.value)
+
+
+def test_the_draft_model_runs_the_kernel_warm_up_cleanly() -> None:
+    """On CUDA the factory compiles the draft's kernels at load with `warm_forward_shapes`;
+    here the same warm-up runs on the CPU draft: its forwards work and every block returns."""
+    from metrale.model_engine.gpu_setup import warm_forward_shapes
+
+    llm = LLM(str(build(LLAMA)), device="cpu", speculative_config=spec(truncated(LLAMA, 1)))
+    proposer = llm.engine.speculation.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    draft = proposer.draft
+    free = draft.num_free_blocks()
+    assert warm_forward_shapes(draft, 4) >= 0
+    assert draft.num_free_blocks() == free
