@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from metrale.engine.engine import DEFAULT_TENANT
 from metrale.engine.handle import EngineHandle, RequestStream
 from metrale.engine.snapshot import EngineSnapshot
 from metrale.errors import EngineDeadError, MetraleError
@@ -123,22 +122,14 @@ class SupervisedEngine:
         request_id: str,
         prompt: str | Sequence[int] | None,
         params: SamplingParams,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        adapter_id: int = 0,
-        speculative: bool = True,
-        lookup_tenant: str | None = DEFAULT_TENANT,
-        cache_namespace: str | None = None,
+        **options: Any,
     ) -> RequestStream:
+        """The current engine's `add_request` (`EngineHandle`'s keywords pass through), or
+        the outage's error while the engine restarts."""
         outage = self._outage
         if outage is not None:
             raise copy.copy(outage)
-        return await self._current.add_request(
-            request_id, prompt, params, prompt_token_ids=prompt_token_ids, timeout=timeout,
-            adapter_id=adapter_id, speculative=speculative, lookup_tenant=lookup_tenant,
-            cache_namespace=cache_namespace,
-        )  # fmt: skip
+        return await self._current.add_request(request_id, prompt, params, **options)
 
     # ---------------------------------------------------------------- restarts
 

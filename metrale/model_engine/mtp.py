@@ -135,12 +135,15 @@ class MtpDrafting:
 
     # ------------------------------------------------------------------ hidden rows
 
-    def _keep_mtp_rows(self, rows: Sequence[ForwardRow], hidden: torch.Tensor | None) -> None:
+    def _keep_mtp_rows(
+        self, rows: Sequence[ForwardRow], hidden: torch.Tensor | None, owned: bool
+    ) -> None:
         """After a forward (before `_advance`): append each row's hidden rows (`hidden` holds
-        every token row of the forward in order; None: the forward produced none). One copy
-        for the whole forward (graph outputs are overwritten by the next replay); each
-        sequence keeps a view of its rows."""
-        if hidden is not None:
+        every token row of the forward in order; None: the forward produced none); each
+        sequence keeps a view of its rows. `owned`: nothing else writes `hidden` later (an
+        eager forward's output); else (a graph's output buffer, overwritten by the next
+        replay) one copy is taken for the whole forward."""
+        if hidden is not None and not owned:
             hidden = hidden.clone()
         offset = 0
         for row in rows:

@@ -411,7 +411,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         kwargs = {} if self.ssm_pool is None else {"ssm_states": self.ssm_pool.layers}
         if self.mtp_enabled:
             hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
-            self._keep_mtp_rows(rows, for_head)
+            self._keep_mtp_rows(rows, for_head, owned=True)
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])
         else:
             hidden = self.module(*args, **kwargs)
@@ -438,7 +438,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         self._last_hidden = None
         logits = runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
         if self.mtp_enabled:
-            self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1))
+            self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits
 
     def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:

@@ -64,7 +64,9 @@ class VerifyForwards:
 
         def blocks_needed(self, seq: SequenceState, new_tokens: int) -> int: ...
 
-        def _keep_mtp_rows(self, rows: list[ForwardRow], hidden: torch.Tensor | None) -> None: ...
+        def _keep_mtp_rows(
+            self, rows: list[ForwardRow], hidden: torch.Tensor | None, owned: bool
+        ) -> None: ...
 
         def _cut_mtp_rows(self, seq: SequenceState) -> None: ...
 
@@ -168,8 +170,8 @@ class VerifyForwards:
         if self.mtp_enabled:  # the head reads the real rows, not the padding
             hidden = runner.head_hidden(len(seqs), q)
             if hidden is not None and index is not None:
-                hidden = hidden.index_select(0, index)
-            self._keep_mtp_rows(rows, hidden)
+                hidden = hidden.index_select(0, index)  # a new tensor: nothing overwrites it
+            self._keep_mtp_rows(rows, hidden, owned=index is not None)
         self._advance(rows)
         for s in seqs:
             self._release_blocks_past_seq_len(s)  # the padding's

@@ -68,9 +68,9 @@ class Admission(SchedulerParts):
             need, _ = self._admission_need(seq)
             if need > available:
                 tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
-                target = need + self._reserved_blocks() + self._decode_need(None, plan.spec)
+                target = need + self._reserved_blocks() + self._decode_need()
                 self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
-                available = self._available_blocks() - self._decode_need(None, plan.spec)
+                available = self._available_blocks() - self._decode_need()
                 need, _ = self._admission_need(seq)
                 if need > available:
                     break
@@ -84,7 +84,7 @@ class Admission(SchedulerParts):
                 self._requeue_front(queue, seq)
                 break
             self.running.append(seq)
-            available = self._available_blocks() - self._decode_need(None, plan.spec)
+            available = self._available_blocks() - self._decode_need()
             if seq.is_decoding():
                 if budget > 0:
                     plan.decode.append(seq)

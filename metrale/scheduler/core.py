@@ -226,7 +226,7 @@ class Scheduler(Admission, Preemption):
         plan.decode = decoding[: max(0, budget)]
         budget -= len(plan.decode)
         budget = self._plan_drafts(plan, budget)
-        available = self._available_blocks() - self._decode_need(plan.decode, plan.spec)
+        available = self._available_blocks() - self._decode_need(plan.decode)
         decoding_ids = {id(seq) for seq in decoding}
         for seq in self.running:
             if budget <= 0:
@@ -268,6 +268,10 @@ class Scheduler(Admission, Preemption):
         """Give each decode row its drafts while the token budget lasts (in row order); the
         rest of a row's drafts are dropped (`schedule` clears the planned ones after its
         admissions)."""
+        planned = {id(seq) for seq in plan.decode}
+        for seq in self.running:
+            if id(seq) not in planned:
+                seq.spec_token_ids = []  # not decoding this step: its drafts cost nothing
         for seq in plan.decode:
             take = max(0, min(len(seq.spec_token_ids), budget))
             if take:
@@ -340,21 +344,16 @@ class Scheduler(Admission, Preemption):
     def _available_blocks(self) -> int:
         return self.model.num_free_blocks() - self._reserved_blocks()
 
-    def _decode_need(
-        self,
-        decoding: list[SchedSequence] | None = None,
-        drafts: dict[str, list[int]] | None = None,
-    ) -> int:
+    def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int:
         """Blocks the decode rows (`decoding`, default: found in `running`) still need for
-        their last token and their drafts: a plan's (`drafts`, by sequence id) once it has
-        taken them, else the proposed ones (`spec_token_ids`)."""
+        their last token and their drafts (`spec_token_ids`: after `_plan_drafts`, exactly
+        the plan's)."""
         need = 0
         for seq in self.running if decoding is None else decoding:
             if decoding is not None or seq.is_decoding():
                 state = seq.state
                 assert state is not None
-                k = len(seq.spec_token_ids if drafts is None else drafts.get(seq.seq_id, ()))
-                need += blocks_needed(state, 1 + k, self.block_size)
+                need += blocks_needed(state, 1 + len(seq.spec_token_ids), self.block_size)
         return need
 
     def _chunk(self, seq: SchedSequence, budget: int) -> PrefillWork:

@@ -52,8 +52,4 @@ class SchedulerParts:
 
         def _reserved_blocks(self) -> int: ...
 
-        def _decode_need(
-            self,
-            decoding: list[SchedSequence] | None = None,
-            drafts: dict[str, list[int]] | None = None,
-        ) -> int: ...
+        def _decode_need(self, decoding: list[SchedSequence] | None = None) -> int: ...
