@@ -266,8 +266,9 @@ class Scheduler(Admission, Preemption):
 
     def _plan_drafts(self, plan: StepPlan, budget: int) -> int:
         """Give each decode row its drafts while the token budget lasts (in row order); the
-        rest of a row's drafts are dropped (`schedule` clears the planned ones after its
-        admissions)."""
+        rest of a row's drafts, and those of running sequences not decoding this step, are
+        dropped, so `spec_token_ids` is exactly the plan's drafts until `schedule` clears them
+        after its admissions."""
         planned = {id(seq) for seq in plan.decode}
         for seq in self.running:
             if id(seq) not in planned:
