@@ -97,13 +97,18 @@ def test_disconnects_at_every_stage_are_info_and_counted(
         # While sending the body.
         await call(app, "/v1/completions", [b'{"prompt": "def f', b"(x):"], -1)
         assert aborts(app, "body") == 1
-        # Queued / in prefill (non-streaming; the client leaves as soon as the body is sent).
+        # Queued (non-streaming; the client leaves as soon as the body is sent). The engine
+        # takes no step meanwhile, so no first token can race the disconnect into "stream".
+        core = engine.engine
+        real_step = core.step
+        core.step = lambda *args, **kwargs: []  # type: ignore[method-assign]
         for path, body in (
             ("/v1/completions", long_body),
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300}),
             ("/v1/messages", {"max_tokens": 300, "messages": [{"role": "user", "content": "hi"}]}),
         ):  # fmt: skip
             await call(app, path, [json.dumps(body).encode()], 0)
+        core.step = real_step  # type: ignore[method-assign]
         assert aborts(app, "queue") == 3
         # While streaming, after some tokens.
         for path, body in (
