@@ -29,9 +29,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from metrale.engine.handle import RequestStream
+from metrale.errors import InvalidRequestError
 from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
-from metrale.server.protocol.common import RequestModel, parse_body
+from metrale.server.protocol.common import RequestModel
 from metrale.server.protocol.openai import completion_prompts
 from metrale.server.state import (
     ServerState,
@@ -157,16 +158,55 @@ async def open_generation(request: Request, body_type: type[BodyT]) -> Generatio
     except ClientDisconnected:
         tracker.client_left("body")
         raise
-    body = parse_body(body_type, raw)
+    body = state.parse(body_type, raw, request.url.path)
     checked: GenerationBody = body  # type: ignore[assignment]
     checked.check_supported()
     state.check_model(checked.model)
     return Generation(request, state, tracker, body)
 
 
+#: Stands in for the final assistant message while its turn's closing is cut off.
+_CONTINUE_MARK = "\u27e6metrale:continue\u27e7"
+
+
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], **template_kwargs: Any
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """The chat template's text for `messages` and its token ids."""
-    text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    """The chat template's text for `messages` and its token ids.
+
+    `continue_final_message` (vLLM's): the prompt ends inside the final assistant message,
+    right after its text (the template's end-of-turn markup is cut), so the model continues
+    that message; it excludes `add_generation_prompt`."""
+    if not continue_final_message:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    if add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true (set "
+            "add_generation_prompt to false)",
+            param="continue_final_message",
+        )
+    if not messages or messages[-1]["role"] != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be an assistant turn",
+            param="messages",
+        )
+    final = messages[-1]["content"]
+    marked = [*messages[:-1], {**messages[-1], "content": _CONTINUE_MARK}]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=False, **template_kwargs)
+    cut = text.rfind(_CONTINUE_MARK)
+    if cut < 0:
+        raise InvalidRequestError(
+            "the chat template does not write the final assistant message's content, so it "
+            "cannot be continued",
+            param="continue_final_message",
+        )
+    text = text[:cut] + final
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -62,9 +62,9 @@ router = APIRouter()
 # ----------------------------------------------------------------------------- models
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "metrale",
@@ -76,15 +76,17 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+    state = server_state(request)
+    names = (state.model_name, *state.model_aliases)
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in names]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
-    if model_id != state.model_name:
+    if model_id != state.model_name and model_id not in state.model_aliases:
         raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, model_id))
 
 
 # ------------------------------------------------------------------ shared machinery
