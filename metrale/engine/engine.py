@@ -52,6 +52,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
     BUNDLED_MODEL_DIR,
     BUNDLED_MODEL_NAME,
     DEFAULT_TENANT,
+    bad_word_ids,
     check_request,
     resolve_model_dir,
 )
@@ -225,6 +226,8 @@ class Engine:
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
+        if params.bad_words:
+            params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -312,6 +315,8 @@ class Engine:
         if previous is not None:
             if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
+            elif any(s.params.needs_known_output for s in previous.plan.sampled):
+                pass  # a multi-token bad word is banned by the output's known end
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens

@@ -52,6 +52,18 @@ def check_request(
     return text, ids, _resolve_max_tokens(len(ids), params, max_model_len)
 
 
+def bad_word_ids(params: SamplingParams, tokenizer: Tokenizer) -> list[list[int]]:
+    """`params.bad_words` as the token-id sequences that spell them, each with and without a
+    leading space (how a word mid-sentence and at the start tokenize), without repeats."""
+    seen: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seen:
+                seen.append(ids)
+    return seen
+
+
 def _prompt_ids(
     prompt: str | Sequence[int] | None,
     prompt_token_ids: Sequence[int] | None,

@@ -57,6 +57,8 @@ class GenerationBody(Protocol):
 
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
+#: Cuts a prompt's ids to what `truncate_prompt_tokens` keeps (given the context length).
+Truncate = Callable[[list[int], int], list[int]]
 R = TypeVar("R")
 #: Prompts of at least this many characters are templated and tokenized on a worker thread.
 OFFLOAD_MIN_CHARS = 8192
@@ -107,24 +109,49 @@ class Generation(Generic[BodyT]):
     tracker: RequestTracker
     body: BodyT
 
-    async def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        """A completions `prompt` as (text, token ids) pairs, checked against the limits."""
+    async def completion_prompts(
+        self, prompt: Any, add_special_tokens: bool = True, truncate: Truncate | None = None
+    ) -> list[tuple[str | None, list[int]]]:
+        """A completions `prompt` as (text, token ids) pairs, checked against the limits
+        (after `truncate`, vLLM's `truncate_prompt_tokens`, cut the ids: a cut prompt keeps
+        no text)."""
         state = self.state
         chars = _text_chars(prompt)
-        state.check_prompt_chars(chars, "prompt")
-        prompts = await off_loop(chars, completion_prompts, prompt, state.tokenizer)
+        if truncate is None:
+            state.check_prompt_chars(chars, "prompt")
+        prompts = await off_loop(
+            chars, completion_prompts, prompt, state.tokenizer, add_special_tokens
+        )
+        if truncate is not None:
+            cut = [(t, truncate(ids, state.max_model_len)) for t, ids in prompts]
+            prompts = [
+                (t if len(c) == len(ids) else None, c) for (t, ids), (_, c) in zip(prompts, cut)
+            ]
         for _, ids in prompts:
             state.check_prompt_tokens(len(ids), "prompt")
         return prompts
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], param: str = "messages", **template_kwargs: Any
-    ) -> tuple[str, list[int]]:
-        """`render_chat` of `messages`, checked against the limits (see the invariants)."""
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        *,
+        add_special_tokens: bool = False,
+        truncate: Truncate | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[str | None, list[int]]:
+        """`render_chat` of `messages`, checked against the limits (see the invariants);
+        `add_special_tokens` and `truncate` are vLLM's fields (a cut prompt keeps no text)."""
         state = self.state
         chars = sum(len(m["content"]) for m in messages)
-        state.check_prompt_chars(chars, param)
+        if truncate is None:
+            state.check_prompt_chars(chars, param)
         text, ids = await off_loop(chars, render_chat, state.tokenizer, messages, **template_kwargs)
+        if add_special_tokens:
+            ids = state.tokenizer.encode(text, add_special_tokens=True)
+        if truncate is not None:
+            cut = truncate(ids, state.max_model_len)
+            text, ids = (text if len(cut) == len(ids) else None), cut
         state.check_prompt_tokens(len(ids), param)
         return text, ids
 

@@ -42,6 +42,7 @@ from metrale.server.protocol.openai import (
     chat_messages,
     finish_reason,
     merge_completion_logprobs,
+    prompt_logprobs_json,
     usage,
 )
 from metrale.server.routes.common import open_generation, request_body
@@ -211,13 +212,19 @@ async def _collect(request: Request, job: _Job) -> None:
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
-    prompts = await gen.completion_prompts(req.prompt)
+    prompts = await gen.completion_prompts(
+        req.prompt,
+        add_special_tokens=req.add_special_tokens is not False,
+        truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
+    )
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     params = req.sampling_params(
         max_tokens=1 if echo_only else req.max_tokens,
         logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if echo else None,
+        prompt_logprobs=req.prompt_logprobs
+        if req.prompt_logprobs is not None
+        else (req.logprobs if echo else None),
         defaults=state.sampling_defaults,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -249,7 +256,21 @@ class _CompletionView:
     def _logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
-        return CompletionLogprobs(self.tokenizer, self.req.logprobs)
+        return CompletionLogprobs(
+            self.tokenizer, self.req.logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
+        )
+
+    def _extras(self, prompt: int, output: RequestOutput, first: bool) -> dict[str, Any]:
+        """vLLM's extension fields of a choice (or of its first chunk): `prompt_logprobs`,
+        `prompt_token_ids` (with `return_token_ids`)."""
+        extras: dict[str, Any] = {}
+        if first and self.req.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = prompt_logprobs_json(
+                self.tokenizer, output.prompt_logprobs, bool(self.req.return_tokens_as_token_ids)
+            )
+        if first and self.req.return_token_ids:
+            extras["prompt_token_ids"] = self.job.prompts[prompt][1]
+        return extras
 
     def _echo_block(self, builder: CompletionLogprobs, prompt: int, output: RequestOutput) -> Any:
         ids = self.job.prompts[prompt][1]
@@ -287,14 +308,16 @@ class _CompletionView:
                     )
             if not self.echo_only:
                 text += choice.text
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": block,
-                    "finish_reason": self._finish(choice),
-                }
-            )
+            entry = {
+                "index": index,
+                "text": text,
+                "logprobs": block,
+                "finish_reason": self._finish(choice),
+                **self._extras(prompt, output, first=True),
+            }
+            if self.req.return_token_ids:
+                entry["token_ids"] = [] if self.echo_only else choice.token_ids
+            choices.append(entry)
         choices.sort(key=lambda c: c["index"])
         body = self._envelope(choices)
         body["usage"] = self.job.usage(count_completion=not self.echo_only)
@@ -342,11 +365,14 @@ class _CompletionView:
                 reason = self._finish(choice)
                 if not text and reason is None:
                     continue  # nothing visible yet (held back for a possible stop string)
+                entry = {"index": index, "text": text, "logprobs": block, "finish_reason": reason}
+                entry.update(self._extras(prompt, output, index not in sent_text))
+                if self.req.return_token_ids:
+                    start_k = sent_tokens.get(index, 0)
+                    entry["token_ids"] = [] if self.echo_only else choice.token_ids[start_k:]
                 sent_text[index] = len(choice.text)
                 sent_tokens[index] = len(choice.token_ids)
-                chunk = self._envelope(
-                    [{"index": index, "text": text, "logprobs": block, "finish_reason": reason}]
-                )
+                chunk = self._envelope([entry])
                 if reason is not None:
                     done.add(index)
                     last = job.all_finished() and len(done) == len(job.finals) * job.n
@@ -362,20 +388,30 @@ class _CompletionView:
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
+    messages = chat_messages(req.messages)
+    template: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        template["chat_template"] = req.chat_template
     text, ids = await gen.chat_prompt(
-        chat_messages(req.messages),
+        messages,
         add_generation_prompt=req.add_generation_prompt,
-        **(req.chat_template_kwargs or {}),
+        continue_final_message=req.continue_final_message,
+        add_special_tokens=bool(req.add_special_tokens),
+        truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
+        **template,
     )
     params = req.sampling_params(
         max_tokens=req.resolved_max_tokens,
         logprobs=req.logprob_count,
+        prompt_logprobs=req.prompt_logprobs,
         defaults=state.sampling_defaults,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
     job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
-    view = _ChatView(job, req)
+    # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
+    echoed = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+    view = _ChatView(job, req, echoed)
     if req.stream:
         return EventStreamResponse(
             view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
@@ -385,11 +421,13 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 class _ChatView:
-    def __init__(self, job: _Job, req: ChatCompletionRequest) -> None:
+    def __init__(self, job: _Job, req: ChatCompletionRequest, echoed: str = "") -> None:
         self.job = job
         self.req = req
+        self.echoed = echoed
         self.tokenizer = job.state.tokenizer
         self.top = req.top_logprobs or 0
+        self.as_ids = bool(req.return_tokens_as_token_ids)
 
     def _logprobs(self, choice: CompletionOutput, start: int = 0) -> dict[str, Any] | None:
         if not self.req.logprobs:
@@ -400,9 +438,21 @@ class _ChatView:
                 choice.token_ids[start:],
                 (choice.logprobs or [])[start:],
                 self.top,
+                self.as_ids,
             ),
             "refusal": None,
         }
+
+    def _extras(self) -> dict[str, Any]:
+        """vLLM's extension fields of the answer (or of the first chunk)."""
+        extras: dict[str, Any] = {}
+        if self.req.prompt_logprobs is not None:
+            final = self.job.finals[0]
+            positions = final.prompt_logprobs if final is not None else None
+            extras["prompt_logprobs"] = prompt_logprobs_json(self.tokenizer, positions, self.as_ids)
+        if self.req.return_token_ids:
+            extras["prompt_token_ids"] = self.job.prompts[0][1]
+        return extras
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -415,17 +465,21 @@ class _ChatView:
         }
 
     def response(self) -> dict[str, Any]:
-        choices = [
-            {
+        choices = []
+        for index, _, _, choice in self.job.choices():
+            message = {"role": "assistant", "content": self.echoed + choice.text, "refusal": None}
+            entry = {
                 "index": index,
-                "message": {"role": "assistant", "content": choice.text, "refusal": None},
+                "message": message,
                 "logprobs": self._logprobs(choice),
                 "finish_reason": finish_reason(choice.finish_reason),
             }
-            for index, _, _, choice in self.job.choices()
-        ]
+            if self.req.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
         body = self._envelope("chat.completion", choices)
         body["usage"] = self.job.usage()
+        body.update(self._extras())
         return body
 
     def _chunk(self, index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -448,9 +502,18 @@ class _ChatView:
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         for index in range(job.n):
-            yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
+            chunk = self._chunk(index, {"role": "assistant", "content": self.echoed})
+            if index == 0 and self.req.return_token_ids:
+                chunk["prompt_token_ids"] = job.prompts[0][1]
+            yield sse(chunk)
+        scored = self.req.prompt_logprobs is None
         async for prompt, output in merged:
             job.record(prompt, output)
+            if not scored:  # the prompt's logprobs, once the prompt is processed
+                scored = True
+                chunk = self._chunk(0, {})
+                chunk["prompt_logprobs"] = self._extras()["prompt_logprobs"]
+                yield sse(chunk)
             for choice in output.outputs:
                 index = choice.index
                 if index in done:
@@ -460,17 +523,18 @@ class _ChatView:
                 if delta:
                     sent_text[index] = len(choice.text)
                     sent_tokens[index] = len(choice.token_ids)
-                    yield sse(
-                        self._chunk(
-                            index, {"content": delta}, logprobs=self._logprobs(choice, start_k)
-                        )
-                    )
+                    more: dict[str, Any] = {"logprobs": self._logprobs(choice, start_k)}
+                    if self.req.return_token_ids:
+                        more["token_ids"] = choice.token_ids[start_k:]
+                    yield sse(self._chunk(index, {"content": delta}, **more))
                 if choice.finished:
                     done.add(index)
                     extra: dict[str, Any] = {"finish_reason": finish_reason(choice.finish_reason)}
                     trailing = self._logprobs(choice, sent_tokens.get(index, 0))
                     if trailing and trailing["content"]:
                         extra["logprobs"] = trailing
+                    if self.req.return_token_ids:
+                        extra["token_ids"] = choice.token_ids[sent_tokens.get(index, 0) :]
                     chunk = self._chunk(index, {}, **extra)
                     if len(done) == job.n and not self.req.include_usage:
                         chunk["usage"] = job.usage()

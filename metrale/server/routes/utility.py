@@ -26,7 +26,6 @@ from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-import metrale
 from metrale.errors import InvalidRequestError
 from metrale.server.protocol.anthropic import MessagesRequest
 from metrale.server.protocol.anthropic import chat_messages as anthropic_messages
@@ -34,6 +33,7 @@ from metrale.server.protocol.common import RequestModel
 from metrale.server.protocol.openai import chat_messages
 from metrale.server.routes.common import off_loop, render_chat, request_body
 from metrale.server.state import ServerState, read_json, server_state
+from metrale.version import __version__
 
 router = APIRouter()
 
@@ -125,7 +125,7 @@ async def detokenize(request: Request) -> JSONResponse:
 
 @router.get("/version")
 async def version() -> JSONResponse:
-    return JSONResponse({"version": metrale.__version__})
+    return JSONResponse({"version": __version__})
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
