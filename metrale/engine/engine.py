@@ -190,6 +190,8 @@ class Engine:
             return self.config.served_model_name
         if self.config.model is None:
             return BUNDLED_MODEL_NAME
+        if self.model_dir != self.config.model:  # a repo id found in the Hugging Face cache
+            return self.config.model
         return Path(self.model_dir).name
 
     def default_sampling_params(self) -> SamplingParams:
