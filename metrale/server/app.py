@@ -4,7 +4,8 @@ or `EngineProcess`).
 Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
 schemas) and `GET /docs` (FastAPI's page over it), `GET /version`, `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`,
-`POST /v1/messages/count_tokens`, `POST /tokenize`, `POST /detokenize`.
+`POST /v1/messages/count_tokens`, `POST /v1/responses` (and `GET` / `DELETE` of a stored one),
+`POST /tokenize`, `POST /detokenize`.
 
 Invariants:
 - Middleware order, outermost first: request metrics (status of every answer, in-flight
@@ -43,6 +44,7 @@ from metrale.server.errors import (
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
 from metrale.server.routes import openai as openai_routes
+from metrale.server.routes import responses as responses_routes
 from metrale.server.routes import utility as utility_routes
 from metrale.server.state import MAX_BODY_BYTES, ServerState, server_state
 from metrale.server.streaming import ClientDisconnected
@@ -220,6 +222,7 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(utility_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)

@@ -37,6 +37,7 @@ from metrale.server.auth import authenticated_key, lookup_tenant
 from metrale.server.errors import PayloadTooLargeError, safe_text
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.protocol.common import ModelT, decode_json, parse_body
+from metrale.server.protocol.responses import ResponseStore
 from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
@@ -68,6 +69,8 @@ class ServerState:
     strict_request_fields: bool = False
     #: `--max-logprobs`: most top alternatives a request may ask for per position.
     max_logprobs: int = MAX_LOGPROBS
+    #: Stored `/v1/responses` answers (`store`), in this process only.
+    responses: ResponseStore = field(default_factory=ResponseStore)
     #: Every name requests may use for the served model (`model_name` first).
     model_aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
