@@ -97,6 +97,8 @@ class OutputDelta:
     prompt_logprobs: list[PositionLogprobs | None] | None
     #: Sent once, in the request's first delta (the engine tokenized a text prompt).
     prompt_token_ids: list[int] | None
+    #: An embedding request's vector, in its final delta.
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -148,6 +150,7 @@ class DeltaEncoder:
             output.request_id, output.finished, choices, output.num_cached_tokens,
             dict(output.metrics), output.error, prompt_logprobs,
             list(output.prompt_token_ids) if first else None,
+            output.embedding if output.finished else None,
         )  # fmt: skip
 
     def forget(self, request_id: str) -> None:
@@ -199,6 +202,7 @@ def _apply_delta(assembly: _Assembly, delta: OutputDelta) -> RequestOutput:
         num_cached_tokens=delta.num_cached_tokens,
         metrics=delta.metrics,
         error=delta.error,
+        embedding=delta.embedding,
     )
     assembly.last = output
     return output

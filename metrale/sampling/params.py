@@ -38,6 +38,8 @@ from metrale.errors import InvalidRequestError
 GREEDY_TEMPERATURE = 1e-5
 #: Upper bound of `logprobs` and `prompt_logprobs` (OpenAI's `top_logprobs` limit).
 MAX_LOGPROBS = 20
+#: How an embedding pools a prompt's final hidden states (None: no embedding).
+POOLING_TYPES = (None, "mean", "last")
 #: Bounds of presence/frequency penalties (OpenAI's documented range).
 MAX_ABS_PENALTY = 2.0
 #: Bound of each logit_bias value (OpenAI's documented range).
@@ -238,6 +240,10 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     #: `bad_words` as token-id sequences, set by the engine at admission (not by clients).
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    #: Embeddings (set by `/v1/embeddings`, not a sampling choice): "mean" or "last" pools
+    #: the final hidden states of the prompt into `RequestOutput.embedding` (L2-normalised);
+    #: such a request reuses no cached prefix and generates one token, discarded.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int(self.n, "n")
@@ -319,6 +325,12 @@ class SamplingParams:
                     "allowed_token_ids must not be empty", param="allowed_token_ids"
                 )
         self.bad_words = _normalise_stop(self.bad_words, "bad_words")
+        if self.pooling not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}, got "
+                f"{self.pooling!r}",
+                param="pooling",
+            )
 
     # ---------------------------------------------------------------------------------------
     # Derived views

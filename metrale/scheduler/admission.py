@@ -53,7 +53,7 @@ class Admission(SchedulerParts):
         if seq.swap is not None:
             return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
-        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
+        if self.config.enable_prefix_caching and not seq.reads_whole_prompt:
             matched = self.model.prefix_match_len(seq.all_tokens, seq.prefix_namespace)
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
@@ -67,7 +67,7 @@ class Admission(SchedulerParts):
             seq = queue[0]
             need, _ = self._admission_need(seq)
             if need > available:
-                tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
+                tokens = [] if seq.reads_whole_prompt else seq.all_tokens
                 target = need + self._reserved_blocks() + self._decode_need()
                 self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
                 available = self._available_blocks() - self._decode_need()
@@ -114,8 +114,11 @@ class Admission(SchedulerParts):
                 self.stats.swapped_in_blocks += record.num_blocks
                 self._drop_swap(seq)
                 return
-            if seq.wants_prompt_logprobs:
-                state.collect_prompt_logprobs = seq.params.prompt_logprobs
+            if seq.reads_whole_prompt:
+                if seq.wants_prompt_logprobs:
+                    state.collect_prompt_logprobs = seq.params.prompt_logprobs
+                if seq.wants_embedding:
+                    state.pooling = seq.params.pooling
                 return
             if self.config.enable_prefix_caching:
                 self.stats.prefix_queries += 1

@@ -387,6 +387,8 @@ class Scheduler(Admission, Preemption):
         out: list[Committed] = []
         for work in plan.prefill:
             state = work.seq.state
+            if work.is_last and state is not None and state.embedding is not None:
+                work.seq.embedding, state.embedding = state.embedding, None
             if (
                 work.is_last
                 and state is not None

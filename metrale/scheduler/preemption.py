@@ -82,7 +82,7 @@ class Preemption(SchedulerParts):
     def _try_swap_out(self, seq: SchedSequence) -> bool:
         state = seq.state
         assert state is not None
-        if seq.wants_prompt_logprobs:
+        if seq.reads_whole_prompt:
             return False
         buffer = io.BytesIO()
         self.model.save_sequence_state(state, buffer)

@@ -4,7 +4,7 @@ or `EngineProcess`).
 Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
 schemas) and `GET /docs` (FastAPI's page over it), `GET /version`, `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`,
-`POST /v1/messages/count_tokens`, `POST /v1/responses` (and `GET` / `DELETE` of a stored one),
+`POST /v1/messages/count_tokens`, `POST /v1/embeddings`, `POST /v1/responses` (and `GET` / `DELETE` of a stored one),
 `POST /tokenize`, `POST /detokenize`.
 
 Invariants:
@@ -43,6 +43,7 @@ from metrale.server.errors import (
 )
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
+from metrale.server.routes import embeddings as embeddings_routes
 from metrale.server.routes import openai as openai_routes
 from metrale.server.routes import responses as responses_routes
 from metrale.server.routes import utility as utility_routes
@@ -137,6 +138,7 @@ def create_app(
     prefix_cache_isolation: str = "none",
     strict_request_fields: bool = False,
     max_logprobs: int = MAX_LOGPROBS,
+    pooling: str = "last",
 ) -> FastAPI:
     """The app over `engine`. `api_key`: one key or several (each its own tenant);
     `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
@@ -168,6 +170,7 @@ def create_app(
         max_prompt_tokens=max_prompt_tokens,
         strict_request_fields=strict_request_fields,
         max_logprobs=max_logprobs,
+        pooling=pooling,
     )
 
     @asynccontextmanager
@@ -223,6 +226,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(embeddings_routes.router)
     app.include_router(utility_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)

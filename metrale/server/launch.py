@@ -124,6 +124,13 @@ def add_serve_parser(subparsers: Any) -> None:
         f"(default {MAX_LOGPROBS})",
     )
     server.add_argument(
+        "--pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="how /v1/embeddings pools a prompt's final hidden states: the last token's or "
+        "the mean of all (L2-normalised; default: last)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         default=None,
@@ -260,6 +267,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         strict_request_fields=args.strict_request_fields,
         max_logprobs=args.max_logprobs,
         uvicorn_log_level=args.uvicorn_log_level,
+        pooling=args.pooling,
     )
 
 
@@ -279,6 +287,7 @@ def serve(
     strict_request_fields: bool = False,
     max_logprobs: int = MAX_LOGPROBS,
     uvicorn_log_level: str | None = None,
+    pooling: str = "last",
 ) -> int:
     import uvicorn
 
@@ -314,6 +323,7 @@ def serve(
         served_model_name=served_model_name,
         strict_request_fields=strict_request_fields,
         max_logprobs=max_logprobs,
+        pooling=pooling,
     )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(

@@ -69,6 +69,8 @@ class ServerState:
     strict_request_fields: bool = False
     #: `--max-logprobs`: most top alternatives a request may ask for per position.
     max_logprobs: int = MAX_LOGPROBS
+    #: `--pooling`: how `/v1/embeddings` pools a prompt's final hidden states.
+    pooling: str = "last"
     #: Stored `/v1/responses` answers (`store`), in this process only.
     responses: ResponseStore = field(default_factory=ResponseStore)
     #: Every name requests may use for the served model (`model_name` first).

@@ -159,7 +159,7 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
 #: Every route that reads a JSON body.
 BODY_ROUTES = [
     "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-    "/tokenize", "/detokenize", "/v1/responses",
+    "/tokenize", "/detokenize", "/v1/responses", "/v1/embeddings",
 ]  # fmt: skip
 
 
