@@ -152,6 +152,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 max_prefill_chunk=max_prefill_chunk,
                 preemption_mode=config.preemption_mode,
+                scheduling_policy=config.scheduling_policy,
                 swap_space_bytes=int(config.swap_space_gb * 2**30),
                 enable_prefix_caching=config.enable_prefix_caching,
                 max_queue=config.max_queue,
@@ -213,6 +214,7 @@ class Engine:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -221,7 +223,8 @@ class Engine:
         `speculative=False` opts this request out of speculative decoding; `lookup_tenant`
         partitions the cross-request draft lookup (None: this request neither feeds nor
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
-        prefix-cache blocks apart from every other namespace's."""
+        prefix-cache blocks apart from every other namespace's; `priority` orders the queues
+        under `scheduling_policy="priority"` (lower first)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
@@ -247,6 +250,7 @@ class Engine:
                 speculative=speculative,
                 lookup_tenant=lookup_tenant,
                 cache_namespace=cache_namespace,
+                priority=priority,
             )
             for i in range(n)
         ]

@@ -6,7 +6,8 @@ counts and `_chunk`; `Preemption` provides `_requeue_front`. Pure Python: it rea
 only through the `Model` interface.
 
 Invariants:
-- The swapped queue is served before the waiting queue, both FIFO, while fewer than
+- The swapped queue is served before the waiting queue, both in queue order (arrival, or
+  priority then arrival under `scheduling_policy="priority"`), while fewer than
   `max_num_seqs` run (and, on hybrid models, an SSM slot is free). Admission stops at the
   first sequence that does not fit (no head-of-line bypass); before giving up it reclaims
   prefix-cache blocks, never those of the prefix the sequence itself would reuse.
@@ -45,8 +46,7 @@ class Admission(SchedulerParts):
 
     if TYPE_CHECKING:  # provided by `Preemption`
 
-        @staticmethod
-        def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None: ...
+        def _requeue_front(self, queue: deque[SchedSequence], seq: SchedSequence) -> None: ...
 
     def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
         """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""

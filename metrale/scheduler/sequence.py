@@ -102,6 +102,8 @@ class SchedSequence:
     #: Absolute monotonic deadline, or None.
     deadline: float | None = None
     arrival: int = 0
+    #: The request's priority (lower is served first under the "priority" policy).
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     state: SequenceState | None = None

@@ -152,6 +152,7 @@ class ServerState:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -165,6 +166,11 @@ class ServerState:
                     f"{self.max_logprobs} (--max-logprobs)",
                     param=name,
                 )
+        if priority != 0 and self.engine.info.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "priority needs the server started with --scheduling-policy priority",
+                param="priority",
+            )
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -172,6 +178,7 @@ class ServerState:
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
+                    priority=priority,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

@@ -156,3 +156,14 @@ def test_chat_echo_continue_final_message_and_template(app: Any, engine: AsyncEn
         {"messages": USER, "chat_template": template, "max_tokens": 1, "return_token_ids": True},
     )
     assert custom["prompt_token_ids"] == engine.tokenizer.encode(USER[0]["content"], False)
+
+
+def test_priority_needs_the_priority_policy(app: Any) -> None:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return await c.post("/v1/completions", json=greedy(priority=3), timeout=60)
+
+    reply = asyncio.run(go())
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "priority"
+    assert post(app, "/v1/completions", greedy(priority=0))["choices"]

@@ -80,6 +80,8 @@ class SamplingFields(SpeculationFields):
     #: vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     add_special_tokens: bool | None = None
+    #: vLLM's: lower is served first under `--scheduling-policy priority`.
+    priority: int = 0
 
     def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
         """`ids` cut to their last `truncate_prompt_tokens` (vLLM's rule)."""

@@ -173,6 +173,7 @@ class Generation(Generic[BodyT]):
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
             cache_namespace=cache_namespace(self.request, body.cache_salt),
+            priority=getattr(body, "priority", 0),
         )
 
 
