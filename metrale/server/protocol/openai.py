@@ -11,7 +11,8 @@ Invariants:
   model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
 - Fields that would change the result but are not supported (tools, tool_choice,
   response_format other than text, functions, audio, image / audio / file content parts,
-  `suffix`, `best_of` != n) are refused with a 400 naming the field.
+  `best_of` != n, a `suffix` on a model without fill-in-the-middle tokens) are refused with a
+  400 naming the field.
 - `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
 - Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
   reported as "length"); "abort" only if the engine ended a request on its own.
@@ -152,8 +153,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def check_supported(self) -> None:
-        if self.suffix:
-            raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if self.suffix and self.echo:
+            raise unsupported("suffix", "echo with a suffix is not implemented")
+        if self.suffix and not (
+            isinstance(self.prompt, str)
+            or (isinstance(self.prompt, list) and all(isinstance(p, str) for p in self.prompt))
+        ):
+            raise InvalidRequestError(
+                "a suffix (fill-in-the-middle) needs a text prompt, not token ids",
+                param="suffix",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", f"best_of must equal n ({self.n}) when given")
         if self.prompt is None:

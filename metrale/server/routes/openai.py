@@ -54,6 +54,7 @@ from metrale.server.streaming import (
     sse,
     until_disconnected,
 )
+from metrale.tokenizer.fim import fim_prompt
 
 SYSTEM_FINGERPRINT = "fp_metrale"
 
@@ -212,8 +213,12 @@ async def _collect(request: Request, job: _Job) -> None:
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
+    prompt = req.prompt
+    if req.suffix:  # fill-in-the-middle, in the model's own FIM layout
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompt = [fim_prompt(state.tokenizer, p, req.suffix) for p in texts]
     prompts = await gen.completion_prompts(
-        req.prompt,
+        prompt,
         add_special_tokens=req.add_special_tokens is not False,
         truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
     )
