@@ -58,6 +58,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
+    #: CPU only: projections and attention whose rows never depend on the rest of the batch
+    #: or the prompt's chunking (`metrale.kernels.invariant`): byte-identical outputs
+    #: whatever ran beside a request, at a speed cost.
+    batch_invariant: bool = False
     swap_space_gb: float = 4.0
     #: Seed of the engine's sampler for unseeded requests.
     seed: int = 0

@@ -52,6 +52,8 @@ FLAG_HELP = {
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "preemption_mode": "recompute | swap",
+    "batch_invariant": "CPU: kernels whose results for a request never depend on what shares "
+    "its batch or how its prompt was chunked (byte-identical outputs; slower)",
     "scheduling_policy": "fcfs: requests in arrival order | priority: by the request's "
     "`priority` (lower first), then arrival; preemption takes the lowest priority first",
     "request_timeout": "per-request deadline in seconds (default: none; 0: none)",
@@ -88,7 +90,7 @@ FLAG_TOPICS: dict[str, str] = {
         "memory",
     ),
     **dict.fromkeys(
-        ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "scheduling_policy", "request_timeout",
+        ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "scheduling_policy", "batch_invariant", "request_timeout",
          "max_queue", "async_scheduling", "enforce_eager"),
         "scheduling",
     ),
