@@ -30,6 +30,7 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps, kernels_for
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
+from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver, fork_state
 from metrale.model_engine.traits import BeamReq, Model, SequenceState, Stream, blocks_needed
 from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGeneration
 
@@ -54,8 +55,13 @@ class EncoderDecoderModel(Model):
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.kv_cache = PagedKVCache(
-            cfg.decoder_layers, num_blocks, block_size, cfg.decoder_attention_heads,
-            cfg.head_dim, dtype, device,
+            cfg.decoder_layers,
+            num_blocks,
+            block_size,
+            cfg.decoder_attention_heads,
+            cfg.head_dim,
+            dtype,
+            device,
         )
         self.block_pool = BlockPool(num_blocks)
         self._next_slot = 0
@@ -128,11 +134,8 @@ class EncoderDecoderModel(Model):
 
     # ---------------------------------------------------------------- beam backend
 
-    def beam_start(self, req: object) -> SequenceState:
+    def beam_start(self, req: BeamRequest) -> SequenceState:
         """Encode the request's source; the decoder prompt's tokens but the last are fed."""
-        from metrale.engine.beam import BeamRequest
-
-        assert isinstance(req, BeamRequest)
         if req.source is None:
             raise InvalidRequestError("an encoder-decoder request needs a source", param="prompt")
         seq = self.alloc_sequence()
@@ -144,8 +147,6 @@ class EncoderDecoderModel(Model):
         return seq
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
-        from metrale.engine.beam import fork_state
-
         child = fork_state(seq, self.alloc_sequence())
         self.block_pool.incref(child.block_table)
         return child
@@ -214,8 +215,6 @@ class EncoderDecoderModel(Model):
     def generate_beam_batch(self, reqs: Sequence[BeamReq]) -> list[list[int]]:
         """The seed's entry point: each request's best hypothesis (target language code
         forced first, not returned; the request's source gets `[src] ... </s>` added)."""
-        from metrale.engine.beam import BeamParams, BeamRequest, BeamSearchDriver
-
         work = []
         for i, r in enumerate(reqs):
             if not r.src_lang_id or not r.tgt_lang_id:
@@ -228,7 +227,13 @@ class EncoderDecoderModel(Model):
             )
             source = [r.src_lang_id, *r.prompt_tokens, self.config.eos_token_id]
             work.append(
-                BeamRequest(f"beam-{i}", [self.config.decoder_start_token_id], params, source, [r.tgt_lang_id])
+                BeamRequest(
+                    f"beam-{i}",
+                    [self.config.decoder_start_token_id],
+                    params,
+                    source,
+                    [r.tgt_lang_id],
+                )
             )
         outs = BeamSearchDriver(self, [self.config.eos_token_id]).run(work)
         return [o.hypotheses[0].token_ids for o in outs]
@@ -261,7 +266,13 @@ def load_encoder_decoder(
         raise ValueError("the decoder KV pool needs at least 2 blocks")
     logger.info(
         "loaded %s: %d encoder + %d decoder layers, d_model %d; decoder KV %d blocks of %d "
-        "(%d tokens)", Path(model_dir).name, cfg.encoder_layers, cfg.decoder_layers,
-        cfg.d_model, num_blocks - 1, block_size, (num_blocks - 1) * block_size,
+        "(%d tokens)",
+        Path(model_dir).name,
+        cfg.encoder_layers,
+        cfg.decoder_layers,
+        cfg.d_model,
+        num_blocks - 1,
+        block_size,
+        (num_blocks - 1) * block_size,
     )
     return EncoderDecoderModel(module, num_blocks, block_size, dev, dtype, max_model_len)

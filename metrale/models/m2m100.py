@@ -245,7 +245,10 @@ class DecoderLayer(nn.Module):
             ck, cv = cross.layers[layer]
             mask = None if cross.pad_mask is None else ~cross.pad_mask[None, None, None, :]
             o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], ck[None], cv[None], attn_mask=mask,
+                q[start:end].transpose(0, 1)[None],
+                ck[None],
+                cv[None],
+                attn_mask=mask,
                 scale=c.scaling,
             )[0]
             out[start:end] = o.transpose(0, 1)
@@ -346,7 +349,9 @@ class M2M100ForConditionalGeneration(nn.Module):
         return self.model.decoder.layer_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.shared.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        weight = (
+            self.model.shared.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        )
         return self.ops.linear(hidden, weight).float()
 
     def load_checkpoint(self, model_dir: str | Path) -> int:
@@ -363,7 +368,9 @@ class M2M100ForConditionalGeneration(nn.Module):
         ignored: list[str] = []
         count = 0
         for name, tensor, path in iter_tensors(checkpoint_files(model_dir)):
-            if name.endswith("embed_positions.weights") or name.endswith("embed_positions._float_tensor"):
+            if name.endswith("embed_positions.weights") or name.endswith(
+                "embed_positions._float_tensor"
+            ):
                 continue
             target = name if name in params else aliases.get(name)
             if target is None:
@@ -387,5 +394,7 @@ class M2M100ForConditionalGeneration(nn.Module):
                 f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}"
             )
         if ignored:
-            logger.info("ignored %d checkpoint tensor(s) unused by M2M100: %s", len(ignored), ignored[:5])
+            logger.info(
+                "ignored %d checkpoint tensor(s) unused by M2M100: %s", len(ignored), ignored[:5]
+            )
         return count

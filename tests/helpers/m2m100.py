@@ -2,7 +2,9 @@
 
 Owner: tests. `build(variant)` writes a real `M2M100ForConditionalGeneration` checkpoint
 (config.json, model.safetensors, generation_config.json) plus a `tokenizer.json` whose
-language codes are special tokens after the tiny BPE vocabulary (ids 512, 513, ...).
+language codes are special tokens after the tiny BPE vocabulary (ids 512, 513, ...), and
+whose specials take M2M100's ids (<s> 0, <pad> 1, </s> 2, <unk> 3), so CTranslate2's
+converter (which assumes positions start at 2, i.e. pad id 1) reads the checkpoint right.
 
 Invariants:
 - Deterministic: a variant always gets the same weights (seeded init); the EOS row of the
@@ -29,6 +31,7 @@ from tests.helpers.tiny_tokenizer import (
 )
 
 BASE_VOCAB = 512
+BOS_ID, PAD_ID = 0, 1  # the M2M100 order (the tiny tokenizer's two are swapped)
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,15 @@ def write_tokenizer(out: Path, languages: tuple[str, ...]) -> None:
     `</s>` after the text (the caller puts the source language code first)."""
     from tokenizers import Tokenizer, processors
 
-    tok = Tokenizer.from_file(str(tokenizer_files() / "tokenizer.json"))
+    raw = json.loads((tokenizer_files() / "tokenizer.json").read_text())
+    # M2M100/NLLB order their specials <s> (0), <pad> (1), </s> (2), <unk> (3).
+    vocab = raw["model"]["vocab"]
+    vocab["<s>"], vocab["<pad>"] = 0, 1
+    for added in raw["added_tokens"]:
+        if added["content"] in ("<s>", "<pad>"):
+            added["id"] = vocab[added["content"]]
+    raw["post_processor"] = None
+    tok = Tokenizer.from_str(json.dumps(raw))
     tok.add_special_tokens(list(languages))
     for i, code in enumerate(languages):
         assert tok.token_to_id(code) == BASE_VOCAB + i, code
@@ -77,7 +88,7 @@ def write_tokenizer(out: Path, languages: tuple[str, ...]) -> None:
         single="$A </s>", pair="$A $B </s>", special_tokens=[("</s>", EOS_TOKEN_ID)]
     )
     tok.save(str(out / "tokenizer.json"))
-    specials = [*SPECIAL_TOKENS, *languages]
+    specials = ["<s>", "<pad>", *SPECIAL_TOKENS[2:], *languages]
     ids = [*range(len(SPECIAL_TOKENS)), *range(BASE_VOCAB, BASE_VOCAB + len(languages))]
     config = {
         "added_tokens_decoder": {
@@ -103,8 +114,8 @@ def write_checkpoint(variant: EncDecVariant, out: Path) -> Path:
     torch.manual_seed(variant.seed)
     config = tf.M2M100Config(
         vocab_size=variant.vocab_size,
-        pad_token_id=0,
-        bos_token_id=1,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
         eos_token_id=EOS_TOKEN_ID,
         decoder_start_token_id=EOS_TOKEN_ID,
         max_position_embeddings=256,

@@ -1,6 +1,7 @@
 """Beam search over a paged-KV model: `BeamSearchDriver`, `BeamParams`, `BeamRequest`.
 
-Owner: engine. One driver serves encoder-decoder translation (`EncoderDecoderModel`) and
+Owner: model-engine (below the engine, so a model's `generate_beam_batch` can use it). One
+driver serves encoder-decoder translation (`EncoderDecoderModel`) and
 decoder-only beam search (`TransformerModel` through `DecoderOnlyBeamBackend`); both reach the
 model only through `BeamBackend`.
 
@@ -74,14 +75,22 @@ class BeamParams:
         if not isinstance(self.n, int) or not 1 <= self.n <= self.num_beams:
             raise bad("n", f"must be between 1 and num_beams ({self.num_beams}), got {self.n!r}")
         if self.early_stopping not in (True, False, "never"):
-            raise bad("early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}")
+            raise bad(
+                "early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}"
+            )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be between 0 and max_tokens, got {self.min_tokens!r}")
         if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
-            raise bad("no_repeat_ngram_size", f"must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
-        if not isinstance(self.length_penalty, (int, float)) or self.length_penalty != self.length_penalty:
+            raise bad(
+                "no_repeat_ngram_size",
+                f"must be an integer >= 0, got {self.no_repeat_ngram_size!r}",
+            )
+        if (
+            not isinstance(self.length_penalty, (int, float))
+            or self.length_penalty != self.length_penalty
+        ):
             raise bad("length_penalty", f"must be a number, got {self.length_penalty!r}")
 
 
@@ -156,7 +165,7 @@ def fork_state(seq: SequenceState, child: SequenceState) -> SequenceState:
 class _Phys:
     """A physical sequence and the token it feeds next."""
 
-    __slots__ = ("seq", "pending")
+    __slots__ = ("pending", "seq")
 
     def __init__(self, seq: SequenceState, pending: int) -> None:
         self.seq = seq
@@ -217,8 +226,12 @@ class BeamSearchDriver:
 
     def add_request(self, req: BeamRequest) -> None:
         if not req.prompt:
-            raise InvalidRequestError("a beam-search prompt needs at least one token", param="prompt")
-        if req.request_id in self._running or any(r.request_id == req.request_id for r in self._waiting):
+            raise InvalidRequestError(
+                "a beam-search prompt needs at least one token", param="prompt"
+            )
+        if req.request_id in self._running or any(
+            r.request_id == req.request_id for r in self._waiting
+        ):
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._waiting.append(req)
 
@@ -365,14 +378,19 @@ class BeamSearchDriver:
         old_tokens = st.fin_tokens
         picked = pick.tolist()
         st.fin_tokens = [
-            old_tokens[i] if i < k else st.slots[parents[i - k]].gen + [tokens[i - k]]
+            old_tokens[i] if i < k else [*st.slots[parents[i - k]].gen, tokens[i - k]]
             for i in picked
         ]
         st.fin_scores = merged_scores[pick]
         st.fin_done = merged_done[pick]
 
         # Rebuild the running beams and their physical sequences.
-        self._rebuild(st, [parents[i] for i in next_idx.tolist()], [tokens[i] for i in next_idx.tolist()], new_running)
+        self._rebuild(
+            st,
+            [parents[i] for i in next_idx.tolist()],
+            [tokens[i] for i in next_idx.tolist()],
+            new_running,
+        )
         st.running = new_running
 
         # transformers' stopping rules, after its cur_len += 1.
@@ -399,7 +417,7 @@ class BeamSearchDriver:
         alive = (scores != float("-inf")).tolist()
         for j, (pi, tok) in enumerate(zip(parents, tokens)):
             parent = old[pi]
-            gen = parent.gen + [tok]
+            gen = [*parent.gen, tok]
             if parent.phys is None or not alive[j]:
                 new_slots.append(_Slot(None, gen))
                 continue
