@@ -246,6 +246,10 @@ class BeamSearchDriver:
         self._release(state)
         return True
 
+    def live_sequences(self) -> list[SequenceState]:
+        """The physical sequences the running requests hold (each once)."""
+        return [p.seq for st in self._running.values() for p in st.physicals()]
+
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
 
