@@ -4,6 +4,10 @@
 Owner: engine. `LLM.translate`, `LLM.beam_search`, `metrale translate` and the server's
 translation requests come here; the search itself is `metrale.model_engine.beam`.
 
+`TranslationService` runs one `BeamSearchDriver` on a thread of its own for the server:
+requests submitted from any thread join the running ones, so concurrent requests' beams share
+each decoder forward.
+
 Invariants:
 - A language code is resolved to a token id of the checkpoint's tokenizer before anything
   runs; a code the tokenizer lacks is an `InvalidRequestError` naming it (HTTP 400).
@@ -17,7 +21,10 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,10 +43,13 @@ from metrale.model_engine.factory import resolve_device, resolve_dtype
 from metrale.models.m2m100 import is_encoder_decoder_dir
 from metrale.tokenizer.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BeamSearchOutput",
     "BeamSearchParams",
     "BeamSearchSequence",
+    "TranslationService",
     "Translator",
     "beam_search",
     "is_encoder_decoder_dir",
@@ -253,27 +263,144 @@ class Translator:
         params = params or BeamParams()
         reqs = [self.request(t, src_lang, tgt_lang, params) for t in texts]
         outs = self.run(reqs)
-        result = []
-        for text, r, o in zip(texts, reqs, outs):
-            choices = []
-            for i, h in enumerate(o.hypotheses):
-                ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
-                choices.append(
-                    CompletionOutput(
-                        index=i,
-                        text=self.tokenizer.decode(ids),
-                        token_ids=ids,
-                        cumulative_logprob=h.score,
-                        finish_reason=h.finish_reason,
-                    )
-                )
-            result.append(
-                RequestOutput(
-                    request_id=r.request_id,
-                    prompt=text if isinstance(text, str) else None,
-                    prompt_token_ids=list(r.source or []),
-                    outputs=choices,
-                    finished=True,
+        return [self.to_output(text, r, o) for text, r, o in zip(texts, reqs, outs)]
+
+    def to_output(self, text: str | Sequence[int], r: BeamRequest, o: BeamOutput) -> RequestOutput:
+        """One request's `RequestOutput`: its hypotheses, best first, EOS dropped."""
+        choices = []
+        for i, h in enumerate(o.hypotheses):
+            ids = h.token_ids[:-1] if h.finish_reason == "stop" else h.token_ids
+            choices.append(
+                CompletionOutput(
+                    index=i,
+                    text=self.tokenizer.decode(ids),
+                    token_ids=ids,
+                    cumulative_logprob=h.score,
+                    finish_reason=h.finish_reason,
                 )
             )
-        return result
+        return RequestOutput(
+            request_id=r.request_id,
+            prompt=text if isinstance(text, str) else None,
+            prompt_token_ids=list(r.source or []),
+            outputs=choices,
+            finished=True,
+        )
+
+
+class TranslationService:
+    """A `Translator` behind a driver thread: `submit` returns a future of the outputs;
+    every submitted request's beams batch with the others' in each decoder forward.
+
+    Invariants: a future is resolved exactly once (outputs, or the step's exception, or
+    cancelled by `cancel` / `shutdown`, whose requests are aborted and free their blocks)."""
+
+    def __init__(self, translator: Translator) -> None:
+        self.translator = translator
+        self._driver = BeamSearchDriver(translator.model, [translator.eos])
+        self._cv = threading.Condition()
+        self._incoming: list[tuple[list[BeamRequest], list[Any], Future[list[RequestOutput]]]] = []
+        self._cancels: list[Future[list[RequestOutput]]] = []
+        self._jobs: dict[
+            str,
+            tuple[list[BeamRequest], list[Any], Future[list[RequestOutput]], dict[str, BeamOutput]],
+        ] = {}
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def driver(self) -> BeamSearchDriver:
+        return self._driver
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop, name="metrale-translate", daemon=True
+            )
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def submit(
+        self,
+        texts: Sequence[str | Sequence[int]],
+        src_lang: str | None,
+        tgt_lang: str | None,
+        params: BeamParams,
+    ) -> Future[list[RequestOutput]]:
+        """Validate (raising `InvalidRequestError` at once) and queue `texts`."""
+        reqs = [self.translator.request(t, src_lang, tgt_lang, params) for t in texts]
+        fut: Future[list[RequestOutput]] = Future()
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("the translation service has shut down")
+            self._incoming.append((reqs, list(texts), fut))
+            self._cv.notify_all()
+        self.start()
+        return fut
+
+    def cancel(self, fut: Future[list[RequestOutput]]) -> None:
+        """Abort the submission's requests (a client went away); the future is cancelled."""
+        with self._cv:
+            self._cancels.append(fut)
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        driver = self._driver
+        while True:
+            with self._cv:
+                while not (
+                    self._stopped or self._incoming or self._cancels or driver.has_unfinished()
+                ):
+                    self._cv.wait()
+                if self._stopped:
+                    break
+                incoming, self._incoming = self._incoming, []
+                cancels, self._cancels = self._cancels, []
+            for reqs, texts, fut in incoming:
+                job = (reqs, texts, fut, {})
+                for r in reqs:
+                    driver.add_request(r)
+                    self._jobs[r.request_id] = job
+            for fut in cancels:
+                self._drop(fut)
+            if not driver.has_unfinished():
+                continue
+            try:
+                finished = driver.step()
+            except BaseException as exc:  # the driver freed every request's blocks
+                logger.exception("translation step failed")
+                for _, _, f, _ in {id(j[2]): j for j in self._jobs.values()}.values():
+                    if not f.done():
+                        f.set_exception(exc)
+                self._jobs.clear()
+                continue
+            for out in finished:
+                job = self._jobs.pop(out.request_id, None)
+                if job is None:
+                    continue
+                reqs, texts, fut, done = job
+                done[out.request_id] = out
+                if len(done) == len(reqs) and not fut.done():
+                    fut.set_result(
+                        [
+                            self.translator.to_output(t, r, done[r.request_id])
+                            for t, r in zip(texts, reqs)
+                        ]
+                    )
+        for rid in list(self._jobs):
+            reqs, _, fut, _ = self._jobs.pop(rid)
+            driver.abort_request(rid)
+            fut.cancel()
+
+    def _drop(self, fut: Future[list[RequestOutput]]) -> None:
+        for rid, job in list(self._jobs.items()):
+            if job[2] is fut:
+                self._driver.abort_request(rid)
+                del self._jobs[rid]
+        fut.cancel()

@@ -26,7 +26,8 @@ decoder forward per step.
 Invariants:
 - A request holds pool blocks only through the physical sequences of its live beams; when it
   finishes, is aborted, or a step raises, every one of them is freed (a raising step frees
-  every request's, then re-raises), so an idle driver holds no block.
+  every request's and drops the waiting ones, then re-raises), so an idle driver holds no
+  block.
 - Outputs are the request's best `n` finished hypotheses, best first, each with its score
   (transformers' `sequences_scores`) and tokens generated after the forced prefix.
 """
@@ -278,6 +279,7 @@ class BeamSearchDriver:
         except BaseException:
             for rid in list(self._running):
                 self.abort_request(rid)
+            self._waiting.clear()
             raise
 
     def _step(self) -> list[BeamOutput]:
