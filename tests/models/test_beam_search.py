@@ -215,3 +215,22 @@ def test_translate_api_and_unknown_language() -> None:
         llm.generate(["hi"])
     pool = llm.translator.model.block_pool
     assert pool.num_free == pool.num_usable
+
+
+def test_generate_beam_batch_is_the_seeds_entry_point() -> None:
+    """`generate_beam_batch(BeamReq)` builds `[src] text </s>`, forces the target code and
+    returns each request's best hypothesis without it: the driver's answer."""
+    from metrale.model_engine.traits import BeamReq
+
+    variant = tiny.NLLB_STYLE
+    model = load_encoder_decoder(tiny.build(variant), num_blocks=200, block_size=4)
+    src, tgt = variant.lang_id("eng_Latn"), variant.lang_id("deu_Latn")
+    texts = [[40, 41, 42], [300, 7, 9, 11, 250]]
+    got = model.generate_beam_batch(
+        [BeamReq(t, src, tgt, num_beams=3, max_new=6, length_penalty=0.7) for t in texts]
+    )
+    params = BeamParams(num_beams=3, max_tokens=6, length_penalty=0.7)
+    reqs = [BeamRequest(f"r{i}", [EOS], params, [src, *t, EOS], [tgt]) for i, t in enumerate(texts)]
+    assert got == [o.hypotheses[0].token_ids for o in BeamSearchDriver(model, [EOS]).run(reqs)]
+    assert model.supports_beam()
+    assert model.block_pool.num_free == model.block_pool.num_usable
