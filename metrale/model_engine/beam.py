@@ -160,6 +160,8 @@ def fork_state(seq: SequenceState, child: SequenceState) -> SequenceState:
     child.layer_states = list(seq.layer_states)
     child.adapter_id = seq.adapter_id
     child.src_lang_id, child.tgt_lang_id = seq.src_lang_id, seq.tgt_lang_id
+    child.num_beams, child.length_penalty = seq.num_beams, seq.length_penalty
+    child.early_stopping = seq.early_stopping
     return child
 
 

@@ -139,6 +139,11 @@ class EncoderDecoderModel(Model):
         if req.source is None:
             raise InvalidRequestError("an encoder-decoder request needs a source", param="prompt")
         seq = self.alloc_sequence()
+        p = req.params
+        seq.src_lang_id = req.source[0] if req.source else 0
+        seq.tgt_lang_id = req.forced[0] if req.forced else 0
+        seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
+        seq.early_stopping = p.early_stopping
         self.encode_source(seq, req.source)
         head = req.prompt[:-1]
         if head:  # a longer decoder prompt: feed all but its last token, one at a time
