@@ -232,6 +232,12 @@ class BeamSearchDriver:
             raise InvalidRequestError(
                 "a beam-search prompt needs at least one token", param="prompt"
             )
+        keep = max(2, 1 + len(self.eos)) * req.params.num_beams
+        if req.params.num_beams * self.backend.vocab_size() < keep:
+            raise InvalidRequestError(
+                f"num_beams {req.params.num_beams} needs a vocabulary of at least {keep // req.params.num_beams} tokens",
+                param="num_beams",
+            )
         if req.request_id in self._running or any(
             r.request_id == req.request_id for r in self._waiting
         ):

@@ -234,3 +234,33 @@ def test_generate_beam_batch_is_the_seeds_entry_point() -> None:
     assert got == [o.hypotheses[0].token_ids for o in BeamSearchDriver(model, [EOS]).run(reqs)]
     assert model.supports_beam()
     assert model.block_pool.num_free == model.block_pool.num_usable
+
+
+def test_translate_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from metrale.cli import main
+
+    variant = tiny.NLLB_STYLE
+    path = str(tiny.build(variant))
+    texts = ["def main():", "import os"]
+    args = [
+        "translate",
+        "--model",
+        path,
+        "--src",
+        "eng_Latn",
+        "--tgt",
+        "fra_Latn",
+        "--device",
+        "cpu",
+    ]
+    assert main([*args, "--num-beams", "3", "--max-tokens", "6", *texts]) == 0
+    printed = capsys.readouterr().out.split("\n")[: len(texts)]
+    llm = LLM(path, device="cpu", dtype="float32")
+    offline = llm.translate(
+        texts, src_lang="eng_Latn", tgt_lang="fra_Latn", num_beams=3, max_tokens=6
+    )
+    assert printed == [o.outputs[0].text for o in offline]
+    with pytest.raises(SystemExit) as exc:
+        main(["translate", "--model", path, "--src", "eng_Latn", "--tgt", "tlh_Latn", "hi"])
+    assert exc.value.code == 2
+    assert "tlh_Latn" in capsys.readouterr().err
