@@ -109,6 +109,8 @@ class LLM:
             raise InvalidRequestError(
                 "beam_search serves decoder-only models; use translate", param="model"
             )
+        if self.engine.has_unfinished():
+            raise InvalidRequestError("beam_search needs an idle engine (requests are running)")
         return beam_search(
             self.engine.model, self.engine.tokenizer, _as_prompt_list(prompts), params
         )

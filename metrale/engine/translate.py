@@ -393,8 +393,12 @@ class TranslationService:
                             for t, r in zip(texts, reqs)
                         ]
                     )
+        with self._cv:
+            never_started, self._incoming = self._incoming, []
+        for _, _, fut in never_started:
+            fut.cancel()
         for rid in list(self._jobs):
-            reqs, _, fut, _ = self._jobs.pop(rid)
+            _, _, fut, _ = self._jobs.pop(rid)
             driver.abort_request(rid)
             fut.cancel()
 

@@ -6,6 +6,7 @@ every block is free afterwards."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -93,3 +94,22 @@ def test_one_beam_is_greedy_decoding(translator: Translator) -> None:
         ref = hf.generate(torch.tensor([req.source]), num_beams=1, do_sample=False,
                           max_new_tokens=11, forced_bos_token_id=tgt)[0].tolist()[2:]  # fmt: skip
         assert ours == ref[: len(ours)] and all(t == 1 for t in ref[len(ours) :])
+
+
+def test_cancel_and_shutdown_free_every_block(translator: Translator) -> None:
+    service = TranslationService(translator)
+    params = BeamParams(num_beams=4, max_tokens=60, early_stopping="never")
+    pool = translator.model.block_pool
+    slow = service.submit(TEXTS, "eng_Latn", "fra_Latn", params)
+    service.cancel(slow)
+    done = service.submit(TEXTS[:1], "eng_Latn", "fra_Latn", BeamParams(num_beams=2, max_tokens=4))
+    assert len(done.result(timeout=60)) == 1
+    deadline = time.monotonic() + 60
+    while service.driver.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slow.cancelled()
+    pending = service.submit(TEXTS, "eng_Latn", "fra_Latn", params)
+    service.shutdown()
+    assert pending.cancelled() or pending.done()
+    assert not service.driver.has_unfinished()
+    assert pool.num_free == pool.num_usable
