@@ -139,7 +139,10 @@ def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
         "--max-model-len", type=int, default=None, help="decoder tokens at most (default: 256)"
     )
     tr.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="decoder KV blocks (default: 4096)"
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="decoder KV blocks (default: 1 GiB of them, at most 4096)",
     )
     tr.set_defaults(handler=_translate)
 

@@ -141,7 +141,7 @@ class LLM:
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
         params = _params_list(sampling_params, len(conversations), self.get_default_sampling_params)
-        tok = self.engine.tokenizer
+        tok = self._require_engine().tokenizer
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(

@@ -183,7 +183,7 @@ class Translator:
             device=dev,
             dtype=resolve_dtype(dtype, dev),
             max_model_len=max_len,
-            num_blocks=num_kv_blocks or 4096,
+            num_blocks=num_kv_blocks,
             block_size=block_size,
         )
         cfg = self.model.config

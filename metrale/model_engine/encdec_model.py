@@ -36,6 +36,10 @@ from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGen
 
 logger = logging.getLogger(__name__)
 
+#: The decoder KV pool's default size: this many bytes, at most `MAX_DEFAULT_BLOCKS` blocks.
+DEFAULT_KV_BUDGET_BYTES = 1 << 30
+MAX_DEFAULT_BLOCKS = 4096
+
 
 class EncoderDecoderModel(Model):
     def __init__(
@@ -250,11 +254,13 @@ def load_encoder_decoder(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     max_model_len: int = 256,
-    num_blocks: int = 4096,
+    num_blocks: int | None = None,
     block_size: int = 16,
+    kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES,
     ops: KernelOps | None = None,
 ) -> EncoderDecoderModel:
-    """Build and load an M2M100/NLLB checkpoint; the decoder KV pool holds `num_blocks`."""
+    """Build and load an M2M100/NLLB checkpoint. The decoder KV pool holds `num_blocks`
+    blocks; None sizes it to `kv_budget_bytes` (at most `MAX_DEFAULT_BLOCKS`)."""
     dev = torch.device(device)
     cfg = M2M100Config.from_dir(model_dir)
     ops = ops or kernels_for(dev, use_triton=False)
@@ -267,6 +273,11 @@ def load_encoder_decoder(
     module.load_checkpoint(model_dir)
     module.to(device=dev, dtype=dtype).eval().requires_grad_(False)
     module.positions = module.positions.to(dev)
+    if num_blocks is None:
+        per_block = PagedKVCache.bytes_per_block(
+            cfg.decoder_layers, block_size, cfg.decoder_attention_heads, cfg.head_dim, dtype
+        )
+        num_blocks = min(MAX_DEFAULT_BLOCKS, max(2, kv_budget_bytes // per_block))
     if num_blocks < 2:
         raise ValueError("the decoder KV pool needs at least 2 blocks")
     logger.info(

@@ -213,6 +213,8 @@ def test_translate_api_and_unknown_language() -> None:
         llm.translate(["hi"], src_lang="eng_Latn", tgt_lang="xxx_Latn")
     with pytest.raises(InvalidRequestError, match="translate"):
         llm.generate(["hi"])
+    with pytest.raises(InvalidRequestError, match="translate"):
+        llm.chat([{"role": "user", "content": "hi"}])
     pool = llm.translator.model.block_pool
     assert pool.num_free == pool.num_usable
 
