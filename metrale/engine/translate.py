@@ -96,6 +96,8 @@ class BeamSearchSequence:
 @dataclass
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
+    #: Prompt tokens whose KV was read from the prefix cache.
+    num_cached_tokens: int = 0
 
 
 def _prompt_ids(tok: Tokenizer, prompt: Any) -> list[int]:
@@ -142,7 +144,9 @@ def beam_search(
     need = sum(bp.num_beams * -(-(len(r.prompt) + bp.max_tokens) // model.block_size) for r in reqs)
     if model.num_free_blocks() < need:
         model.reclaim_prefix_blocks(need - model.num_free_blocks())
-    outs = BeamSearchDriver(DecoderOnlyBeamBackend(model), eos).run(reqs)
+    backend = DecoderOnlyBeamBackend(model)
+    outs = BeamSearchDriver(backend, eos).run(reqs)
+
     result = []
     for r, o in zip(reqs, outs):
         seqs = [
@@ -155,7 +159,7 @@ def beam_search(
             )
             for h in o.hypotheses
         ]
-        result.append(BeamSearchOutput(seqs))
+        result.append(BeamSearchOutput(seqs, backend.reused_prompt_tokens.get(r.request_id, 0)))
     return result
 
 

@@ -23,6 +23,11 @@ into a shared partial last block, that block is copied (copy-on-write). A beam w
 `-inf` can never be chosen again and holds no sequence. Every request's rows run in one
 decoder forward per step.
 
+Decoder-only prompts go through the model's prefix cache (`DecoderOnlyBeamBackend`): a
+prompt's full blocks are looked up, the rest prefilled, and the result indexed, so a repeated
+prompt prefills only its tail; the cache's own references keep its blocks from being written
+(a beam writing into a shared block copies it first).
+
 Invariants:
 - A request holds pool blocks only through the physical sequences of its live beams; when it
   finishes, is aborted, or a step raises, every one of them is freed (a raising step frees
@@ -479,19 +484,27 @@ class DecoderOnlyBeamBackend:
                 "fork would need a copy of the recurrent state"
             )
         self.model = model
+        #: Request id -> its prompt tokens whose KV came from the prefix cache.
+        self.reused_prompt_tokens: dict[str, int] = {}
         self.block_pool = model.block_pool
         self.kv_cache = model.kv_cache
         self.block_size = model.block_size
 
     def beam_start(self, req: BeamRequest) -> SequenceState:
-        seq = self.model.alloc_sequence()
+        """Prefill the prompt but its last token, reusing (and then extending) the model's
+        prefix cache: a prompt seen before costs only its unmatched tail."""
+        model = self.model
+        seq = model.alloc_sequence()
         head = req.prompt[:-1]
-        if head:
-            try:
-                self.model.prefill_chunk(head, seq, 0, len(head), True)
-            except BaseException:
-                self.model.free_sequence(seq)
-                raise
+        try:
+            reused = model.lookup_prefix(seq, head) if head else 0
+            if len(head) > reused:
+                model.prefill_chunk(head, seq, reused, len(head) - reused, True)
+            model.cache_sequence(seq)
+        except BaseException:
+            model.free_sequence(seq)
+            raise
+        self.reused_prompt_tokens[req.request_id] = reused
         seq.prompt_len = len(req.prompt)
         return seq
 

@@ -187,6 +187,12 @@ def test_decoder_only_beam_search_matches_transformers() -> None:
                 assert seq.tokens == prompt + seq.output_token_ids
                 assert seq.output_token_ids == gen
                 assert seq.score == pytest.approx(score, abs=1e-4)
+        if lp == 1.0:  # the same prompts again: the prefix cache serves them, same beams
+            again = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+            assert [o.sequences for o in again] == [o.sequences for o in outs]
+            long_prompts = [p for p in prompts if len(p) > 17]
+            assert all(o.num_cached_tokens >= 16 for o, p in zip(again, prompts) if len(p) > 17)
+            assert long_prompts, "no prompt spans a full block"
     assert_no_leaks(llm.engine)
     # The engine still serves ordinary requests afterwards.
     assert llm.generate([[1, 50, 60]])[0].outputs[0].token_ids
