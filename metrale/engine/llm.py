@@ -31,6 +31,7 @@ from metrale.engine.translate import (
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.beam import BeamParams
 from metrale.sampling.params import SamplingParams
+from metrale.tokenizer.sentencepiece_vocab import SentencePieceVocab
 from metrale.tokenizer.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -61,7 +62,7 @@ class LLM:
             return
         self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk, proposer=proposer)
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | SentencePieceVocab:
         if self.translator is not None:
             return self.translator.tokenizer
         return self.engine.tokenizer

@@ -41,6 +41,7 @@ from metrale.model_engine.beam import (
 from metrale.model_engine.encdec_model import EncoderDecoderModel, load_encoder_decoder
 from metrale.model_engine.factory import resolve_device, resolve_dtype
 from metrale.models.m2m100 import is_encoder_decoder_dir
+from metrale.tokenizer.sentencepiece_vocab import SentencePieceVocab, has_sentencepiece_layout
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -179,7 +180,12 @@ class Translator:
         tgt_lang: str | None = None,
     ) -> None:
         self.model_dir = str(model_dir)
-        self.tokenizer = Tokenizer.from_dir(model_dir)
+        #: `tokenizer.json` (NLLB), or M2M100's sentencepiece files.
+        self.tokenizer: Tokenizer | SentencePieceVocab = (
+            SentencePieceVocab.from_dir(model_dir)
+            if has_sentencepiece_layout(model_dir)
+            else Tokenizer.from_dir(model_dir)
+        )
         dev = resolve_device(device)
         max_len = max_model_len or 256
         self.model: EncoderDecoderModel = load_encoder_decoder(

@@ -5,6 +5,8 @@ Owner: tests. `build(variant)` writes a real `M2M100ForConditionalGeneration` ch
 language codes are special tokens after the tiny BPE vocabulary (ids 512, 513, ...), and
 whose specials take M2M100's ids (<s> 0, <pad> 1, </s> 2, <unk> 3), so CTranslate2's
 converter (which assumes positions start at 2, i.e. pad id 1) reads the checkpoint right.
+`build_spm()` writes an M2M100 checkpoint with the sentencepiece layout instead
+(`sentencepiece.bpe.model` + `vocab.json`, saved by transformers' `M2M100Tokenizer`).
 
 Invariants:
 - Deterministic: a variant always gets the same weights (seeded init); the EOS row of the
@@ -145,3 +147,69 @@ def load_hf(path: Path) -> Any:
     import transformers as tf
 
     return tf.M2M100ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+#: The language codes of the sentencepiece checkpoint: transformers' "wmt21" set, in its order.
+SPM_LANGUAGES = ("__en__", "__ha__", "__is__", "__ja__", "__cs__", "__ru__", "__zh__", "__de__")
+
+
+def write_spm_tokenizer(out: Path) -> int:
+    """M2M100's sentencepiece layout, as transformers' `M2M100Tokenizer` saves it (plus the
+    `additional_special_tokens` list transformers 4.x wrote): a BPE sentencepiece model trained
+    on a few stdlib files, `vocab.json` in fairseq's order; returns the model's vocab size
+    (vocabulary + language codes + 8 made-up words)."""
+    import sysconfig
+
+    import sentencepiece as spm
+    import transformers as tf
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:30]
+    corpus = out / "corpus.txt"
+    corpus.write_text("\n".join(f.read_text(errors="ignore") for f in files))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(out / "sp"), vocab_size=400, model_type="bpe",
+        character_coverage=1.0, bos_id=-1, eos_id=-1, unk_id=0, pad_id=-1, minloglevel=2,
+        num_threads=1,
+    )  # fmt: skip
+    corpus.unlink()
+    sp = spm.SentencePieceProcessor(model_file=str(out / "sp.model"))
+    encoder = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for i in range(sp.get_piece_size()):
+        if sp.id_to_piece(i) != "<unk>":
+            encoder[sp.id_to_piece(i)] = len(encoder)
+    (out / "fairseq-vocab.json").write_text(json.dumps(encoder))
+    tok = tf.M2M100Tokenizer(
+        str(out / "fairseq-vocab.json"), str(out / "sp.model"), language_codes="wmt21"
+    )
+    tok.save_pretrained(out)
+    for name in ("sp.model", "sp.vocab", "fairseq-vocab.json"):
+        (out / name).unlink()
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["additional_special_tokens"] = list(SPM_LANGUAGES)
+    config_path.write_text(json.dumps(config, indent=2))
+    return len(encoder) + len(SPM_LANGUAGES) + 8
+
+
+@functools.cache
+def build_spm() -> Path:
+    """An M2M100 checkpoint with the sentencepiece tokenizer layout (no tokenizer.json)."""
+    import torch
+    import transformers as tf
+
+    out = Path(tempfile.mkdtemp(prefix="metrale-m2m100-spm-"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
+    vocab_size = write_spm_tokenizer(out)
+    torch.manual_seed(2)
+    config = tf.M2M100Config(
+        vocab_size=vocab_size, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+        eos_token_id=EOS_TOKEN_ID, decoder_start_token_id=EOS_TOKEN_ID,
+        max_position_embeddings=256, init_std=0.25, dropout=0.0, attention_dropout=0.0,
+        d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+    )  # fmt: skip
+    model = tf.M2M100ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.model.shared.weight[EOS_TOKEN_ID] *= 1.4
+    model.save_pretrained(out)
+    return out

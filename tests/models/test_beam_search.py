@@ -272,3 +272,45 @@ def test_translate_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["translate", "--model", path, "--src", "eng_Latn", "--tgt", "tlh_Latn", "hi"])
     assert exc.value.code == 2
     assert "tlh_Latn" in capsys.readouterr().err
+
+
+def test_m2m100_sentencepiece_layout(tmp_path: Path) -> None:
+    """An M2M100 checkpoint with only `sentencepiece.bpe.model` + `vocab.json`: sources are
+    transformers' `M2M100Tokenizer` ids, translations its beam search's tokens and text."""
+    import shutil
+
+    import transformers as tf
+
+    path = tiny.build_spm()
+    hf_tok = tf.M2M100Tokenizer.from_pretrained(path, src_lang="en")
+    hf = tiny.load_hf(path)
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=200)
+    translator = llm.translator
+    assert translator is not None
+    texts = ["def main(): return 1", "import os, sys", "class Ünïcode: pass", "x = [1, 2]"]
+    outs = llm.translate(
+        texts, src_lang="__en__", tgt_lang="__de__", num_beams=4, max_tokens=10, length_penalty=0.7
+    )
+    for text, out in zip(texts, outs, strict=True):
+        ids = hf_tok(text).input_ids
+        assert out.prompt_token_ids == ids
+        ref = hf.generate(
+            torch.tensor([ids]), num_beams=4, max_new_tokens=11, length_penalty=0.7,
+            forced_bos_token_id=hf_tok.get_lang_id("de"), do_sample=False,
+        )[0].tolist()  # fmt: skip
+        gen = ref[2:]
+        gen = gen[: gen.index(EOS)] if EOS in gen else gen  # transformers pads after EOS
+        assert out.outputs[0].token_ids == gen
+        assert out.outputs[0].text == hf_tok.decode(ref, skip_special_tokens=True)
+    with pytest.raises(InvalidRequestError, match="__xx__"):
+        llm.translate(["hi"], src_lang="__en__", tgt_lang="__xx__")
+    # Files that list no language codes are refused, naming what is missing.
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    del config["additional_special_tokens"]
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    from metrale.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="language codes"):
+        LLM(str(bare), device="cpu", dtype="float32", num_kv_blocks=20)
