@@ -70,8 +70,17 @@ class BeamSearchParams:
     no_repeat_ngram_size: int = 0
     #: Sequences returned per prompt; None returns all `beam_width` (vLLM's behaviour).
     n: int | None = None
+    #: vLLM's fields that this search does not offer; any other value is refused.
+    ignore_eos: bool = False
+    temperature: float = 0.0
 
     def to_beam_params(self) -> BeamParams:
+        if self.ignore_eos:
+            raise InvalidRequestError("beam search does not support ignore_eos", param="ignore_eos")
+        if self.temperature != 0.0:
+            raise InvalidRequestError(
+                "beam search is deterministic: temperature must be 0", param="temperature"
+            )
         return BeamParams(
             num_beams=self.beam_width,
             n=self.beam_width if self.n is None else self.n,
