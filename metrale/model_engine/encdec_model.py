@@ -148,11 +148,14 @@ class EncoderDecoderModel(Model):
         seq.tgt_lang_id = req.forced[0] if req.forced else 0
         seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
         seq.early_stopping = p.early_stopping
-        self.encode_source(seq, req.source)
-        head = req.prompt[:-1]
-        if head:  # a longer decoder prompt: feed all but its last token, one at a time
-            for tok in head:
+        try:
+            self.encode_source(seq, req.source)
+            # A longer decoder prompt: feed all but its last token, one at a time.
+            for tok in req.prompt[:-1]:
                 self.decode_batch([tok], [seq])
+        except BaseException:
+            self.free_sequence(seq)
+            raise
         return seq
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
