@@ -362,12 +362,16 @@ class BeamSearchDriver:
     def _advance(self, st: _State, logprobs: torch.Tensor, row_of: dict[int, int]) -> bool:
         """One beam step of one request; returns whether it is done."""
         k, vocab = st.k, logprobs.shape[1]
+        dev = logprobs.device
+        if st.running.device != dev:  # the search state lives where the logits are
+            st.running, st.fin_scores = st.running.to(dev), st.fin_scores.to(dev)
+            st.fin_done, st.top_mask = st.fin_done.to(dev), st.top_mask.to(dev)
         dead = None
         rows = []
         for slot in st.slots:
             if slot.phys is None:
                 if dead is None:
-                    dead = torch.full((vocab,), float("-inf"))
+                    dead = torch.full((vocab,), float("-inf"), device=dev)
                 rows.append(dead)
             else:
                 rows.append(self._processed(st, slot, logprobs[row_of[id(slot.phys)]]))
@@ -377,7 +381,7 @@ class BeamSearchDriver:
         tokens = (topk_idx % vocab).tolist()
         gen_len = len(st.slots[0].gen)  # every beam has generated the same count
         at_limit = gen_len + 1 >= st.max_new
-        hits = torch.tensor([at_limit or t in st.eos for t in tokens], dtype=torch.bool)
+        hits = torch.tensor([at_limit or t in st.eos for t in tokens], dtype=torch.bool, device=dev)
 
         # The K best unfinished continuations run on.
         run_scores = topk_scores + hits.to(torch.float32) * NEG
@@ -388,8 +392,8 @@ class BeamSearchDriver:
         did = hits & st.top_mask
         fin = topk_scores / ((gen_len + 1) ** st.req.params.length_penalty)
         full = bool(st.fin_done.all()) and st.req.params.early_stopping is True
-        fin = fin + torch.tensor(float(full)) * NEG
-        fin = fin + torch.tensor(float(not st.heuristic)) * NEG
+        fin = fin + torch.tensor(float(full), device=dev) * NEG
+        fin = fin + torch.tensor(float(not st.heuristic), device=dev) * NEG
         fin = fin + (~did) * NEG
         merged_scores = torch.cat((st.fin_scores, fin))
         merged_done = torch.cat((st.fin_done, did))
@@ -420,7 +424,7 @@ class BeamSearchDriver:
         else:
             best_len = gen_len
         best_possible = st.running[:1] / (best_len**p.length_penalty)
-        worst = torch.where(st.fin_done, torch.min(st.fin_scores), torch.tensor(NEG))
+        worst = torch.where(st.fin_done, torch.min(st.fin_scores), torch.tensor(NEG, device=dev))
         st.heuristic = st.heuristic and bool(torch.any(best_possible > worst))
         all_done = bool(st.fin_done.all()) and p.early_stopping is True
         return (not st.heuristic) or all_done or bool(hits.all())
