@@ -333,7 +333,13 @@ def _serve_translation(
         _url(sock),
     )
     server = uvicorn.Server(
-        uvicorn.Config(app, log_config=None, log_level=log_level.lower(), lifespan="on")
+        uvicorn.Config(
+            app,
+            log_config=None,
+            log_level=log_level.lower() if log_level == "DEBUG" else "warning",
+            access_log=log_level == "DEBUG",
+            lifespan="on",
+        )
     )
     try:
         server.run(sockets=[sock])
