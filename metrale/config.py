@@ -63,6 +63,11 @@ class EngineConfig:
     #: whatever ran beside a request, at a speed cost.
     batch_invariant: bool = False
     swap_space_gb: float = 4.0
+    #: Host memory (GiB) keeping KV blocks the prefix cache evicts; 0: none (evicted is gone).
+    kv_offload_host_gb: float = 0.0
+    #: A directory keeping blocks the host tier evicts, across restarts; None: no disk tier.
+    kv_offload_disk: str | None = None
+    kv_offload_disk_gb: float = 0.0
     #: Seed of the engine's sampler for unseeded requests.
     seed: int = 0
     served_model_name: str | None = None
@@ -131,6 +136,10 @@ class EngineConfig:
                 "scheduling_policy",
                 f"'{self.scheduling_policy}' is not one of {SCHEDULING_POLICIES}",
             )
+        if self.kv_offload_host_gb < 0 or self.kv_offload_disk_gb < 0:
+            raise bad("kv_offload_host_gb", "the KV offload tiers' sizes must be >= 0")
+        if self.kv_offload_disk is not None and self.kv_offload_disk_gb <= 0:
+            raise bad("kv_offload_disk_gb", "a disk tier (kv_offload_disk) needs a size > 0")
         if self.swap_space_gb < 0:
             raise bad("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
         if self.request_timeout is not None and self.request_timeout < 0:

@@ -44,6 +44,11 @@ FLAG_HELP = {
     "activations, KV, graphs)",
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
     "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
+    "kv_offload_host_gb": "host memory (GiB) that keeps KV blocks the prefix cache evicts, "
+    "found again by later prompts (0: off)",
+    "kv_offload_disk": "directory keeping blocks the host tier evicts, valid across restarts "
+    "(default: none)",
+    "kv_offload_disk_gb": "size of the disk tier in GiB",
     "seed": "seed of the sampler for unseeded requests",
     "served_model_name": "model name(s) in the API; requests may name any of them, answers "
     "carry the first (default: the checkpoint directory's name)",
@@ -86,7 +91,8 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
-         "enable_prefix_caching", "swap_space_gb"),
+         "enable_prefix_caching", "swap_space_gb", "kv_offload_host_gb", "kv_offload_disk",
+         "kv_offload_disk_gb"),
         "memory",
     ),
     **dict.fromkeys(

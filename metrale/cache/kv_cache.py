@@ -48,6 +48,26 @@ class PagedKVCache:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 
+    def block_bytes(self, block: int) -> bytes:
+        """One block's K and V of every layer, as raw bytes (a lower tier's payload)."""
+        parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
+        return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_block_bytes(self, block: int, payload: bytes) -> None:
+        """Inverse of `block_bytes`: the payload's K and V into `block` of every layer."""
+        device = self.layers[0][0].device
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        offset = 0
+        for kv in self.layers:
+            for t in kv:
+                n = t[block].numel() * t.element_size()
+                t[block].copy_(raw[offset : offset + n].view(t.dtype).view(t[block].shape))
+                offset += n
+        if offset != len(payload):
+            raise ValueError(
+                f"a KV block payload of {len(payload)} bytes; this pool's are {offset}"
+            )
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K and V in every layer (copy-on-write of a shared block)."""
         for k, v in self.layers:

@@ -18,7 +18,8 @@ Invariants:
   exist. When every token matched, the last matched block is copied (copy-on-write) into a
   private block and only its final token is recomputed.
 - Eviction frees least-recently-used leaves nobody references; a protected path (the prefix
-  a prompt is about to reuse) is never evicted for that prompt.
+  a prompt is about to reuse) is never evicted for that prompt. `on_evict` sees each evicted
+  node while its block still holds the KV (the lower tiers keep a copy: `kv_tiers.py`).
 - pool free + cache-only blocks + blocks held by sequences == usable blocks, always.
 """
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from metrale.cache.block_pool import BlockPool
@@ -42,6 +43,8 @@ class RadixNode:
     parent: RadixNode | None
     children: dict[tuple[int, ...], RadixNode] = field(default_factory=dict)
     last_access: int = 0
+    #: Roots only: the namespace (adapter id / tenant key) the tree below belongs to.
+    namespace: int = 0
 
 
 @dataclass
@@ -69,6 +72,9 @@ class RadixPrefixCache:
         self.pool = pool
         self.block_size = block_size
         self.roots: dict[int, RadixNode] = {}
+        #: Called with each node about to be evicted, its block still intact (the KV tiers
+        #: offload it there).
+        self.on_evict: Callable[[RadixNode], None] | None = None
         self.stats = PrefixCacheStats()
         self._clock = itertools.count(1)
 
@@ -105,7 +111,9 @@ class RadixPrefixCache:
         is released with the sequence."""
         bs = self.block_size
         n = min(len(tokens) // bs, len(blocks))
-        node = self.roots.setdefault(adapter_id, RadixNode(block=0, chunk=(), parent=None))
+        node = self.roots.get(adapter_id)
+        if node is None:
+            node = self.roots[adapter_id] = RadixNode(0, (), None, namespace=adapter_id)
         path: list[RadixNode] = []
         created = 0
         for i in range(n):
@@ -160,6 +168,8 @@ class RadixPrefixCache:
             parent = node.parent
             assert parent is not None
             del parent.children[node.chunk]
+            if self.on_evict is not None:
+                self.on_evict(node)
             self.pool.decref([node.block])
             freed += 1
             if parent.parent is not None and self._evictable(parent, protected):
@@ -167,6 +177,15 @@ class RadixPrefixCache:
         self.stats.evicted_blocks += freed
         self.stats.cached_blocks -= freed
         return freed
+
+    @staticmethod
+    def path_of(node: RadixNode) -> tuple[int, list[int]]:
+        """(namespace, tokens from the start of the prompt to the end of `node`'s block)."""
+        chunks = []
+        while node.parent is not None:
+            chunks.append(node.chunk)
+            node = node.parent
+        return node.namespace, [t for chunk in reversed(chunks) for t in chunk]
 
     def protected_blocks(self, tokens: Sequence[int], adapter_id: int) -> set[int]:
         return {node.block for node in self.match(tokens, adapter_id).nodes}

@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ import torch
 
 from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.cache.kv_tiers import KvTiers
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
@@ -107,6 +109,34 @@ def _dummy_init(module: torch.nn.Module) -> None:
             else:  # drawn where the parameter lives: an 8B model initialises in seconds
                 gen = torch.Generator(device=p.device).manual_seed(i)
                 p.uniform_(-0.02, 0.02, generator=gen)
+
+
+def _kv_tiers(
+    config: EngineConfig, model_dir: str, arch: str, kv: PagedKVCache, mtp: bool
+) -> KvTiers:
+    """The prefix cache's host / disk tiers; disk blocks are keyed to this checkpoint (its
+    config.json and weight files' names and sizes) and this pool's shape and dtype."""
+    h = hashlib.sha256()
+    root = Path(model_dir)
+    h.update((root / "config.json").read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    shape = (arch, str(kv.dtype), kv.block_size, kv.num_layers, kv.num_kv_heads, kv.head_dim, mtp)
+    h.update(repr((shape, config.load_format, config.seed)).encode())
+    tiers = KvTiers(
+        host_bytes=int(config.kv_offload_host_gb * 2**30),
+        disk_dir=config.kv_offload_disk,
+        disk_bytes=int(config.kv_offload_disk_gb * 2**30),
+        fingerprint=h.digest(),
+    )
+    logger.info(
+        "KV offload: host tier %.2f GiB%s",
+        config.kv_offload_host_gb,
+        f", disk tier {config.kv_offload_disk_gb:.2f} GiB in {config.kv_offload_disk}"
+        if config.kv_offload_disk is not None
+        else "",
+    )
+    return tiers
 
 
 def load_model(
@@ -200,6 +230,8 @@ def _load_model(
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if config.kv_offload_host_gb > 0 or config.kv_offload_disk is not None:
+        model.attach_kv_tiers(_kv_tiers(config, model_dir, arch_name, kv, mtp))
     kv_bytes = num_blocks * per_block
     breakdown.kv_bytes = kv_bytes
     progress.end_phase(

@@ -13,6 +13,9 @@ Invariants:
   answer); a partially matched last block is copied, never shared, so writes stay private.
 - `blocks_needed` is `traits.blocks_needed` at this pool's block size: what a forward of that
   many rows allocates, and what the scheduler counts with.
+- With KV tiers (`kv_tiers`), a block the prefix cache evicts is kept in host memory, then on
+  disk, under its chain key; a lookup extends the device match with tier blocks, written into
+  fresh private blocks before the prefill, and counts them as reused.
 - A swap record holds the sequence's written KV blocks and (hybrid models) its SSM slot
   state; restoring it allocates exactly that many blocks.
 """
@@ -25,7 +28,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
-from metrale.cache.radix import RadixPrefixCache
+from metrale.cache.kv_tiers import KvTiers, chain_keys
+from metrale.cache.radix import RadixNode, RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
@@ -45,6 +49,7 @@ class PagedKvLifecycle:
     ssm_pool: SsmSlotPool | None
     ssm_stash: SsmVerifyStash | None
     prefix_cache: RadixPrefixCache | None
+    kv_tiers: KvTiers | None
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
     _prefix_bypassed: bool
@@ -80,9 +85,8 @@ class PagedKvLifecycle:
             self.prefix_cache_bypasses += self._prefix_bypassed
             return 0
         match = self.prefix_cache.match(tokens, seq.adapter_id)
-        if not match.nodes:
-            return 0
         blocks = [node.block for node in match.nodes]
+        reused = match.reused
         if match.copy_last:
             private = self.block_pool.allocate(1)[0]
             self.kv_cache.copy_block(blocks[-1], private)
@@ -90,17 +94,51 @@ class PagedKvLifecycle:
             seq.block_table = [*blocks[:-1], private]
         else:
             self.block_pool.incref(blocks)
-            seq.block_table = blocks
+            restored = self._restore_from_tiers(tokens, len(blocks), seq.adapter_id)
+            seq.block_table = blocks = [*blocks, *restored]
+            reused = len(blocks) * self.block_size
+        if not blocks:
+            return 0
         self.prefix_cache.touch(match.nodes)
         matched = len(blocks) * self.block_size
-        seq.tokens = list(tokens[: match.reused])
-        seq.seq_len = seq.kv_valid_tokens = match.reused
+        seq.tokens = list(tokens[:reused])
+        seq.seq_len = seq.kv_valid_tokens = reused
         seq.cached_prefix_tokens = matched
         seq.cached_prefix_blocks = len(blocks)
         seq.prefix_ref_tokens = list(tokens[:matched])
-        seq.reused_prefix_tokens = match.reused
+        seq.reused_prefix_tokens = reused
         seq.prefix_lookup_skip = True
-        return match.reused
+        return reused
+
+    def _restore_from_tiers(self, tokens: Sequence[int], start: int, namespace: int) -> list[int]:
+        """Blocks `start`, `start + 1`, ... of `tokens` brought back from the KV tiers into
+        fresh private blocks (the prefix cache indexes them again when the sequence is
+        cached), up to the last full block before the prompt's final token."""
+        tiers = self.kv_tiers
+        if tiers is None:
+            return []
+        bs = self.block_size
+        limit = (len(tokens) - 1) // bs
+        if limit <= start:
+            return []
+        keys = chain_keys(tokens[: limit * bs], bs, namespace)[start:]
+        wanted = min(tiers.match(keys), self.block_pool.num_free)
+        restored: list[int] = []
+        for key in keys[:wanted]:
+            found = tiers.take(key)
+            if found is None:  # damaged on disk: recomputed from here on
+                break
+            block = self.block_pool.allocate(1)[0]
+            self.kv_cache.write_block_bytes(block, found[0])
+            restored.append(block)
+        return restored
+
+    def _offload_to_tiers(self, node: RadixNode) -> None:
+        """The prefix cache's eviction hook: keep the evicted block's KV in the tiers."""
+        assert self.kv_tiers is not None and self.prefix_cache is not None
+        namespace, path = self.prefix_cache.path_of(node)
+        key = chain_keys(path, self.block_size, namespace)[-1]
+        self.kv_tiers.put(key, self.kv_cache.block_bytes(node.block))
 
     def reclaim_prefix_blocks(self, n: int) -> int:
         return self.prefix_cache.evict(n) if self.prefix_cache is not None else 0
@@ -126,6 +164,15 @@ class PagedKvLifecycle:
                 inserted_blocks=c.inserted_blocks,
                 cached_blocks=c.cached_blocks,
             )
+        if self.kv_tiers is not None:
+            t = self.kv_tiers.stats
+            stats.update(
+                offload_host_blocks=t.host.blocks, offload_host_bytes=t.host.bytes,
+                offload_host_hits=t.host.hits, offload_host_evictions=t.host.evictions,
+                offload_disk_blocks=t.disk.blocks, offload_disk_bytes=t.disk.bytes,
+                offload_disk_hits=t.disk.hits, offload_disk_evictions=t.disk.evictions,
+                offload_corrupt=t.corrupt,
+            )  # fmt: skip
         return stats
 
     def free_sequence(self, seq: SequenceState) -> None:

@@ -39,6 +39,7 @@ import torch
 
 from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
+from metrale.cache.kv_tiers import KvTiers
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.errors import InvalidRequestError, KVCacheExhausted
@@ -114,6 +115,8 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         self.kernel_ops: KernelOps | None = None
         self._last_hidden: torch.Tensor | None = None
         self.prefix_cache: RadixPrefixCache | None = None
+        #: The prefix cache's host / disk tiers (`attach_kv_tiers`); None: evicted KV is gone.
+        self.kv_tiers: KvTiers | None = None
         #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
         self.prefix_cache_bypasses = 0
         self._prefix_bypassed = enable_prefix_caching and self.has_ssm_layers()
@@ -124,6 +127,17 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             )
         elif enable_prefix_caching:
             self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size)
+
+    def attach_kv_tiers(self, tiers: KvTiers) -> None:
+        """Keep what the prefix cache evicts in `tiers`, and look there on a lookup."""
+        if self.prefix_cache is None:
+            raise InvalidRequestError(
+                "kv offload needs the prefix cache (enable_prefix_caching) on a model whose "
+                "prefix cache is not bypassed (hybrid models are not supported yet)",
+                param="kv_offload_host_gb",
+            )
+        self.kv_tiers = tiers
+        self.prefix_cache.on_evict = self._offload_to_tiers
 
     # ---------------------------------------------------------------- lifecycle
 

@@ -163,6 +163,7 @@ class _EngineCollector(Collector):
             "prefix lookups refused because the model keeps recurrent state a KV hit cannot restore",
             cache.get("bypassed_lookups", 0),
         )
+        yield from _offload_metrics(cache)
         swapped = CounterMetricFamily(
             "metrale_swapped_blocks",
             "KV blocks moved to and from host memory",
@@ -183,6 +184,27 @@ class _EngineCollector(Collector):
         forwards.add_metric(["eager"], snap.eager_forwards)
         yield forwards
         yield from _spec_metrics(snap)
+
+
+def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:
+    """The prefix cache's host / disk tiers (`--kv-offload-*`; zeros when off)."""
+    families = (
+        ("blocks", "KV blocks held by each offload tier", GaugeMetricFamily),
+        ("bytes", "bytes held by each offload tier", GaugeMetricFamily),
+        ("hits", "evicted KV blocks found again in each offload tier", CounterMetricFamily),
+        ("evictions", "blocks leaving each offload tier (host: to disk; disk: dropped)",
+         CounterMetricFamily),
+    )  # fmt: skip
+    for name, doc, kind in families:
+        family = kind(f"metrale_kv_offload_{name}", doc, labels=["tier"])
+        for tier in ("host", "disk"):
+            family.add_metric([tier], cache.get(f"offload_{tier}_{name}", 0))
+        yield family
+    yield CounterMetricFamily(
+        "metrale_kv_offload_corrupt",
+        "disk-tier block files refused (bad header or checksum); their blocks are recomputed",
+        value=cache.get("offload_corrupt", 0),
+    )
 
 
 def _spec_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
