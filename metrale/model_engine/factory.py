@@ -42,6 +42,7 @@ from metrale.model_engine.gpu_setup import (
     kv_budget_bytes,
     warm_forward_shapes,
 )
+from metrale.model_engine.lora import lora_slot_bytes
 from metrale.model_engine.mtp import require_mtp_head
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.transformer_model import TransformerModel
@@ -190,6 +191,10 @@ def _load_model(
             )
         else:
             num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
+        if config.lora_enabled and device.type == "cuda":
+            # The LoRA slots are allocated after the pool: leave room for them.
+            lora_bytes = lora_slot_bytes(module, config.max_loras, config.max_lora_rank, dtype)
+            num_blocks = max(2, num_blocks - -(-lora_bytes // per_block))
     kv = PagedKVCache(
         kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
@@ -200,6 +205,10 @@ def _load_model(
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if config.lora_enabled:
+        model.enable_lora(config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
+        for name, path in config.lora_module_dirs().items():
+            model.load_lora(name, path)
     kv_bytes = num_blocks * per_block
     breakdown.kv_bytes = kv_bytes
     progress.end_phase(
