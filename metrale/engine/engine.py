@@ -267,10 +267,16 @@ class Engine:
 
     # ------------------------------------------------------------------ LoRA
 
-    def load_lora_adapter(self, name: str, path: str) -> int:
+    def load_lora_adapter(self, name: str, path: str, adapter_id: int | None = None) -> int:
         """Register the PEFT adapter at `path` as `name` (checked in full first: a bad one
-        raises and changes nothing); returns its id, the `adapter_id` of its requests."""
-        return self.model.load_lora(name, path)
+        raises and changes nothing); returns its id, the `adapter_id` of its requests
+        (`adapter_id` when given: the server hands ids out so none is reused across engine
+        restarts)."""
+        return self.model.load_lora(name, path, adapter_id)
+
+    def lora_adapter_list(self) -> list[tuple[str, int, str]]:
+        """The registered adapters as (name, id, directory), picklable."""
+        return [(e.name, int(e.adapter_id), str(e.path)) for e in self.model.lora_adapters()]
 
     def unload_lora_adapter(self, name: str) -> int:
         """Forget adapter `name`. Refused (InvalidRequestError) while an unfinished request

@@ -62,6 +62,8 @@ class EngineSnapshot:
     spec_gate: dict[str, int] = field(default_factory=dict)
     #: Drafts per verify row (k); 0 when speculation is off.
     num_speculative_tokens: int = 0
+    #: LoRA slot pool gauges and counters (`Engine.lora_stats`); empty when LoRA is off.
+    lora: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotTaker:
@@ -95,6 +97,7 @@ class SnapshotTaker:
             spec=copy.deepcopy(engine.spec_stats),
             spec_gate=dict(engine.speculation.gate.counters) if engine.speculation.gate else {},
             num_speculative_tokens=engine.speculation.k,
+            lora=engine.lora_stats(),
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:
@@ -118,6 +121,8 @@ class EngineInfo:
     kv_block_size: int
     #: The checkpoint's generation_config.json sampling defaults (empty when not used).
     sampling_defaults: SamplingDefaults
+    #: LoRA adapters registered at start-up, (name, id, directory); None: LoRA is off.
+    lora_adapters: tuple[tuple[str, int, str], ...] | None = None
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -131,4 +136,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         num_total_blocks=model.num_total_blocks(),
         kv_block_size=model.kv_block_size() or 0,
         sampling_defaults=engine.sampling_defaults,
+        lora_adapters=tuple(engine.lora_adapter_list()) if engine.config.lora_enabled else None,
     )

@@ -65,8 +65,9 @@ class ModelAdapters:
         raise _unsupported("LoRA promotion from disk")
 
     # Not in the seed: the engine's registry of adapters (names, ids, load and unload).
-    def load_lora(self, name: str, path: str) -> int:
-        """Read, check and register the adapter at `path` as `name`; returns its id."""
+    def load_lora(self, name: str, path: str, adapter_id: int | None = None) -> int:
+        """Read, check and register the adapter at `path` as `name` (under `adapter_id` when
+        given and free); returns its id."""
         raise _unsupported("LoRA adapters")
 
     def unload_lora(self, name: str) -> int:

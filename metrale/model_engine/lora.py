@@ -10,9 +10,9 @@ Invariants:
   the base model) before anything the engine serves changes: a bad adapter raises
   `LoraAdapterError` naming the file and the tensor, and the registry, the host cache and the
   slots are as they were.
-- Adapter ids are handed out from 1 upwards and never reused, so a reloaded adapter (new
-  weights under an old name) never shares prefix-cache blocks with its predecessor; id 0 is
-  the base model.
+- Adapter ids are handed out from 1 upwards and never reused (an id given by the caller moves
+  the counter past it), so a reloaded adapter (new weights under an old name) never shares
+  prefix-cache blocks with its predecessor; id 0 is the base model.
 - A device slot holds at most one adapter; its ref count is the number of live sequences
   that acquired it. Only a slot with no refs is evicted (least recently used first), and an
   adapter is unregistered only while no slot ref is held on it.
@@ -290,9 +290,14 @@ class LoraManager:
 
     # ------------------------------------------------------------------ registry
 
-    def register(self, name: str, path: str) -> AdapterEntry:
-        """Read, check and register the adapter at `path` as `name`; raises (changing
-        nothing) on a bad adapter or a name already registered."""
+    def register(self, name: str, path: str, adapter_id: int | None = None) -> AdapterEntry:
+        """Read, check and register the adapter at `path` as `name` (under `adapter_id` when
+        given: a caller replaying ids it handed out, which must be unused); raises (changing
+        nothing) on a bad adapter or a name or id already registered."""
+        if adapter_id is not None and (adapter_id < 1 or adapter_id in self._by_id):
+            raise LoraAdapterError(
+                f"LoRA adapter id {adapter_id} is taken or invalid", param="lora_int_id"
+            )
         if not name or any(c.isspace() for c in name) or "=" in name:
             raise LoraAdapterError(f"invalid LoRA adapter name {name!r}", param="lora_name")
         if name in self.entries:
@@ -301,8 +306,8 @@ class LoraManager:
                 param="lora_name",
             )
         adapter = read_peft_adapter(name, path, self.slots.shapes, self.slots.max_rank, self.dtype)
-        entry = AdapterEntry(name, self._next_id, str(Path(path)))
-        self._next_id += 1
+        entry = AdapterEntry(name, adapter_id or self._next_id, str(Path(path)))
+        self._next_id = max(self._next_id, entry.adapter_id) + 1
         self.entries[name] = entry
         self._by_id[entry.adapter_id] = entry
         self._cache_host(entry.adapter_id, adapter)
@@ -448,9 +453,9 @@ class LoraAdapters:
         return self.lora
 
     # The engine's side: the registry.
-    def load_lora(self, name: str, path: str) -> int:
+    def load_lora(self, name: str, path: str, adapter_id: int | None = None) -> int:
         """Register the adapter at `path` as `name`; its id (prefix-cache namespace)."""
-        return self._lora().register(name, path).adapter_id
+        return self._lora().register(name, path, adapter_id).adapter_id
 
     def unload_lora(self, name: str) -> int:
         return self._lora().unregister(name).adapter_id

@@ -3,7 +3,8 @@ or `EngineProcess`).
 
 Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
 schemas), `GET /v1/models[/{id}]`,
-`POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`.
+`POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`, and
+`POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (`routes/lora.py`).
 
 Invariants:
 - Middleware order, outermost first: request metrics (status of every answer, in-flight
@@ -40,6 +41,7 @@ from metrale.server.errors import (
 )
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
+from metrale.server.routes import lora as lora_routes
 from metrale.server.routes import openai as openai_routes
 from metrale.server.state import MAX_BODY_BYTES, ServerState, server_state
 from metrale.server.streaming import ClientDisconnected
@@ -130,6 +132,7 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
+    enable_lora_runtime_updates: bool = False,
 ) -> FastAPI:
     """The app over `engine`. `api_key`: one key or several (each its own tenant);
     `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
@@ -157,6 +160,7 @@ def create_app(
         prefix_cache_isolation=prefix_cache_isolation,
         max_body_bytes=max_body_bytes,
         max_prompt_tokens=max_prompt_tokens,
+        lora_runtime_updates=enable_lora_runtime_updates,
     )
 
     @asynccontextmanager
@@ -211,6 +215,7 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(lora_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=keys)

@@ -106,6 +106,12 @@ def add_serve_parser(subparsers: Any) -> None:
         help="run the engine on a thread of the server process instead of its own process "
         "(slower under many concurrent streams: both then share one GIL; default: off)",
     )
+    server.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
+        "key; implies --enable-lora; default: off)",
+    )
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)
 
@@ -140,7 +146,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise MetraleError("metrale serve needs the server extras: pip install 'metrale[server]'")
     from metrale.engine_flags import engine_config_from_args
 
-    config = engine_config_from_args(args)
+    lora_updates = bool(args.enable_lora_runtime_updates)
+    config = engine_config_from_args(args, **({"enable_lora": True} if lora_updates else {}))
     from metrale.server.auth import read_key_file
 
     api_key = list(args.api_key or [])
@@ -176,6 +183,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_isolation=args.prefix_cache_isolation,
         restart_engine=args.restart_engine_on_failure,
+        enable_lora_runtime_updates=lora_updates,
     )
 
 
@@ -191,6 +199,7 @@ def serve(
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
     restart_engine: bool = True,
+    enable_lora_runtime_updates: bool = False,
 ) -> int:
     import uvicorn
 
@@ -223,6 +232,7 @@ def serve(
         api_key=api_key,
         max_prompt_tokens=max_prompt_tokens,
         prefix_cache_isolation=prefix_cache_isolation,
+        enable_lora_runtime_updates=enable_lora_runtime_updates,
     )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(

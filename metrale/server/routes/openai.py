@@ -1,4 +1,5 @@
-"""OpenAI routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI routes: `/v1/models` (the base model, then each LoRA adapter with `parent` the
+base), `/v1/completions`, `/v1/chat/completions`.
 
 Owner: server. Each handler parses and validates the body, tokenizes (chat template for chat),
 hands one engine request per prompt to `AsyncEngine`, and answers with one JSON body or an SSE
@@ -74,14 +75,26 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     }
 
 
+def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A LoRA adapter's card: vLLM's shape (`root` its directory, `parent` the base)."""
+    adapter = (state.loras or {})[name]
+    return {
+        **_model_card(state), "id": name, "root": adapter.path, "parent": state.model_name,
+    }  # fmt: skip
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+    state = server_state(request)
+    cards = [_model_card(state), *(_adapter_card(state, n) for n in state.loras or {})]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
+    if model_id in (state.loras or {}) and model_id != state.model_name:
+        return JSONResponse(_adapter_card(state, model_id))
     if model_id != state.model_name:
         raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
     return JSONResponse(_model_card(state))
