@@ -245,3 +245,17 @@ def test_lora_request_without_lora_enabled_is_refused() -> None:
     llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=64)
     with pytest.raises(InvalidRequestError, match="LoRA adapters are not enabled"):
         llm.generate([[5, 6]], SamplingParams(max_tokens=2), lora_request=a)
+
+
+def test_adapters_never_share_the_cross_request_draft_lookup() -> None:
+    a, _ = adapters()
+    llm = make_llm()
+    engine = llm.engine
+    aid = engine.lora_adapter_id(a)
+    engine.add_request("base", [5, 6, 7], SamplingParams(max_tokens=2), lookup_tenant="t")
+    engine.add_request("lora", [5, 6, 7], SamplingParams(max_tokens=2), adapter_id=aid,
+                       lookup_tenant="t")  # fmt: skip
+    tenants = {s.seq_id: s.lookup_tenant for s in engine.scheduler.waiting}
+    assert tenants["base"] == "t" and tenants["lora"] == f"t/lora:{aid}"
+    while engine.has_unfinished():
+        engine.step()

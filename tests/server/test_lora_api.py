@@ -2,13 +2,17 @@
 adapters from `--lora-modules` listed in `/v1/models` with `parent` the base and selected by
 `model`, with the tokens the offline `LLM` gives; an adapter hot-loaded while requests stream
 serves at once and disturbs none of them; an unload of an adapter in use is refused (400),
-then allowed once its requests finish; error cases; the `metrale_lora_*` metrics; the runtime
-endpoints are off (404) without `--enable-lora-runtime-updates`."""
+then allowed once its requests finish; error cases; the `metrale_lora_*` metrics; an adapter
+loaded at run time serves the same tokens after the engine process is killed and restarted;
+the runtime endpoints are off (404) without `--enable-lora-runtime-updates`."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from metrale.engine.engine import Engine
 from metrale.server.app import create_app
 from tests.helpers.lora import ADAPTER_A, ADAPTER_B, build_adapter
 from tests.server.helpers import SERVED_NAME, ServerProcess, scrape, tiny_checkpoint
+from tests.server.test_engine_restart import engine_pid
 
 KEY = "lora-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -203,3 +208,20 @@ def test_runtime_endpoints_are_off_without_the_flag(
         assert ids[1:] == [ADAPTER_A.name]
     finally:
         handle.shutdown()
+
+
+def test_runtime_adapters_survive_an_engine_restart_under_their_ids(
+    server: ServerProcess, expected: dict[str | None, list[str]], paths: dict[str, str]
+) -> None:
+    url = server.url
+    body = {"lora_name": "poet-again", "lora_path": paths[ADAPTER_B.name]}
+    assert post(url, "/v1/load_lora_adapter", body).status_code == 200
+    os.kill(engine_pid(server.proc.pid), signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while httpx.get(url + "/health", timeout=10).status_code != 200:
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.2)
+    for model, name in (("poet-again", ADAPTER_B.name), (ADAPTER_A.name, ADAPTER_A.name)):
+        reply = complete(url, model, PROMPTS[0])
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] == expected[name][0]
