@@ -259,3 +259,17 @@ def test_adapters_never_share_the_cross_request_draft_lookup() -> None:
     assert tenants["base"] == "t" and tenants["lora"] == f"t/lora:{aid}"
     while engine.has_unfinished():
         engine.step()
+
+
+def test_speculative_verify_rows_run_their_adapter(alone: list[list[int]]) -> None:
+    """With n-gram drafts verified in the step's forward, greedy adapter rows keep their
+    tokens (the verify rows' deltas use each row's slot)."""
+    llm = make_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "gate": "off", "prompt_lookup_min": 1})  # fmt: skip
+    prompts, params, loras = workload()
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    outs = llm.generate([prompts[i] for i in greedy], [params[i] for i in greedy],
+                        lora_request=[loras[i] for i in greedy])  # fmt: skip
+    assert [o.outputs[0].token_ids for o in outs] == [alone[i] for i in greedy]
+    assert llm.engine.spec_stats.num_draft_tokens > 0
+    assert_no_leaks(llm.engine)

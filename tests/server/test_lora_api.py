@@ -98,6 +98,15 @@ def test_models_lists_adapters_with_parent_and_model_selects_them(
             reply = complete(server.url, model, prompt)
             assert reply.status_code == 200, reply.text
             assert reply.json()["choices"][0]["text"] == text
+            assert reply.json()["model"] == model
+    chat = post(server.url, "/v1/chat/completions",
+                {"model": ADAPTER_A.name, "messages": [{"role": "user", "content": "hi"}],
+                 "max_tokens": 3})  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["model"] == ADAPTER_A.name, chat.text
+    msg = post(server.url, "/v1/messages",
+               {"model": ADAPTER_A.name, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 3})  # fmt: skip
+    assert msg.status_code == 200 and msg.json()["model"] == ADAPTER_A.name, msg.text
     missing = complete(server.url, "no-such-adapter", PROMPTS[0])
     assert missing.status_code == 404 and ADAPTER_A.name in missing.json()["error"]["message"]
 

@@ -108,6 +108,12 @@ class Generation(Generic[BodyT]):
     #: The LoRA adapter the body's `model` names (0: the base model).
     adapter_id: int = 0
 
+    @property
+    def model_name(self) -> str:
+        """The `model` answers name: the adapter asked for, else the served model."""
+        body: GenerationBody = self.body  # type: ignore[assignment]
+        return body.model if self.adapter_id and body.model else self.state.model_name
+
     async def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
         """A completions `prompt` as (text, token ids) pairs, checked against the limits."""
         state = self.state

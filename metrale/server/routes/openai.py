@@ -115,6 +115,8 @@ class _Job:
     tracker: RequestTracker
     created: int = field(default_factory=lambda: int(time.time()))
     finals: list[RequestOutput | None] = field(default_factory=list)
+    #: The `model` the answer names: the served model, or the LoRA adapter asked for.
+    model: str = ""
 
     def __post_init__(self) -> None:
         self.finals = [None] * len(self.streams)
@@ -233,7 +235,7 @@ async def create_completion(request: Request) -> Response:
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, prompts, params)
-    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker)
+    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker, model=gen.model_name)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
         return EventStreamResponse(
@@ -277,7 +279,7 @@ class _CompletionView:
             "id": self.job.request_id,
             "object": "text_completion",
             "created": self.job.created,
-            "model": self.job.state.model_name,
+            "model": self.job.model or self.job.state.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
@@ -385,7 +387,9 @@ async def create_chat_completion(request: Request) -> Response:
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
-    job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
+    job = _Job(
+        state, request_id, streams, [(text, ids)], params.n, gen.tracker, model=gen.model_name
+    )
     view = _ChatView(job, req)
     if req.stream:
         return EventStreamResponse(
@@ -420,7 +424,7 @@ class _ChatView:
             "id": self.job.request_id,
             "object": obj,
             "created": self.job.created,
-            "model": self.job.state.model_name,
+            "model": self.job.model or self.job.state.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
