@@ -10,9 +10,13 @@ Invariants:
   the stacks are `a [slots, max_rank, in]` and `b_t [slots, max_rank, out]` (B transposed, so a
   slot's first `rank` rows are contiguous); a slot's rows past its rank, and every row of a
   target it does not adapt, are never read.
-- The routing of one forward (`LoraBatch`) names, per slot present, the token rows that use it;
-  rows of the base model (slot -1) get no delta. `token_slots` is the same routing as one
-  device tensor (the graph input a captured decode graph would read).
+- The routing of one forward (`LoraBatch`) names, per slot present, the token rows that use it
+  (the segment op, eager forwards); or, with `groups` None, only `token_slots`, one device
+  tensor that the gather op (`KernelOps.lora_gather_add`: torch, or Triton on CUDA) reads
+  per row: what a captured decode graph runs, the slot tensor being a graph input. Rows of
+  the base model (slot -1) get no delta either way.
+- A slot's stack rows are zero past its rank and for targets it does not adapt (the gather
+  op reads all `max_rank` rows of every target).
 - The delta of a row using slot s on a target is `(x @ A_s.T) @ B_s.T * scale_s`, added to the
   base projection's output for that target (peft's order: base, then the delta), in the
   output's dtype. Rows of other slots and base rows are untouched.
@@ -20,10 +24,13 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from metrale.kernels import reference
 
 #: The projections an adapter may target, in transformers' names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -36,7 +43,9 @@ class LoraBatch:
     #: `[tokens]` int64 on the device: each token row's slot, -1 for the base model.
     token_slots: torch.Tensor
     #: Per slot present: (slot, token row indices on the device; None when every row uses it).
-    groups: list[tuple[int, torch.Tensor | None]]
+    #: None routes by `token_slots` alone (the gather op; what a captured graph runs, since
+    #: it reads nothing on the host).
+    groups: list[tuple[int, torch.Tensor | None]] | None
 
     @classmethod
     def build(
@@ -93,9 +102,11 @@ class LoraSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        gather_op: Callable[..., None] = reference.lora_gather_add,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable
-        projection."""
+        projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`)."""
+        self.gather_op = gather_op
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = dict(shapes)
@@ -103,11 +114,14 @@ class LoraSlots:
         self.b_t: dict[tuple[int, str], torch.Tensor] = {}
         self.ranks: dict[tuple[int, str], list[int]] = {}
         self.scales: dict[tuple[int, str], list[float]] = {}
+        #: `scales` on the device, float32 `[slots]` (0 where a slot does not adapt).
+        self.scales_dev: dict[tuple[int, str], torch.Tensor] = {}
         for key, (fan_in, fan_out) in self.shapes.items():
             self.a[key] = torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device)
             self.b_t[key] = torch.zeros(num_slots, max_rank, fan_out, dtype=dtype, device=device)
             self.ranks[key] = [0] * num_slots
             self.scales[key] = [0.0] * num_slots
+            self.scales_dev[key] = torch.zeros(num_slots, dtype=torch.float32, device=device)
         #: The routing of the forward being run; None outside a forward or when no row uses
         #: an adapter.
         self.batch: LoraBatch | None = None
@@ -116,9 +130,13 @@ class LoraSlots:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
 
     def clear_slot(self, slot: int) -> None:
+        """Mark `slot` as adapting nothing, its rows zeroed (the gather op reads them all)."""
         for key in self.shapes:
             self.ranks[key][slot] = 0
             self.scales[key][slot] = 0.0
+            self.scales_dev[key][slot] = 0.0
+            self.a[key][slot].zero_()
+            self.b_t[key][slot].zero_()
 
     def write_slot(
         self, slot: int, weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, float]]
@@ -132,6 +150,7 @@ class LoraSlots:
             self.b_t[key][slot, :r].copy_(b.t())
             self.ranks[key][slot] = r
             self.scales[key][slot] = scale
+            self.scales_dev[key][slot] = scale
 
     def layer(self, layer_idx: int) -> LoraLayer:
         return LoraLayer(self, layer_idx)
@@ -148,11 +167,14 @@ class LoraLayer:
         return self.slots.batch is not None
 
     def adapts(self, target: str) -> bool:
-        """Whether a slot of the current forward adapts `target` in this layer."""
+        """Whether a slot of the current forward adapts `target` in this layer (under
+        device routing: whether any slot could)."""
         batch = self.slots.batch
         ranks = self.slots.ranks.get((self.layer_idx, target))
         if batch is None or ranks is None:
             return False
+        if batch.groups is None:
+            return True
         return any(ranks[slot] for slot, _ in batch.groups)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, targets: list[tuple[str, int, int]]) -> None:
@@ -164,6 +186,12 @@ class LoraLayer:
         for name, start, width in targets:
             key = (self.layer_idx, name)
             if key not in slots.shapes:
+                continue
+            if batch.groups is None:
+                slots.gather_op(
+                    y[:, start : start + width], x, slots.a[key], slots.b_t[key],
+                    batch.token_slots, slots.scales_dev[key],
+                )  # fmt: skip
                 continue
             lora_segment_add(
                 y[:, start : start + width], x, slots.a[key], slots.b_t[key], batch.groups,

@@ -414,7 +414,7 @@ def _capture_graphs(
     runner = DecodeGraphRunner(
         model.module, model.main_kv_layers, model.device, config.max_num_seqs,
         blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
-        head_hidden=model.mtp_enabled,
+        head_hidden=model.mtp_enabled, lora=model.lora.slots if model.lora is not None else None,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from metrale.errors import InvalidRequestError
+from metrale.kernels import KernelOps
 from metrale.layers.common import GatedMLP, PagedSelfAttention
 from metrale.layers.lora import LORA_TARGETS, LoraSlots
 
@@ -434,13 +435,17 @@ class LoraAdapters:
             )
         device: torch.device = self.device  # type: ignore[attr-defined]
         dtype: torch.dtype = self.dtype  # type: ignore[attr-defined]
-        slots = LoraSlots(shapes, max_loras, max_lora_rank, dtype, device)
+        ops = getattr(self, "kernel_ops", None) or KernelOps()
+        slots = LoraSlots(
+            shapes, max_loras, max_lora_rank, dtype, device, gather_op=ops.lora_gather_add
+        )
         attach_slots(module, slots)
         self.lora = LoraManager(slots, max_cpu_loras, dtype)
         logger.info(
             "LoRA: %d device slots of rank <= %d over %d projections (%.1f MiB), host cache "
-            "of %d adapters",
+            "of %d adapters; decode-graph op: %s",
             max_loras, max_lora_rank, len(shapes), slots.nbytes() / 2**20, max_cpu_loras,
+            ops.implementations.get("lora_gather_add", "torch"),
         )  # fmt: skip
 
     def _lora(self) -> LoraManager:

@@ -17,8 +17,9 @@ Invariants:
   any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
   of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
 - LoRA (`LoraAdapters`, `lora.py`): a forward routes each row to its sequence's
-  `adapter_slot` (-1: the base model) for the duration of the module call only; a decode step
-  with an adapter row runs eagerly (the decode graphs hold no LoRA yet; counted in
+  `adapter_slot` (-1: the base model) for the duration of the module call only; decode and
+  verify graphs captured with the LoRA slots replay adapter rows (their slots a graph input),
+  graphs captured without them never do (those steps run eagerly, counted in
   `lora_eager_forwards`).
 - No forward takes a sequence past `max_model_len` (`fits_context`, the model's one check).
 - With the MTP head drafting (`mtp=True`), every eager forward keeps its rows' hidden states
@@ -408,7 +409,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
         if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
-            if all(r.seq.adapter_slot < 0 for r in rows):
+            if runner.lora is not None or all(r.seq.adapter_slot < 0 for r in rows):
                 spans = [(i, 1) for i in range(len(rows))]
                 return self._forward_graphed(runner, rows, feed), spans
             self.lora_eager_forwards += 1
@@ -456,7 +457,12 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         for i, r in enumerate(rows):
             tables[i, : len(r.seq.block_table)] = r.seq.block_table
         self._last_hidden = None
-        logits = runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
+        adapters = None
+        if runner.lora is not None:
+            adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
+        logits = runner.run(
+            tokens, positions, tables, feed[0] if feed is not None else None, adapters
+        )
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits
