@@ -273,3 +273,22 @@ def test_speculative_verify_rows_run_their_adapter(alone: list[list[int]]) -> No
     assert [o.outputs[0].token_ids for o in outs] == [alone[i] for i in greedy]
     assert llm.engine.spec_stats.num_draft_tokens > 0
     assert_no_leaks(llm.engine)
+
+
+def test_seed_promotion_methods_place_adapters_and_name_the_evicted_one() -> None:
+    a, b = adapters()
+    llm = make_llm(max_loras=1, max_cpu_loras=1)
+    model = llm.engine.model
+    slot, evicted = model.promote_lora_from_disk(a.lora_path, a.lora_name)
+    assert (slot, evicted) == (0, None)
+    assert model.promote_lora_from_disk(a.lora_path, a.lora_name) == (0, None)  # resident
+    slot, evicted = model.promote_lora_from_disk(b.lora_path, b.lora_name)
+    assert (slot, evicted) == (0, a.lora_name)
+    model.swap_lora_from_disk(a.lora_path, a.lora_name, 0)  # back, read from disk again
+    assert model.adapter_id_for(0) == llm.engine.lora_adapter(a.lora_name).adapter_id
+    stats = llm.engine.lora_stats()
+    assert stats["evictions"] == 2 and stats["disk_loads"] >= 1
+    # The slot's contents really are adapter a's again: same tokens as a fresh engine.
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    got = llm.generate([[9, 8, 7]], sp, lora_request=a)[0].outputs[0].token_ids
+    assert got == make_llm().generate([[9, 8, 7]], sp, lora_request=a)[0].outputs[0].token_ids
