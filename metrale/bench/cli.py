@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import offline, plot, serve, spec, spec_cost, ttft
+    from metrale.bench import lora, offline, plot, serve, spec, spec_cost, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -30,6 +30,8 @@ def add_bench_parser(sub: Any) -> None:
          spec_cost.add_cost_arguments, spec_cost.run_cost, "INFO"),
         ("serve", "concurrency ladder against an OpenAI-compatible URL", serve.add_arguments,
          serve.run, None),
+        ("lora", "multi-LoRA throughput and batch-1 decode against the base model",
+         lora.add_arguments, lora.run, "INFO"),
         ("plot", "PNG charts of benchmark records (serve ladder, roofline, history)",
          plot.add_arguments, plot.run, "WARNING"),
     ]  # fmt: skip
