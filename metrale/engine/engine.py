@@ -34,6 +34,10 @@ Invariants:
 - Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
   proposed only before a step planned from the known tokens; a step that could speculate
   drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
+- LoRA: a request's `adapter_id` must name an adapter the engine has loaded (0: the base
+  model), else the request is refused; its draft-lookup tenant is the request's with the
+  adapter appended, so adapters never share lookup state. An adapter is unloaded only while
+  no unfinished request uses it (`unload_lora_adapter` refuses otherwise).
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
