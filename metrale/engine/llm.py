@@ -82,6 +82,7 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         conversations = (
@@ -97,7 +98,8 @@ class LLM:
                 **template_kwargs,
             )
             prompts.append(((text, tok.encode(text, add_special_tokens=False)), None))
-        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)])
+        adapters = self._adapter_ids(lora_request, len(conversations))
+        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)], adapters)
 
     def _run(
         self,

@@ -313,3 +313,15 @@ def test_bench_lora_writes_its_record(tmp_path: Path) -> None:
     assert figures["throughput_ratio"] > 0 and figures["decode_ratio"] > 0
     (record,) = tmp_path.glob("*-lora-tiny-2k.json")
     assert json.loads(record.read_text())["instrument"] == "lora"
+
+
+def test_chat_takes_a_lora_request() -> None:
+    a, _ = adapters()
+    llm = make_llm()
+    sp = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = llm.chat(messages, sp, lora_request=a)[0]
+    same = llm.generate([chat.prompt_token_ids], sp, lora_request=a)[0]
+    base = llm.chat(messages, sp)[0]
+    assert chat.outputs[0].token_ids == same.outputs[0].token_ids
+    assert chat.outputs[0].token_ids != base.outputs[0].token_ids
