@@ -461,8 +461,9 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         if runner.lora is not None:
             adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
         logits = runner.run(
-            tokens, positions, tables, feed[0] if feed is not None else None, adapters
-        )
+            tokens, positions, tables, feed[0] if feed is not None else None,
+            adapter_slots=adapters,
+        )  # fmt: skip
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits

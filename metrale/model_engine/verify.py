@@ -156,9 +156,10 @@ class VerifyForwards:
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
         with torch.inference_mode():
-            logits = runner.run_verify(
-                tokens, starts, tables, adapters if runner.lora is not None else None
-            )
+            if runner.lora is not None:
+                logits = runner.run_verify(tokens, starts, tables, adapter_slots=adapters)
+            else:
+                logits = runner.run_verify(tokens, starts, tables)
             index = None
             if all(len(d) + 1 == q for d in drafts):
                 selected = logits  # no padding: every row is the graph's rows
