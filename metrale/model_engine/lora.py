@@ -10,8 +10,8 @@ Invariants:
   the base model) before anything the engine serves changes: a bad adapter raises
   `LoraAdapterError` naming the file and the tensor, and the registry, the host cache and the
   slots are as they were.
-- Adapter ids are handed out from 1 upwards and never reused (an id given by the caller moves
-  the counter past it), so a reloaded adapter (new weights under an old name) never shares
+- Adapter ids are handed out from 1 upwards and never reused (an id given by the caller must
+  be one this registry never used, and moves the counter past it), so a reloaded adapter (new weights under an old name) never shares
   prefix-cache blocks with its predecessor; id 0 is the base model.
 - A device slot holds at most one adapter; its ref count is the number of live sequences
   that acquired it. Only a slot with no refs is evicted (least recently used first), and an
@@ -287,6 +287,8 @@ class LoraManager:
         self._host: OrderedDict[int, PeftAdapter] = OrderedDict()
         self._pool = [_Slot() for _ in range(self.slots.num_slots)]
         self._next_id = 1
+        #: Every id this registry has handed out or accepted (never handed out again).
+        self._used_ids: set[int] = set()
         self._clock = 0
 
     # ------------------------------------------------------------------ registry
@@ -295,9 +297,10 @@ class LoraManager:
         """Read, check and register the adapter at `path` as `name` (under `adapter_id` when
         given: a caller replaying ids it handed out, which must be unused); raises (changing
         nothing) on a bad adapter or a name or id already registered."""
-        if adapter_id is not None and (adapter_id < 1 or adapter_id in self._by_id):
+        if adapter_id is not None and (adapter_id < 1 or adapter_id in self._used_ids):
             raise LoraAdapterError(
-                f"LoRA adapter id {adapter_id} is taken or invalid", param="lora_int_id"
+                f"LoRA adapter id {adapter_id} was already used or is invalid",
+                param="lora_int_id",
             )
         if not name or any(c.isspace() for c in name) or "=" in name:
             raise LoraAdapterError(f"invalid LoRA adapter name {name!r}", param="lora_name")
@@ -309,6 +312,7 @@ class LoraManager:
         adapter = read_peft_adapter(name, path, self.slots.shapes, self.slots.max_rank, self.dtype)
         entry = AdapterEntry(name, adapter_id or self._next_id, str(Path(path)))
         self._next_id = max(self._next_id, entry.adapter_id) + 1
+        self._used_ids.add(entry.adapter_id)
         self.entries[name] = entry
         self._by_id[entry.adapter_id] = entry
         self._cache_host(entry.adapter_id, adapter)

@@ -154,7 +154,10 @@ def test_unload_of_an_adapter_in_use_is_refused_then_allowed() -> None:
     assert engine.unload_lora_adapter(a.lora_name) == aid
     with pytest.raises(InvalidRequestError, match="not loaded"):
         engine.add_request("r2", [5, 6], SamplingParams(max_tokens=2), adapter_id=aid)
-    # Loaded again, it gets a new id: no prefix-cache namespace is ever reused.
+    # Loaded again, it gets a new id: no prefix-cache namespace is ever reused, not even
+    # when a caller asks for the old one.
+    with pytest.raises(InvalidRequestError, match=f"id {aid} was already used"):
+        engine.load_lora_adapter(a.lora_name, a.lora_path, aid)
     assert engine.lora_adapter_id(a) != aid
     assert_no_leaks(engine)
 
