@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.config import EngineConfig
     from metrale.engine.engine import Engine
     from metrale.engine.llm import LLM
-    from metrale.engine.request import CompletionOutput, Logprob, RequestOutput
+    from metrale.engine.request import CompletionOutput, Logprob, LoRARequest, RequestOutput
     from metrale.engine.translate import BeamSearchParams
     from metrale.sampling.params import SamplingParams
 
@@ -28,6 +28,7 @@ _EXPORTS = {
     "Engine": "metrale.engine.engine",
     "EngineConfig": "metrale.config",
     "Logprob": "metrale.engine.request",
+    "LoRARequest": "metrale.engine.request",
     "RequestOutput": "metrale.engine.request",
     "SamplingParams": "metrale.sampling.params",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "LoRARequest",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -88,6 +88,17 @@ class EngineConfig:
     #: `{"method": "ngram", "num_speculative_tokens": 4}` (see `metrale.spec.config`);
     #: None: off.
     speculative_config: str | dict[str, Any] | None = None
+    #: Serve LoRA adapters (implied by `lora_modules`): allocates the device slots even when
+    #: no adapter is given at start-up (adapters come later, offline or at run time).
+    enable_lora: bool = False
+    #: Adapters served from start-up, each `name=DIR` (a PEFT adapter directory).
+    lora_modules: list[str] | None = None
+    #: Device slots: adapters whose rows can share one forward.
+    max_loras: int = 4
+    #: Highest adapter rank a slot holds.
+    max_lora_rank: int = 64
+    #: Adapters whose weights stay in host memory between promotions; None: 2 x max_loras.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -149,6 +160,13 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"'{self.load_format}' is not one of {LOAD_FORMATS}")
         self.speculative()  # parses it: a bad key or value fails here, naming it
+        self.lora_module_dirs()  # each entry is name=DIR, names unique
+        if self.max_loras < 1:
+            raise bad("max_loras", f"must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise bad("max_lora_rank", f"must be in [1, 512], got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise bad("max_cpu_loras", f"must be >= 1, got {self.max_cpu_loras}")
         if self.generation_config not in GENERATION_CONFIGS:
             raise bad(
                 "generation_config",
@@ -173,6 +191,36 @@ class EngineConfig:
             f"{type(spec).__name__}",
             param="speculative_config",
         )
+
+    def lora_module_dirs(self) -> dict[str, str]:
+        """`lora_modules` parsed: adapter name -> directory, in the order given."""
+        out: dict[str, str] = {}
+        for item in self.lora_modules or []:
+            name, sep, path = str(item).partition("=")
+            name, path = name.strip(), path.strip()
+            if not sep or not name or not path:
+                raise InvalidRequestError(
+                    f"invalid engine setting lora_modules: {item!r} is not name=DIR",
+                    param="lora_modules",
+                )
+            if name in out:
+                raise InvalidRequestError(
+                    f"invalid engine setting lora_modules: adapter name {name!r} given twice",
+                    param="lora_modules",
+                )
+            out[name] = path
+        return out
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine allocates LoRA slots."""
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        if self.max_cpu_loras is not None:
+            return self.max_cpu_loras
+        return 2 * self.max_loras
 
     @property
     def uses_generation_config(self) -> bool:

@@ -7,7 +7,7 @@ Both `metrale.cli` and `metrale.server.launch` import this module; neither impor
 
 Invariants:
 - One flag per `EngineConfig` field, named after it (`_` -> `-`), typed by its annotation,
-  defaulting to its default; booleans take `--x/--no-x`.
+  defaulting to its default; booleans take `--x/--no-x`, lists one or more values.
 - `FLAG_HELP` holds the help text of the flags that need more than their name.
 - `--help` groups the flags by topic (`FLAG_TOPICS`, in `TOPICS` order); a field not listed
   there lands in `DEFAULT_TOPIC`, so a new `EngineConfig` field needs no entry to appear.
@@ -69,6 +69,13 @@ FLAG_HELP = {
     "(input tokens fed on the device); --no-async-scheduling plans every step after the last",
     "speculative_config": "speculative decoding as JSON, in vLLM's shape, e.g. "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (methods: ngram, suffix, mtp, draft_model; default: off)',
+    "enable_lora": "allocate LoRA adapter slots even with no --lora-modules (adapters loaded "
+    "later: offline lora_request, or the runtime endpoints)",
+    "lora_modules": "PEFT adapters served from start-up, name=DIR [name=DIR ...]; a request "
+    "names one as its model",
+    "max_loras": "device slots: adapters that can run in one batch",
+    "max_lora_rank": "highest adapter rank a slot holds",
+    "max_cpu_loras": "adapters kept in host memory between promotions (default: 2 x --max-loras)",
 }
 
 
@@ -101,6 +108,9 @@ FLAG_TOPICS: dict[str, str] = {
         "scheduling",
     ),
     "speculative_config": "speculation",
+    **dict.fromkeys(
+        ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"), "lora"
+    ),
 }  # fmt: skip
 
 
@@ -154,6 +164,9 @@ def add_engine_arguments(
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
+        elif typing.get_origin(typ) is list:
+            (item,) = typing.get_args(typ)
+            group.add_argument(flag, nargs="+", type=item, default=f.default, help=help_text)
         else:
             group.add_argument(flag, type=typ, default=f.default, help=help_text)
     drop_empty_groups(parser)

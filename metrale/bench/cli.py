@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import offline, plot, serve, spec, spec_cost, translate, ttft
+    from metrale.bench import lora, offline, plot, serve, spec, spec_cost, translate, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -32,6 +32,8 @@ def add_bench_parser(sub: Any) -> None:
          serve.run, None),
         ("translate", "M2M100/NLLB beam-search sentences/s vs CTranslate2", translate.add_arguments,
          translate.run, "WARNING"),
+        ("lora", "multi-LoRA throughput and batch-1 decode against the base model",
+         lora.add_arguments, lora.run, "INFO"),
         ("plot", "PNG charts of benchmark records (serve ladder, roofline, history)",
          plot.add_arguments, plot.run, "WARNING"),
     ]  # fmt: skip

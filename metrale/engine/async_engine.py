@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 import threading
@@ -35,11 +36,14 @@ from dataclasses import dataclass
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.engine.handle import (
+    ControlCall,
     EngineHandle,
     HandleBase,
     RequestStream,
     Submission,
+    apply_control,
     post_by_loop,
+    settle_call,
     settle_future,
 )
 from metrale.engine.request import RequestOutput
@@ -82,7 +86,7 @@ class _AbortAll:
 
 
 _Add = Submission
-_Command = _Add | _Abort | _AbortAll
+_Command = _Add | _Abort | _AbortAll | ControlCall
 
 
 class AsyncEngine(HandleBase[RequestStream]):
@@ -140,13 +144,17 @@ class AsyncEngine(HandleBase[RequestStream]):
     def _enqueue_add(self, submission: Submission) -> None:
         self._submit(submission)
 
+    def _enqueue_control(self, call: ControlCall) -> None:
+        self._submit(call)
+
     def _submit(self, command: _Command) -> None:
+        answered = isinstance(command, _Add | ControlCall)
         with self._cond:
-            refusal = self._dead or (self._draining if isinstance(command, _Add) else None)
-            if refusal is None and self._stop and isinstance(command, _Add):
+            refusal = self._dead or (self._draining if answered else None)
+            if refusal is None and self._stop and answered:
                 refusal = EngineDeadError("the engine has shut down")
             if refusal is not None:
-                if isinstance(command, _Add):
+                if answered:
                     raise copy.copy(refusal)
                 return
             self._inbox.append(command)
@@ -198,6 +206,10 @@ class AsyncEngine(HandleBase[RequestStream]):
                 error = exc
             request_id = command.args.request_id
             self._answer_add(request_id, command.stream, command.accepted, command.loop, error)
+        elif isinstance(command, ControlCall):
+            result, failure = apply_control(self.engine, command.method, command.args)
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                command.loop.call_soon_threadsafe(settle_call, command.done, result, failure)
         elif isinstance(command, _Abort):
             self._abort(command.request_id, None)
         else:
@@ -227,7 +239,11 @@ class AsyncEngine(HandleBase[RequestStream]):
 
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
         pending, self._inbox = self._inbox, []
-        return [(c.loop, c.accepted) for c in pending if isinstance(c, _Add)]
+        return [
+            (c.loop, c.accepted if isinstance(c, _Add) else c.done)
+            for c in pending
+            if isinstance(c, _Add | ControlCall)
+        ]
 
     def _forget_dead(self, request_id: str) -> None:
         try:

@@ -34,6 +34,10 @@ Invariants:
 - Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
   proposed only before a step planned from the known tokens; a step that could speculate
   drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
+- LoRA: a request's `adapter_id` must name an adapter the engine has loaded (0: the base
+  model), else the request is refused; its draft-lookup tenant is the request's with the
+  adapter appended, so adapters never share lookup state. An adapter is unloaded only while
+  no unfinished request uses it (`unload_lora_adapter` refuses otherwise).
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -44,6 +48,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,7 +62,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
     resolve_model_dir,
 )
 from metrale.engine.output import ChoiceState, RequestState
-from metrale.engine.request import RequestOutput
+from metrale.engine.request import LoRARequest, RequestOutput
 from metrale.engine.speculation import Speculation
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
@@ -226,6 +231,10 @@ class Engine:
         prefix-cache blocks apart from every other namespace's; `priority` orders the queues
         under `scheduling_policy="priority"` (lower first)."""
         params = params or self.default_sampling_params()
+        if adapter_id:
+            self._check_adapter(adapter_id)
+            if lookup_tenant is not None:  # an adapter's drafts never feed another's lookups
+                lookup_tenant = f"{lookup_tenant}/lora:{adapter_id}"
         if request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
@@ -268,6 +277,66 @@ class Engine:
         self.requests[request_id] = state
         for choice in state.choices:
             self._choice_of[choice.seq.seq_id] = (state, choice)
+
+    # ------------------------------------------------------------------ LoRA
+
+    def load_lora_adapter(self, name: str, path: str, adapter_id: int | None = None) -> int:
+        """Register the PEFT adapter at `path` as `name` (checked in full first: a bad one
+        raises and changes nothing); returns its id, the `adapter_id` of its requests
+        (`adapter_id` when given: the server hands ids out so none is reused across engine
+        restarts)."""
+        return self.model.load_lora(name, path, adapter_id)
+
+    def lora_adapter_list(self) -> list[tuple[str, int, str]]:
+        """The registered adapters as (name, id, directory), picklable."""
+        return [(e.name, int(e.adapter_id), str(e.path)) for e in self.model.lora_adapters()]
+
+    def unload_lora_adapter(self, name: str) -> int:
+        """Forget adapter `name`. Refused (InvalidRequestError) while an unfinished request
+        uses it, queued or running: unloading never cuts a request short."""
+        entry = self.lora_adapter(name)
+        if entry is None:
+            raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded", param="lora_name")
+        users = sum(
+            1
+            for st in self.requests.values()
+            if any(c.seq.adapter_id == entry.adapter_id for c in st.choices)
+        )
+        if users:
+            raise InvalidRequestError(
+                f"LoRA adapter {name!r} is in use by {users} unfinished request(s); unload it "
+                "once they finish",
+                param="lora_name",
+            )
+        return self.model.unload_lora(name)
+
+    def lora_adapter(self, name: str) -> Any:
+        """The registered adapter called `name` (`name`, `adapter_id`, `path`), or None."""
+        return next((e for e in self.model.lora_adapters() if e.name == name), None)
+
+    def lora_adapter_id(self, request: LoRARequest) -> int:
+        """The id of `request`'s adapter, loading it on first use (offline `lora_request`)."""
+        entry = self.lora_adapter(request.lora_name)
+        if entry is None:
+            return self.load_lora_adapter(request.lora_name, request.lora_path)
+        if Path(entry.path) != Path(request.lora_path):
+            raise InvalidRequestError(
+                f"LoRA adapter {request.lora_name!r} is loaded from {entry.path}, not "
+                f"{request.lora_path}",
+                param="lora_request",
+            )
+        return int(entry.adapter_id)
+
+    def lora_stats(self) -> dict[str, int]:
+        """The slot pool's counters plus the sequences waiting for a slot (empty: no LoRA)."""
+        stats = dict(self.model.lora_stats())
+        if stats:
+            stats["waiting_for_slot"] = self.scheduler.stats.lora_waiting_for_slot
+        return stats
+
+    def _check_adapter(self, adapter_id: int) -> None:
+        if not any(e.adapter_id == adapter_id for e in self.model.lora_adapters()):
+            raise InvalidRequestError(f"LoRA adapter id {adapter_id} is not loaded", param="model")
 
     def check_prompt(
         self,

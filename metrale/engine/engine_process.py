@@ -17,9 +17,11 @@ split the same way).
 Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
 - parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id,
   speculative, lookup_tenant, cache_namespace, priority) (the arguments of `Engine.add_request`, in that order),
-  ("abort", request_id), ("shutdown",).
+  ("abort", request_id), ("control", call_id, method, args) (`handle.CONTROL_METHODS`: the
+  LoRA registry), ("shutdown",).
 - child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then
-  ("added", request_id, error | None) answering each add, ("out", [OutputDelta], snapshot |
+  ("added", request_id, error | None) answering each add, ("controlled", call_id, result,
+  error | None) answering each control call, ("out", [OutputDelta], snapshot |
   None) once per step, ("snapshot", snapshot) when the engine goes idle, ("dead", message)
   if the loop crashes. A snapshot is an `EngineSnapshot` (speculation counters included).
 
@@ -56,7 +58,15 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
-from metrale.engine.handle import AddArgs, HandleBase, RequestStream, Submission
+from metrale.engine.handle import (
+    AddArgs,
+    ControlCall,
+    HandleBase,
+    RequestStream,
+    Submission,
+    apply_control,
+    settle_call,
+)
 from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
 from metrale.engine.snapshot import EngineInfo, EngineSnapshot, SnapshotTaker, engine_info
 from metrale.errors import EngineDeadError, MetraleError
@@ -310,6 +320,12 @@ class _ChildLoop:
             self.encoder.forget(command[1])
             if not self.engine.has_unfinished():
                 self.conn.send(("snapshot", self._snapshot_if_due(force=True)))
+        elif kind == "control":
+            _, call_id, method, args = command
+            result, failure = apply_control(self.engine, method, args)
+            self.conn.send(
+                ("controlled", call_id, result, None if failure is None else _portable(failure))
+            )
         elif kind == "shutdown":
             return False
         else:
@@ -346,6 +362,9 @@ class EngineProcess(HandleBase[_Assembly]):
         self._send_lock = threading.Lock()
         #: Adds the child has not answered yet.
         self._pending: dict[str, _PendingAdd] = {}
+        #: Control calls the child has not answered yet, by call id.
+        self._controls: dict[int, ControlCall] = {}
+        self._next_call = 0
         self._snapshot = EngineSnapshot()
         self._reader: threading.Thread | None = None
         if not self._conn.poll(start_timeout):
@@ -432,6 +451,17 @@ class EngineProcess(HandleBase[_Assembly]):
             raise copy.copy(refusal)
         self._send(replace(add, prompt_token_ids=ids).wire())
 
+    def _enqueue_control(self, call: ControlCall) -> None:
+        with self._lock:
+            refusal = self._dead or self._draining
+            if refusal is None:
+                self._next_call += 1
+                call_id = self._next_call
+                self._controls[call_id] = call
+        if refusal is not None:
+            raise copy.copy(refusal)
+        self._send(call.wire(call_id))
+
     def _submit_abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
@@ -458,6 +488,13 @@ class EngineProcess(HandleBase[_Assembly]):
                     self._route(((d.request_id, d.finished, d) for d in deltas), _put_deltas)
                 elif kind == "added":
                     self._settle(message[1], message[2])
+                elif kind == "controlled":
+                    _, call_id, result, failure = message
+                    with self._lock:
+                        call = self._controls.pop(call_id, None)
+                    if call is not None:
+                        with contextlib.suppress(RuntimeError):  # the caller's loop is closed
+                            call.loop.call_soon_threadsafe(settle_call, call.done, result, failure)
                 elif kind == "snapshot":
                     self._snapshot = message[1]
                 elif kind == "dead":
@@ -480,7 +517,9 @@ class EngineProcess(HandleBase[_Assembly]):
 
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
         pending = [(p.loop, p.future) for p in self._pending.values()]
+        pending += [(c.loop, c.done) for c in self._controls.values()]
         self._pending.clear()
+        self._controls.clear()
         return pending
 
     def _mark_dead(self) -> None:

@@ -16,6 +16,9 @@ Invariants:
 - Outputs reach their streams' event loops through `post_by_loop`: one `call_soon_threadsafe`
   per event loop per delivery, never one per request.
 - `_streams` (open requests), `_dead` and `_draining` change only under `_lock`.
+- A control call (`control`: the LoRA registry's load, unload and list) runs on the engine's
+  thread or process between steps and is answered like an add: its result or its error, or
+  the handle's `EngineDeadError` when the engine dies first.
 - `AddArgs` holds the arguments of `Engine.add_request` the server sets, in the order of the
   process wire's "add" tuple, and hands them to the engine unchanged.
 """
@@ -74,6 +77,7 @@ class EngineHandle(Protocol):
         cache_namespace: str | None = None,
         priority: int = 0,
     ) -> RequestStream: ...
+    async def control(self, method: str, *args: Any) -> Any: ...
 
 
 class RequestStream:
@@ -206,6 +210,43 @@ class AddArgs:
         )  # fmt: skip
 
 
+#: Engine methods the server may run through `control`: the LoRA registry.
+CONTROL_METHODS = frozenset({"load_lora_adapter", "unload_lora_adapter", "lora_adapter_list"})
+
+
+@dataclass
+class ControlCall:
+    """A call of one of the engine's `CONTROL_METHODS` on its way, and the caller's future."""
+
+    method: str
+    args: tuple[Any, ...]
+    done: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+    def wire(self, call_id: int) -> tuple[Any, ...]:
+        return ("control", call_id, self.method, self.args)
+
+
+def apply_control(engine: Any, method: str, args: tuple[Any, ...]) -> tuple[Any, Exception | None]:
+    """`engine.<method>(*args)` for a `CONTROL_METHODS` name: (result, None) or (None, error)."""
+    if method not in CONTROL_METHODS:
+        return None, ValueError(f"{method!r} is not an engine control method")
+    try:
+        return getattr(engine, method)(*args), None
+    except Exception as exc:  # MetraleError for bad input; anything else: a bug, reported
+        return None, exc
+
+
+def settle_call(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    """Resolve a control call's future (on its loop's thread) unless its waiter gave up."""
+    if future.done():
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
 @dataclass
 class Submission:
     """An add on its way to the engine: its arguments, its stream and the caller's future."""
@@ -241,6 +282,10 @@ class HandleBase(ABC, Generic[E]):
     @abstractmethod
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
         """Under `_lock`: remove and return the adds the engine has not answered yet."""
+
+    @abstractmethod
+    def _enqueue_control(self, call: ControlCall) -> None:
+        """Send a control call to the engine (raises the refusal when the engine is gone)."""
 
     def _forget_dead(self, request_id: str) -> None:
         """After death: release what the engine may still hold for `request_id`."""
@@ -302,6 +347,14 @@ class HandleBase(ABC, Generic[E]):
             self._submit_abort(request_id)  # it may have been added meanwhile
             raise
         return stream
+
+    async def control(self, method: str, *args: Any) -> Any:
+        """Run `engine.<method>(*args)` (one of `CONTROL_METHODS`) between engine steps;
+        returns its result or raises its error."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._enqueue_control(ControlCall(method, tuple(args), done, loop))
+        return await done
 
     async def generate(
         self,

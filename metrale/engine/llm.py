@@ -20,7 +20,7 @@ from typing import Any
 
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
-from metrale.engine.request import RequestOutput
+from metrale.engine.request import LoRARequest, RequestOutput
 from metrale.engine.translate import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -126,10 +126,30 @@ class LLM:
         self,
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per
+        prompt; an adapter is loaded on first use (the engine needs `enable_lora=True` or
+        `lora_modules`)."""
         items = _as_prompt_list(prompts)
         params = _params_list(sampling_params, len(items), self.get_default_sampling_params)
-        return self._run([(_split_prompt(p), sp) for p, sp in zip(items, params)])
+        adapters = self._adapter_ids(lora_request, len(items))
+        return self._run([(_split_prompt(p), sp) for p, sp in zip(items, params)], adapters)
+
+    def _adapter_ids(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+    ) -> list[int]:
+        if lora_request is None:
+            return [0] * count
+        if isinstance(lora_request, LoRARequest):
+            return [self.engine.lora_adapter_id(lora_request)] * count
+        requests = list(lora_request)
+        if len(requests) != count:
+            raise InvalidRequestError(
+                f"got {len(requests)} lora_request entries for {count} prompts",
+                param="lora_request",
+            )
+        return [0 if r is None else self.engine.lora_adapter_id(r) for r in requests]
 
     def embed(
         self, prompts: PromptInput | Sequence[PromptInput], pooling: str = "last"
@@ -146,6 +166,7 @@ class LLM:
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         **template_kwargs: Any,
     ) -> list[RequestOutput]:
         conversations = (
@@ -161,7 +182,8 @@ class LLM:
                 **template_kwargs,
             )
             prompts.append(((text, tok.encode(text, add_special_tokens=False)), None))
-        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)])
+        adapters = self._adapter_ids(lora_request, len(conversations))
+        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)], adapters)
 
     def _require_engine(self) -> Engine:
         if self.translator is not None:
@@ -171,7 +193,9 @@ class LLM:
         return self.engine
 
     def _run(
-        self, work: list[tuple[tuple[str | None, list[int] | None], SamplingParams]]
+        self,
+        work: list[tuple[tuple[str | None, list[int] | None], SamplingParams]],
+        adapters: list[int] | None = None,
     ) -> list[RequestOutput]:
         engine = self._require_engine()
         ids = [f"llm-{next(self._ids)}" for _ in work]
@@ -180,8 +204,11 @@ class LLM:
             engine.check_prompt(text if token_ids is None else None, token_ids, sp)
         added: list[str] = []
         try:
-            for rid, ((text, token_ids), sp) in zip(ids, work):
-                engine.add_request(rid, text, sp, prompt_token_ids=token_ids, final_only=True)
+            for i, (rid, ((text, token_ids), sp)) in enumerate(zip(ids, work)):
+                engine.add_request(
+                    rid, text, sp, prompt_token_ids=token_ids, final_only=True,
+                    adapter_id=adapters[i] if adapters else 0,
+                )  # fmt: skip
                 added.append(rid)
             finals: dict[str, RequestOutput] = {}
             while len(finals) < len(ids):

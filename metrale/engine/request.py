@@ -61,3 +61,15 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     #: Set when the request ended because of an error; the message a client may see.
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter for offline generation, in vLLM's shape: `LoRARequest(name, id, path)`.
+    `lora_int_id` is the caller's label; the engine keys adapters by name (the first request
+    naming an adapter loads it from `lora_path`; a later one naming it with another path is
+    refused)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str

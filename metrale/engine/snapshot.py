@@ -62,6 +62,8 @@ class EngineSnapshot:
     spec_gate: dict[str, int] = field(default_factory=dict)
     #: Drafts per verify row (k); 0 when speculation is off.
     num_speculative_tokens: int = 0
+    #: LoRA slot pool gauges and counters (`Engine.lora_stats`); empty when LoRA is off.
+    lora: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotTaker:
@@ -95,6 +97,7 @@ class SnapshotTaker:
             spec=copy.deepcopy(engine.spec_stats),
             spec_gate=dict(engine.speculation.gate.counters) if engine.speculation.gate else {},
             num_speculative_tokens=engine.speculation.k,
+            lora=engine.lora_stats(),
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:
@@ -120,6 +123,8 @@ class EngineInfo:
     sampling_defaults: SamplingDefaults
     #: `EngineConfig.scheduling_policy` ("fcfs" or "priority").
     scheduling_policy: str = "fcfs"
+    #: LoRA adapters registered at start-up, (name, id, directory); None: LoRA is off.
+    lora_adapters: tuple[tuple[str, int, str], ...] | None = None
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -134,4 +139,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         kv_block_size=model.kv_block_size() or 0,
         sampling_defaults=engine.sampling_defaults,
         scheduling_policy=engine.config.scheduling_policy,
+        lora_adapters=tuple(engine.lora_adapter_list()) if engine.config.lora_enabled else None,
     )

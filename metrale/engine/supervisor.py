@@ -131,6 +131,13 @@ class SupervisedEngine:
             raise copy.copy(outage)
         return await self._current.add_request(request_id, prompt, params, **options)
 
+    async def control(self, method: str, *args: Any) -> Any:
+        """The current engine's `control`, or the outage's error while it restarts."""
+        outage = self._outage
+        if outage is not None:
+            raise copy.copy(outage)
+        return await self._current.control(method, *args)
+
     # ---------------------------------------------------------------- restarts
 
     def _watch(self, handle: EngineHandle) -> None:

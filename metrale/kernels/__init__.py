@@ -55,6 +55,8 @@ class KernelOps:
     gated_delta_chunk_varlen: Callable = ssm_reference.gated_delta_chunk_varlen
     gated_delta_update: Callable = ssm_reference.gated_delta_update
     moe_experts: Callable = ssm_reference.moe_experts
+    # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
+    lora_gather_add: Callable = reference.lora_gather_add
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 

@@ -337,3 +337,23 @@ def top_k_top_p_sample(
     target = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, target, right=False).squeeze(1).clamp_(max=probs.shape[-1] - 1)
     return torch.where(samplable, ids, 0), samplable
+
+
+def lora_gather_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    token_slots: torch.Tensor,
+    scales: torch.Tensor,
+) -> None:
+    """Multi-LoRA by gather (capturable: no host read): for every token row t with
+    `s = token_slots[t] >= 0`, `y[t] += ((a[s] @ x[t]) * scales[s]) @ b_t[s]`; rows with
+    slot -1 are untouched. `a` `[slots, R, in]`, `b_t` `[slots, R, out]` (rows past an
+    adapter's rank are zero), `scales` `[slots]` float32; `y` may be a column slice."""
+    valid = token_slots >= 0
+    safe = token_slots.clamp(min=0)
+    xa = torch.bmm(a.index_select(0, safe), x.unsqueeze(-1)).squeeze(-1).float()
+    xa = xa * (scales.index_select(0, safe) * valid).unsqueeze(-1)
+    delta = torch.bmm(xa.to(b_t.dtype).unsqueeze(1), b_t.index_select(0, safe)).squeeze(1)
+    y += delta.to(y.dtype)

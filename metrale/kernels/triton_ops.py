@@ -6,7 +6,7 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py`. An op not listed keeps its torch reference.
+  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`). An op not listed keeps its torch reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
@@ -35,6 +35,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "argmax": ("metrale.kernels.triton_sampling", "argmax"),
     "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
+    "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
 }
 
 

@@ -11,6 +11,10 @@ Invariants:
 - Attention reads and writes K/V only through the metadata's slots and block tables.
 - A `PreNormLayer` threads the residual stream the same way in every family: `pre_norm` on
   entry, the fused residual add before the MLP, `(hidden, residual)` out.
+- `GatedMLP` and `PagedSelfAttention` carry `lora` (a `metrale.layers.lora.LoraLayer`, None
+  unless the model serves adapters); when a forward routes rows to adapters, each base
+  projection's output gets those rows' LoRA deltas before it is used (the down projection is
+  then run unfused, on the materialised SiLU-and-mul).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.lora import LoraLayer
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
 
@@ -95,6 +100,9 @@ class PreNormLayer(nn.Module, ABC):
 class GatedMLP(nn.Module):
     """`down(silu(gate(x)) * up(x))` with gate and up fused into one projection."""
 
+    #: The layer's LoRA slots (set by `metrale.model_engine.lora`); None: base model only.
+    lora: LoraLayer | None = None
+
     def __init__(
         self, hidden: int, intermediate: int, bias: bool, act: str, ops: KernelOps
     ) -> None:
@@ -107,9 +115,20 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
-        return ops.silu_mul_linear(
-            ops.linear(x, gate_up.weight, gate_up.bias), down.weight, down.bias
-        )
+        lora = self.lora
+        if lora is None or not lora.active():
+            return ops.silu_mul_linear(
+                ops.linear(x, gate_up.weight, gate_up.bias), down.weight, down.bias
+            )
+        h = ops.linear(x, gate_up.weight, gate_up.bias)
+        inter = h.shape[-1] // 2
+        lora.add(x, h, [("gate_proj", 0, inter), ("up_proj", inter, inter)])
+        if not lora.adapts("down_proj"):
+            return ops.silu_mul_linear(h, down.weight, down.bias)
+        act = ops.silu_and_mul(h)
+        out = ops.linear(act, down.weight, down.bias)
+        lora.add(act, out, [("down_proj", 0, out.shape[-1])])
+        return out
 
 
 class AttentionProjections(nn.Module):
@@ -137,6 +156,9 @@ class AttentionProjections(nn.Module):
 
 
 class PagedSelfAttention(AttentionProjections):
+    #: The layer's LoRA slots (set by `metrale.model_engine.lora`); None: base model only.
+    lora: LoraLayer | None = None
+
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
     ) -> None:
@@ -152,6 +174,12 @@ class PagedSelfAttention(AttentionProjections):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        lora = self.lora if self.lora is not None and self.lora.active() else None
+        if lora is not None:
+            q_n, kv_n = self.q_size, self.kv_size
+            lora.add(
+                x, qkv, [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)]
+            )
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -159,9 +187,11 @@ class PagedSelfAttention(AttentionProjections):
         q = self._prepare_q_and_write_kv(positions, q, k, v, kv, meta.slot_mapping)
         k_cache, v_cache = kv
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.ops.linear(
-            out.reshape(tokens, self.q_size), self.o_proj.weight, self.o_proj.bias
-        )
+        flat = out.reshape(tokens, self.q_size)
+        y = self.ops.linear(flat, self.o_proj.weight, self.o_proj.bias)
+        if lora is not None:
+            lora.add(flat, y, [("o_proj", 0, y.shape[-1])])
+        return y
 
     def _prepare_q_and_write_kv(
         self,

@@ -11,6 +11,8 @@ Invariants:
   MTP head's rows, `start_at`).
 - On hybrid models every row carries its sequence's SSM slot; a row starting at position 0
   is marked as having no initial recurrent state.
+- `lora` routes each row's tokens to its sequence's LoRA slot (`seq.adapter_slot`, -1: the
+  base model); None when no row uses an adapter.
 - Rows naming a `RecurrentVerify` (hybrid verify: the decode-side rows from the first one
   with drafts on) directly follow the `num_decode` decode rows; they become the metadata's
   `num_sequential` rows, and their layout (token rows, slots, per-step indices) is uploaded
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.lora import LoraBatch
 from metrale.layers.recurrent_verify import RecurrentVerify
 from metrale.model_engine.traits import SequenceState
 
@@ -61,6 +64,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     #: For each ForwardRow: (first logits row, number of logits rows) in the logits output.
     logits_spans: list[tuple[int, int]]
+    #: LoRA routing of the rows (per-token slot tensor + per-slot row groups); None: base only.
+    lora: LoraBatch | None = None
 
 
 def build_forward_batch(
@@ -128,6 +133,7 @@ def build_forward_batch(
         meta=meta,
         logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
         logits_spans=spans,
+        lora=LoraBatch.build([r.seq.adapter_slot for r in rows], query_lens.tolist(), device),
     )
 
 

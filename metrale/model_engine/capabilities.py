@@ -39,6 +39,14 @@ class ModelAdapters:
     def adapter_id_for(self, slot: int) -> int:
         return 0
 
+    def resolve_adapter_slot(self, adapter_id: int) -> int | None:
+        """The device slot holding adapter `adapter_id` (promoting it if needed), -1 for the
+        base model (id 0), None when every slot is in use (the caller waits). Not in the
+        seed: its scheduler resolved slots through `promote_lora_from_disk`."""
+        if adapter_id == 0:
+            return -1
+        raise _unsupported("LoRA adapters")
+
     def acquire_adapter_slot(self, slot: int) -> int:
         return -1
 
@@ -55,6 +63,24 @@ class ModelAdapters:
 
     def promote_lora_from_disk(self, path: str, name: str) -> tuple[int, str | None]:
         raise _unsupported("LoRA promotion from disk")
+
+    # Not in the seed: the engine's registry of adapters (names, ids, load and unload).
+    def load_lora(self, name: str, path: str, adapter_id: int | None = None) -> int:
+        """Read, check and register the adapter at `path` as `name` (under `adapter_id` when
+        given and free); returns its id."""
+        raise _unsupported("LoRA adapters")
+
+    def unload_lora(self, name: str) -> int:
+        """Forget adapter `name` (refused while a sequence holds its slot); returns its id."""
+        raise _unsupported("LoRA adapters")
+
+    def lora_adapters(self) -> list[Any]:
+        """The registered adapters (`name`, `adapter_id`, `path` each)."""
+        return []
+
+    def lora_stats(self) -> dict[str, int]:
+        """The slot pool's gauges and counters; empty without LoRA."""
+        return {}
 
 
 class ModelSsmState:

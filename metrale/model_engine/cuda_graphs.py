@@ -26,6 +26,9 @@ Invariants:
   (stream order makes the buffer hold it when the replay runs) and the padding rows' null
   columns already cover the step's Q.
 - A fed replay's input ids are gathered on the device from the previous step's token ids.
+- With LoRA (`lora`), every graph runs the adapters' gather op on every adapted projection,
+  reading each token row's slot from `lora_token_slots` (padding and base rows: -1, no
+  delta); without it, a replay whose rows select a slot is refused, never run as the base.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.lora import LoraBatch, LoraSlots
 from metrale.model_engine.traits import DECODE_BATCH_LADDER, blocks_for, padded_batch_n
 
 logger = logging.getLogger(__name__)
@@ -55,12 +59,15 @@ class DecodeGraphRunner:
         query_lens: Sequence[int] = (1,),
         verify_max_batch: int | None = None,
         head_hidden: bool = False,
+        lora: LoraSlots | None = None,
     ) -> None:
         """`query_lens`: the token rows per sequence to capture graphs for (1: decode; k + 1:
         verify steps of k draft tokens), e.g. `(1, 5)`; `verify_max_batch` caps the batch
         rungs captured for Q > 1 (each keeps a `[rung * Q, vocab]` logits output), None:
         every rung. `head_hidden`: the graphs also output the hidden rows an MTP head reads
-        (`module.forward_for_mtp`), read back by `head_hidden()` after a replay."""
+        (`module.forward_for_mtp`), read back by `head_hidden()` after a replay. `lora`: the
+        model's LoRA slots; the graphs then add each row's adapter delta by the gather op,
+        reading the per-row slot from a persistent buffer (a graph input)."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"query_lens must be positive, got {tuple(query_lens)}")
         self.module = module
@@ -84,13 +91,17 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.lora = lora
+        #: Each token row's LoRA slot (-1: the base model); a graph input when `lora` is set.
+        self.lora_token_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         #: Per Q: `query_start_loc` of Q rows per sequence (constant, never rewritten).
         self.query_start_locs = {
             q: torch.arange(n + 1, dtype=torch.int32, device=device) * q for q in self.query_lens
         }
         pinned = device.type == "cuda"
-        # ids, positions, slots (a token row each), lengths (a sequence each), the block table
-        size = 3 * tokens + n + n * width
+        # ids, positions, slots (a token row each), lengths (a sequence each), LoRA slots (a
+        # token row each, with `lora`), the block table
+        size = 4 * tokens + n + n * width
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         #: The block table last sent to the device buffer, to skip re-sending it (its row
@@ -140,11 +151,17 @@ class DecodeGraphRunner:
             self._meta(rows, query_len),
             self.kv_layers,
         )
-        if self.capture_head_hidden:
-            hidden, for_head = self.module.forward_for_mtp(*args)
-            self.head_outputs[rows, query_len] = for_head
-        else:
-            hidden = self.module(*args)
+        if self.lora is not None:
+            self.lora.batch = LoraBatch(self.lora_token_slots[:tokens], None)
+        try:
+            if self.capture_head_hidden:
+                hidden, for_head = self.module.forward_for_mtp(*args)
+                self.head_outputs[rows, query_len] = for_head
+            else:
+                hidden = self.module(*args)
+        finally:
+            if self.lora is not None:
+                self.lora.batch = None
         return self.module.compute_logits(hidden).float()
 
     def head_hidden(self, rows: int, query_len: int) -> torch.Tensor | None:
@@ -203,18 +220,24 @@ class DecodeGraphRunner:
         positions: np.ndarray,
         tables: np.ndarray,
         feed: torch.Tensor | None = None,
+        adapter_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Replay for `len(tokens)` decode rows; returns their `[rows, vocab]` float32 logits.
         `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded). With `feed` (the
-        previous step's token ids on the device), `tokens` are row indices into it."""
+        previous step's token ids on the device), `tokens` are row indices into it.
+        `adapter_slots`: each row's LoRA slot (-1: base; None: all base)."""
         rows = len(tokens)
         bs = self.block_size
         slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
-        return self._replay(1, tokens, positions, slots, positions + 1, tables, feed)
+        return self._replay(1, tokens, positions, slots, positions + 1, tables, feed, adapter_slots)
 
     @torch.inference_mode()
     def run_verify(
-        self, tokens: np.ndarray, start_positions: np.ndarray, tables: np.ndarray
+        self,
+        tokens: np.ndarray,
+        start_positions: np.ndarray,
+        tables: np.ndarray,
+        adapter_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Replay a verify step: `tokens` `[rows, Q]` int64 (each sequence's last token and
         its Q - 1 draft tokens), `start_positions` `[rows]` (the position of each row's
@@ -230,7 +253,7 @@ class DecodeGraphRunner:
         lens = start_positions + query_len
         return self._replay(
             query_len, tokens.reshape(-1), positions.reshape(-1), slots.reshape(-1), lens,
-            tables, None,
+            tables, None, adapter_slots,
         )  # fmt: skip
 
     def _replay(
@@ -242,9 +265,11 @@ class DecodeGraphRunner:
         lens: np.ndarray,
         tables: np.ndarray,
         feed: torch.Tensor | None,
+        adapter_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Stage one step's flat token rows (`rows * query_len` of them) and per-sequence
-        lengths and tables, then replay the (rung, Q) graph (or run its body uncaptured)."""
+        lengths, tables and LoRA slots, then replay the (rung, Q) graph (or run its body
+        uncaptured)."""
         if query_len not in self.query_lens:
             raise ValueError(f"no decode graphs for Q={query_len} (have {self.query_lens})")
         rows = len(lens)
@@ -277,7 +302,17 @@ class DecodeGraphRunner:
             and (rung == rows or self._sent_null_cols >= null_cols)
         )
         end = 3 * total + rung
+        lora_at = end
+        if self.lora is not None:
+            routed = stage[end : end + total]
+            routed[:] = -1
+            if adapter_slots is not None:
+                routed[:real] = np.repeat(np.asarray(adapter_slots, dtype=np.int64), query_len)
+            end += total
+        elif adapter_slots is not None and (np.asarray(adapter_slots) >= 0).any():
+            raise ValueError("a row selects a LoRA slot but the graphs were captured without LoRA")
         width = tables.shape[1]
+        tables_at = end
         if send_tables:
             stage[end : end + rows * width] = tables.reshape(-1)
             end += rows * width
@@ -293,8 +328,10 @@ class DecodeGraphRunner:
         self.positions[:total].copy_(staged[total : 2 * total])
         self.slot_mapping[:total].copy_(staged[2 * total : 3 * total])
         self.seq_lens[:rung].copy_(staged[3 * total : 3 * total + rung])
+        if self.lora is not None:
+            self.lora_token_slots[:total].copy_(staged[lora_at : lora_at + total])
         if send_tables:
-            self.block_tables[:rows, :width].copy_(staged[3 * total + rung :].view(rows, width))
+            self.block_tables[:rows, :width].copy_(staged[tables_at:].view(rows, width))
             if rung > rows:
                 self.block_tables[rows:rung, :null_cols].zero_()
         self._last_key = (rung, query_len)

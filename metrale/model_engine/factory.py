@@ -44,6 +44,7 @@ from metrale.model_engine.gpu_setup import (
     kv_budget_bytes,
     warm_forward_shapes,
 )
+from metrale.model_engine.lora import lora_slot_bytes
 from metrale.model_engine.mtp import require_mtp_head
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.transformer_model import TransformerModel
@@ -220,6 +221,10 @@ def _load_model(
             )
         else:
             num_blocks = _blocks_in_budget(config, per_block, max_model_len, budget)
+        if config.lora_enabled and device.type == "cuda":
+            # The LoRA slots are allocated after the pool: leave room for them.
+            lora_bytes = lora_slot_bytes(module, config.max_loras, config.max_lora_rank, dtype)
+            num_blocks = max(2, num_blocks - -(-lora_bytes // per_block))
     kv = PagedKVCache(
         kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
         mcfg.head_dim, dtype, device,
@@ -232,6 +237,10 @@ def _load_model(
     model.kernel_ops = ops
     if config.kv_offload_host_gb > 0 or config.kv_offload_disk is not None:
         model.attach_kv_tiers(_kv_tiers(config, model_dir, arch_name, kv, mtp))
+    if config.lora_enabled:
+        model.enable_lora(config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras)
+        for name, path in config.lora_module_dirs().items():
+            model.load_lora(name, path)
     kv_bytes = num_blocks * per_block
     breakdown.kv_bytes = kv_bytes
     progress.end_phase(
@@ -437,7 +446,7 @@ def _capture_graphs(
     runner = DecodeGraphRunner(
         model.module, model.main_kv_layers, model.device, config.max_num_seqs,
         blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
-        head_hidden=model.mtp_enabled,
+        head_hidden=model.mtp_enabled, lora=model.lora.slots if model.lora is not None else None,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner

@@ -16,6 +16,11 @@ Invariants:
 - A fed decode step (`decode_batch_fed`, the device token feed) advances its sequences like
   any forward but records `FED_TOKEN` in `tokens` at the new position; the scheduler's commit
   of the previous step overwrites it, and `cache_sequence` never indexes a position holding it.
+- LoRA (`LoraAdapters`, `lora.py`): a forward routes each row to its sequence's
+  `adapter_slot` (-1: the base model) for the duration of the module call only; decode and
+  verify graphs captured with the LoRA slots replay adapter rows (their slots a graph input),
+  graphs captured without them never do (those steps run eagerly, counted in
+  `lora_eager_forwards`).
 - No forward takes a sequence past `max_model_len` (`fits_context`, the model's one check).
 - With the MTP head drafting (`mtp=True`), every eager forward keeps its rows' hidden states
   for the head (`MtpDrafting`, `mtp.py`); the KV cache holds the head's layers after the main
@@ -47,6 +52,7 @@ from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
+from metrale.model_engine.lora import LoraAdapters
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
@@ -69,7 +75,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
+class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapters, Model):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -108,6 +114,8 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         self.graph_runner: DecodeGraphRunner | None = None
         #: Forwards run eagerly (prefills, mixed steps, and decode when no graph applies).
         self.eager_forwards = 0
+        #: Decode steps a graph would have run, run eagerly because a row uses an adapter.
+        self.lora_eager_forwards = 0
         #: op name -> "torch" | "triton" | "triton+pdl", as the factory selected them.
         self.kernel_implementations: dict[str, str] = {}
         #: The op set the factory built the layers with (the engine's sampler uses its
@@ -177,6 +185,8 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
     def forward_counters(self) -> dict[str, int]:
         replays = self.graph_runner.replays if self.graph_runner is not None else 0
         counters = {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+        if self.lora is not None:
+            counters["lora_eager_forwards"] = self.lora_eager_forwards
         if self.mtp_enabled:
             counters["mtp_graphed_proposes"] = self.mtp_proposes["graphed"]
             counters["mtp_eager_proposes"] = self.mtp_proposes["eager"]
@@ -413,22 +423,33 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
         if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
-            spans = [(i, 1) for i in range(len(rows))]
-            return self._forward_graphed(runner, rows, feed), spans
+            if runner.lora is not None or all(r.seq.adapter_slot < 0 for r in rows):
+                spans = [(i, 1) for i in range(len(rows))]
+                return self._forward_graphed(runner, rows, feed), spans
+            self.lora_eager_forwards += 1
         self.eager_forwards += 1
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
+        if batch.lora is not None and self.lora is None:
+            raise ValueError("a row selects a LoRA slot but the model serves no adapters")
         if feed is not None:
             tokens, from_rows = feed
             index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
         args = (batch.input_ids, batch.meta.positions, batch.meta, self.main_kv_layers)
         kwargs = {} if self.ssm_pool is None else {"ssm_states": self.ssm_pool.layers}
+        if self.lora is not None:
+            self.lora.slots.batch = batch.lora
+        try:
+            if self.mtp_enabled:
+                hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
+            else:
+                hidden = self.module(*args, **kwargs)
+        finally:
+            if self.lora is not None:
+                self.lora.slots.batch = None
         if self.mtp_enabled:
-            hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
             self._keep_mtp_rows(rows, for_head, owned=True)
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])
-        else:
-            hidden = self.module(*args, **kwargs)
         if any(r.prefill and r.seq.pooling is not None for r in rows):
             self._pool(rows, hidden)
         selected = hidden.index_select(0, batch.logits_indices)
@@ -452,7 +473,13 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         for i, r in enumerate(rows):
             tables[i, : len(r.seq.block_table)] = r.seq.block_table
         self._last_hidden = None
-        logits = runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
+        adapters = None
+        if runner.lora is not None:
+            adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
+        logits = runner.run(
+            tokens, positions, tables, feed[0] if feed is not None else None,
+            adapter_slots=adapters,
+        )  # fmt: skip
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits

@@ -53,6 +53,7 @@ class VerifyForwards:
     graph_runner: DecodeGraphRunner | None
     _last_hidden: torch.Tensor | None
     mtp_enabled: bool
+    lora_eager_forwards: int
 
     if TYPE_CHECKING:  # provided by `TransformerModel` (and `_mixed`, its forward)
 
@@ -130,6 +131,10 @@ class VerifyForwards:
         runner = self.graph_runner
         if runner is None or len(decode_tokens) != len(seqs) or len(drafts) != len(seqs):
             return None
+        adapters = np.fromiter((s.adapter_slot for s in seqs), np.int64, len(seqs))
+        if runner.lora is None and (adapters >= 0).any():
+            self.lora_eager_forwards += 1
+            return None  # graphs without LoRA never run an adapter row
         longest = max(len(d) for d in drafts) + 1
         q = next((q for q in runner.query_lens if q >= longest), None)
         if q is None or q == 1 or not runner.can_run(len(seqs), q):
@@ -151,7 +156,10 @@ class VerifyForwards:
         for i, s in enumerate(seqs):
             tables[i, : len(s.block_table)] = s.block_table
         with torch.inference_mode():
-            logits = runner.run_verify(tokens, starts, tables)
+            if runner.lora is not None:
+                logits = runner.run_verify(tokens, starts, tables, adapter_slots=adapters)
+            else:
+                logits = runner.run_verify(tokens, starts, tables)
             index = None
             if all(len(d) + 1 == q for d in drafts):
                 selected = logits  # no padding: every row is the graph's rows

@@ -16,6 +16,11 @@ Invariants:
   reservations and the decode rows' need, so an admitted prefill finishes without preempting.
 - The prefix cache is looked up, reclaimed and filled under a sequence's `prefix_namespace`
   (its adapter id and `cache_namespace`): sequences of different namespaces never share blocks.
+- A sequence with a LoRA adapter is admitted only with a ref on the device slot holding it
+  (`resolve_adapter_slot` promotes it, evicting the least recently used idle slot). When no
+  slot can be had it waits at its place in the queue; adapter sequences behind it wait too
+  (the slots drain to it, so it is not starved), base-model sequences behind it are admitted
+  past it. `stats.lora_waiting_for_slot` counts the sequences the last pass left waiting.
 - `_start` leaves nothing behind on failure: the state it allocated is freed and the sequence
   is WAITING again.
 """
@@ -23,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -31,6 +37,8 @@ from metrale.model_engine.traits import blocks_for
 from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence, Status, prefix_namespace  # noqa: F401
+
+logger = logging.getLogger(__name__)
 
 
 def tenant_key(tenant: str | None) -> int | None:
@@ -58,6 +66,22 @@ class Admission(SchedulerParts):
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
+        deferred: list[tuple[deque[SchedSequence], SchedSequence]] = []
+        try:
+            return self._admit_queues(plan, budget, available, deferred)
+        finally:
+            # Back at the front of their queues, in their order.
+            for queue, seq in reversed(deferred):
+                queue.appendleft(seq)
+            self.stats.lora_waiting_for_slot = len(deferred)
+
+    def _admit_queues(
+        self,
+        plan: StepPlan,
+        budget: int,
+        available: int,
+        deferred: list[tuple[deque[SchedSequence], SchedSequence]],
+    ) -> int:
         while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
             free_slots = self.model.num_free_slots()
             if free_slots is not None and free_slots <= 0:
@@ -76,9 +100,20 @@ class Admission(SchedulerParts):
                     break
             if not from_swap and budget <= 0:
                 break
+            adapter_slot = -1
+            if seq.adapter_id:
+                # Once one sequence waits for a slot, later adapter sequences wait behind it
+                # (so the slots drain to it); base-model sequences go past.
+                resolved = None if deferred else self._resolve_adapter(seq, plan)
+                if resolved is None:
+                    if seq.is_finished:  # `finish` took it out of its queue
+                        continue
+                    deferred.append((queue, queue.popleft()))
+                    continue
+                adapter_slot = resolved
             queue.popleft()
             try:
-                self._start(seq)
+                self._start(seq, adapter_slot)
             except KVCacheExhausted:
                 # The pool changed under us (should not happen single-threaded): retry later.
                 self._requeue_front(queue, seq)
@@ -95,10 +130,25 @@ class Admission(SchedulerParts):
                 budget -= work.length
         return budget
 
-    def _start(self, seq: SchedSequence) -> None:
-        """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit)."""
+    def _resolve_adapter(self, seq: SchedSequence, plan: StepPlan) -> int | None:
+        """The device slot of `seq`'s adapter (promoted if need be), or None when every slot
+        is in use. An adapter that cannot be read (gone from disk) ends `seq` with "error"."""
+        try:
+            return self.model.resolve_adapter_slot(seq.adapter_id)
+        except Exception as exc:
+            logger.error("sequence %s: its LoRA adapter cannot be served: %s", seq.seq_id, exc)
+            self.finish(seq, "error")
+            plan.finished.append(seq)
+            return None
+
+    def _start(self, seq: SchedSequence, adapter_slot: int = -1) -> None:
+        """Give an admitted sequence its device state (fresh, swapped-in, or prefix-hit) and,
+        with `adapter_slot` >= 0, a ref on that LoRA slot (released by `free_sequence`)."""
         state = self.model.alloc_sequence()  # blocks come a forward at a time
         state.adapter_id = seq.prefix_namespace
+        if adapter_slot >= 0:
+            state.adapter_slot = adapter_slot
+            state.acquired_adapter_slot = self.model.acquire_adapter_slot(adapter_slot)
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
         seq.state = state

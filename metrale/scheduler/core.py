@@ -100,6 +100,8 @@ class SchedulerStats:
     prefix_queries: int = 0
     prefix_hit_requests: int = 0
     prefix_hit_tokens: int = 0
+    #: Sequences the last admission pass left waiting for a LoRA slot (a gauge).
+    lora_waiting_for_slot: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 

@@ -5,7 +5,8 @@ Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the r
 schemas) and `GET /docs` (FastAPI's page over it), `GET /version`, `GET /v1/models[/{id}]`,
 `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`,
 `POST /v1/messages/count_tokens`, `POST /v1/embeddings`, `POST /v1/responses` (and `GET` / `DELETE` of a stored one),
-`POST /tokenize`, `POST /detokenize`.
+`POST /tokenize`, `POST /detokenize`, and `POST /v1/load_lora_adapter` /
+`POST /v1/unload_lora_adapter` (`routes/lora.py`).
 
 Invariants:
 - Middleware order, outermost first: request metrics (status of every answer, in-flight
@@ -44,6 +45,7 @@ from metrale.server.errors import (
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
 from metrale.server.routes import embeddings as embeddings_routes
+from metrale.server.routes import lora as lora_routes
 from metrale.server.routes import openai as openai_routes
 from metrale.server.routes import responses as responses_routes
 from metrale.server.routes import utility as utility_routes
@@ -139,6 +141,7 @@ def create_app(
     strict_request_fields: bool = False,
     max_logprobs: int = MAX_LOGPROBS,
     pooling: str = "last",
+    enable_lora_runtime_updates: bool = False,
 ) -> FastAPI:
     """The app over `engine`. `api_key`: one key or several (each its own tenant);
     `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
@@ -171,6 +174,7 @@ def create_app(
         strict_request_fields=strict_request_fields,
         max_logprobs=max_logprobs,
         pooling=pooling,
+        lora_runtime_updates=enable_lora_runtime_updates,
     )
 
     @asynccontextmanager
@@ -228,6 +232,7 @@ def create_app(
     app.include_router(responses_routes.router)
     app.include_router(embeddings_routes.router)
     app.include_router(utility_routes.router)
+    app.include_router(lora_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=keys)

@@ -151,6 +151,12 @@ def add_serve_parser(subparsers: Any) -> None:
         help="M2M100/NLLB checkpoints: target language code of requests without tgt_lang "
         "(default: none, tgt_lang required)",
     )
+    server.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API "
+        "key; implies --enable-lora; default: off)",
+    )
     _add_vllm_compat_flags(parser)
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)
@@ -242,7 +248,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from metrale.engine_flags import engine_config_from_args, served_model_names
 
     _check_vllm_compat_flags(args)
-    config = engine_config_from_args(args)
+    lora_updates = bool(args.enable_lora_runtime_updates)
+    config = engine_config_from_args(args, **({"enable_lora": True} if lora_updates else {}))
     from metrale.server.auth import read_key_file
 
     api_key = list(args.api_key or [])
@@ -285,6 +292,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         pooling=args.pooling,
         src_lang=args.src_lang,
         tgt_lang=args.tgt_lang,
+        enable_lora_runtime_updates=lora_updates,
     )
 
 
@@ -307,6 +315,7 @@ def serve(
     pooling: str = "last",
     src_lang: str | None = None,
     tgt_lang: str | None = None,
+    enable_lora_runtime_updates: bool = False,
 ) -> int:
     import uvicorn
 
@@ -346,6 +355,7 @@ def serve(
         strict_request_fields=strict_request_fields,
         max_logprobs=max_logprobs,
         pooling=pooling,
+        enable_lora_runtime_updates=enable_lora_runtime_updates,
     )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(

@@ -20,6 +20,8 @@ Invariants:
 - The speculative decoding series (`metrale_spec_decode_*`, vLLM's names) are always exposed,
   zero when speculation is off; the per-position series has one `position` per draft slot
   (0..k-1), none when speculation is off.
+- The LoRA series (`metrale_lora_*`: slots, adapters resident and registered, sequences
+  waiting for a slot, promotions, evictions, disk loads) exist only when LoRA is on.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ KNOWN_ENDPOINTS = frozenset(
         "/tokenize",
         "/detokenize",
         "/version",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     }
 )
 
@@ -184,6 +188,31 @@ class _EngineCollector(Collector):
         forwards.add_metric(["eager"], snap.eager_forwards)
         yield forwards
         yield from _spec_metrics(snap)
+        yield from _lora_metrics(snap)
+
+
+def _lora_metrics(snap: EngineSnapshot) -> Iterator[Metric]:
+    """The LoRA slot pool's gauges and counters; none when LoRA is off."""
+    lora = snap.lora
+    if not lora:
+        return
+    for name, doc, key in (
+        ("metrale_lora_slots", "device LoRA slots (--max-loras)", "slots"),
+        ("metrale_lora_adapters_resident", "adapters resident in a device slot", "resident"),
+        ("metrale_lora_adapters_registered", "adapters the engine serves", "registered"),
+        (
+            "metrale_lora_requests_waiting_for_slot",
+            "sequences the last admission pass left waiting for a LoRA slot",
+            "waiting_for_slot",
+        ),
+    ):
+        yield GaugeMetricFamily(name, doc, value=lora.get(key, 0))
+    for name, doc, key in (
+        ("metrale_lora_promotions", "adapters copied into a device slot", "promotions"),
+        ("metrale_lora_evictions", "adapters evicted from a device slot (LRU)", "evictions"),
+        ("metrale_lora_disk_loads", "promotions that read the adapter from disk", "disk_loads"),
+    ):
+        yield CounterMetricFamily(name, doc, value=lora.get(key, 0))
 
 
 def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:

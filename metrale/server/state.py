@@ -14,12 +14,18 @@ Invariants:
 - A request's prefix-cache namespace (`cache_namespace`) joins its key's tenant (under
   `--prefix-cache-isolation api-key`) and its `cache_salt`: different namespaces never share
   a cached block, so `cached_tokens` and TTFT never reveal another tenant's prompts.
+- LoRA: `loras` mirrors the engine's adapter registry (name -> id); a request's `model` names
+  the base model or an adapter (`adapter_id`), anything else is a 404. The server hands out
+  the ids of adapters loaded at run time (`next_adapter_id`, never reused), and after an
+  engine restart loads those adapters into the new engine under the same ids before routing
+  to them, so an id always means the same weights.
 - `add_requests` either returns one accepted stream per prompt or raises having aborted the
   ones it had already added, so a bad prompt in a batch leaves nothing running.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -76,7 +82,21 @@ class ServerState:
     #: Every name requests may use for the served model (`model_name` first).
     model_aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    #: LoRA adapters served, by name; None when the engine serves none (LoRA off).
+    loras: dict[str, ServedAdapter] | None = None
+    #: `--enable-lora-runtime-updates`: the load/unload endpoints are on.
+    lora_runtime_updates: bool = False
     _max_token_chars: int | None = field(default=None, repr=False)
+    #: Engine restarts seen when the adapters were last known to be loaded in the engine.
+    _lora_restarts: int = field(default=0, repr=False)
+    _lora_lock: asyncio.Lock | None = field(default=None, repr=False)
+    _lora_next: int = field(default=1, repr=False)
+
+    def __post_init__(self) -> None:
+        adapters = self.engine.info.lora_adapters
+        if adapters is not None and self.loras is None:
+            self.loras = {n: ServedAdapter(n, i, p, runtime=False) for n, i, p in adapters}
+        self._lora_restarts = _restarts(self.engine)
 
     @property
     def prompt_token_limit(self) -> int:
@@ -135,12 +155,64 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         """Refuse a request for a model this server does not serve (404, param "model")."""
-        if model is not None and model != self.model_name and model not in self.model_aliases:
+        known = (self.model_name, *self.model_aliases, *(self.loras or {}))
+        if model is not None and model not in known:
+            served = ", ".join(repr(n) for n in [self.model_name, *(self.loras or {})])
             raise NotFoundError(
-                f"the model '{safe_text(model, 256)}' does not exist; this server serves "
-                f"'{self.model_name}'",
+                f"the model '{safe_text(model, 256)}' does not exist; this server serves {served}",
                 param="model",
             )
+
+    async def adapter_id(self, model: str | None) -> int:
+        """The engine's adapter id of the requested `model` (0: the base model); 404 for a
+        model not served. After an engine restart, adapters loaded at run time are loaded
+        into the new engine first (under their ids)."""
+        self.check_model(model)
+        if model is None or model == self.model_name or model in self.model_aliases:
+            return 0
+        if self.loras is None:
+            return 0
+        await self._reload_after_restart()
+        entry = self.loras.get(model)
+        if entry is None:
+            self.check_model(model)  # it could not be loaded again: 404, naming it
+        assert entry is not None
+        return entry.adapter_id
+
+    def next_adapter_id(self) -> int:
+        """A fresh adapter id: above every id this server has seen, so no prefix-cache
+        namespace is reused, not even across engine restarts."""
+        self._lora_next = max(
+            [self._lora_next, *(a.adapter_id + 1 for a in (self.loras or {}).values())]
+        )
+        taken, self._lora_next = self._lora_next, self._lora_next + 1
+        return taken
+
+    def lora_lock(self) -> asyncio.Lock:
+        """Serialises the server's changes to the adapter registry."""
+        if self._lora_lock is None:
+            self._lora_lock = asyncio.Lock()
+        return self._lora_lock
+
+    async def _reload_after_restart(self) -> None:
+        restarts = _restarts(self.engine)
+        if restarts == self._lora_restarts or self.loras is None:
+            return
+        async with self.lora_lock():
+            if restarts == self._lora_restarts:
+                return
+            for entry in [e for e in self.loras.values() if e.runtime]:
+                try:
+                    await self.engine.control(
+                        "load_lora_adapter", entry.name, entry.path, entry.adapter_id
+                    )
+                except MetraleError as exc:
+                    logger.error(
+                        "LoRA adapter %s could not be loaded into the restarted engine: %s",
+                        entry.name, exc.message,
+                    )  # fmt: skip
+                    del self.loras[entry.name]
+            self._lora_restarts = restarts
 
     async def add_requests(
         self,
@@ -149,6 +221,7 @@ class ServerState:
         params: SamplingParams,
         *,
         prompt_param: str = "prompt",
+        adapter_id: int = 0,
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
@@ -176,7 +249,8 @@ class ServerState:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 stream = await self.engine.add_request(
-                    rid, text, params, prompt_token_ids=ids, speculative=speculative,
+                    rid, text, params, prompt_token_ids=ids, adapter_id=adapter_id,
+                    speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
                     priority=priority,
                 )  # fmt: skip
@@ -192,6 +266,23 @@ class ServerState:
                 stream.abort()
             raise
         return streams
+
+
+@dataclass
+class ServedAdapter:
+    """A LoRA adapter the server routes requests to (`model` names it)."""
+
+    name: str
+    adapter_id: int
+    path: str
+    #: Loaded through `/v1/load_lora_adapter` (not `--lora-modules`): an engine restart
+    #: must load it again.
+    runtime: bool = True
+
+
+def _restarts(engine: object) -> int:
+    """How often a supervised engine has restarted (0 for a plain handle)."""
+    return int(getattr(engine, "restarts", 0) or 0)
 
 
 def server_state(request: Request) -> ServerState:

@@ -10,6 +10,7 @@ import torch
 from metrale import LLM, Engine, EngineConfig, SamplingParams
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
 from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.lora import ADAPTER_A, ADAPTER_B, build_adapter
 
 VARIANT = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
 BLOCK = 16
@@ -80,7 +81,13 @@ def test_concurrent_shared_prompts_match_cache_off() -> None:
 
 
 def test_adapters_never_share_blocks() -> None:
-    engine = Engine(EngineConfig(model=str(build(VARIANT)), device="cpu", num_kv_blocks=100))
+    base = build(VARIANT)
+    engine = Engine(
+        EngineConfig(model=str(base), device="cpu", num_kv_blocks=100, enable_lora=True)
+    )
+    first = engine.load_lora_adapter("a", str(build_adapter(base, ADAPTER_A)))
+    second = engine.load_lora_adapter("b", str(build_adapter(base, ADAPTER_B)))
+    assert (first, second) == (1, 2)
     prompt = shared_prompts()[2]
 
     def run(rid: str, adapter: int) -> int:

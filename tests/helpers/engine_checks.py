@@ -14,7 +14,8 @@ from metrale.engine.request import RequestOutput
 def assert_no_leaks(engine: Engine) -> None:
     """Nothing is held by a sequence: every usable block is free or held only by the prefix
     cache, and once the cache is emptied every block is free (all but the null block); on
-    hybrid models every SSM slot is free and no verify checkpoint is stashed."""
+    hybrid models every SSM slot is free and no verify checkpoint is stashed; with LoRA no slot
+    ref is held."""
     model = engine.model
     assert not engine.has_unfinished()
     pool = model.block_pool
@@ -27,6 +28,10 @@ def assert_no_leaks(engine: Engine) -> None:
     model.reclaim_prefix_blocks(model.num_total_blocks())
     assert model.num_free_blocks() == model.num_total_blocks()
     pool.check()
+    lora = getattr(model, "lora", None)
+    if lora is not None:  # every LoRA slot ref comes back
+        held = [lora.refs(i) for i in range(lora.slots.num_slots)]
+        assert held == [0] * len(held), f"LoRA slot refs still held: {held}"
     ssm_pool = getattr(model, "ssm_pool", None)
     if ssm_pool is not None:  # hybrid models: every SSM slot and verify stash comes back
         assert ssm_pool.num_free() == ssm_pool.num_slots and ssm_pool.num_allocated() == 0

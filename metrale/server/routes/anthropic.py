@@ -54,6 +54,8 @@ class _MessageJob:
         self.prompt_tokens = prompt_tokens
         self.tracker = tracker
         self.final: RequestOutput | None = None
+        #: The `model` the answer names: the served model, or the LoRA adapter asked for.
+        self.model = state.model_name
 
     def record(self, output: RequestOutput) -> None:
         self.final = output
@@ -87,7 +89,7 @@ class _MessageJob:
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
-            "model": self.state.model_name,
+            "model": self.model,
             "content": content,
             "stop_reason": None,
             "stop_sequence": None,
@@ -104,6 +106,7 @@ async def create_message(request: Request) -> Response:
     params = req.sampling_params(state.sampling_defaults)
     (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")
     job = _MessageJob(state, message_id, stream, len(ids), gen.tracker)
+    job.model = gen.model_name
     if req.stream:
         return EventStreamResponse(
             _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left

@@ -7,7 +7,7 @@ fields; `render_chat` turns chat messages into the prompt text and token ids.
 Invariants:
 - The order of the opening is the same on every route: tracker started, body read (413 past
   `max_body_bytes`; a client leaving meanwhile is a client abort at stage "body"), parsed (400 naming the field), unsupported fields refused, model checked
-  (404) — all before any engine request exists.
+  (404; a LoRA adapter's name selects it) — all before any engine request exists.
 - Every engine request of a generation gets the body's `speculative`, the draft-lookup
   tenant of the request's API key and `tenant` field (`request_tenant`), and its prefix-cache
   namespace (`cache_namespace`: key tenant under isolation, `cache_salt`).
@@ -108,6 +108,14 @@ class Generation(Generic[BodyT]):
     state: ServerState
     tracker: RequestTracker
     body: BodyT
+    #: The LoRA adapter the body's `model` names (0: the base model).
+    adapter_id: int = 0
+
+    @property
+    def model_name(self) -> str:
+        """The `model` answers name: the adapter asked for, else the served model."""
+        body: GenerationBody = self.body  # type: ignore[assignment]
+        return body.model if self.adapter_id and body.model else self.state.model_name
 
     async def completion_prompts(
         self, prompt: Any, add_special_tokens: bool = True, truncate: Truncate | None = None
@@ -170,6 +178,7 @@ class Generation(Generic[BodyT]):
             prompts,
             params,
             prompt_param=prompt_param,
+            adapter_id=self.adapter_id,
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
             cache_namespace=cache_namespace(self.request, body.cache_salt),
@@ -189,8 +198,8 @@ async def open_generation(request: Request, body_type: type[BodyT]) -> Generatio
     body = state.parse(body_type, raw, request.url.path)
     checked: GenerationBody = body  # type: ignore[assignment]
     checked.check_supported()
-    state.check_model(checked.model)
-    return Generation(request, state, tracker, body)
+    adapter_id = await state.adapter_id(checked.model)
+    return Generation(request, state, tracker, body, adapter_id)
 
 
 #: Stands in for the final assistant message while its turn's closing is cut off.

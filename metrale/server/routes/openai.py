@@ -1,4 +1,5 @@
-"""OpenAI routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI routes: `/v1/models` (the base model, then each LoRA adapter with `parent` the
+base), `/v1/completions`, `/v1/chat/completions`.
 
 Owner: server. Each handler parses and validates the body, tokenizes (chat template for chat),
 hands one engine request per prompt to `AsyncEngine`, and answers with one JSON body or an SSE
@@ -76,16 +77,30 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     }
 
 
+def _adapter_card(state: ServerState, name: str) -> dict[str, Any]:
+    """A LoRA adapter's card: vLLM's shape (`root` its directory, `parent` the base)."""
+    adapter = (state.loras or {})[name]
+    return {
+        **_model_card(state, name), "root": adapter.path, "parent": state.model_name,
+    }  # fmt: skip
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
     state = server_state(request)
     names = (state.model_name, *state.model_aliases)
-    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in names]})
+    cards = [
+        *(_model_card(state, n) for n in names),
+        *(_adapter_card(state, n) for n in state.loras or {}),
+    ]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
+    if model_id in (state.loras or {}) and model_id != state.model_name:
+        return JSONResponse(_adapter_card(state, model_id))
     if model_id != state.model_name and model_id not in state.model_aliases:
         raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
     return JSONResponse(_model_card(state, model_id))
@@ -106,6 +121,8 @@ class _Job:
     tracker: RequestTracker
     created: int = field(default_factory=lambda: int(time.time()))
     finals: list[RequestOutput | None] = field(default_factory=list)
+    #: The `model` the answer names: the served model, or the LoRA adapter asked for.
+    model: str = ""
 
     def __post_init__(self) -> None:
         self.finals = [None] * len(self.streams)
@@ -234,7 +251,7 @@ async def create_completion(request: Request) -> Response:
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, prompts, params)
-    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker)
+    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker, model=gen.model_name)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
         return EventStreamResponse(
@@ -292,7 +309,7 @@ class _CompletionView:
             "id": self.job.request_id,
             "object": "text_completion",
             "created": self.job.created,
-            "model": self.job.state.model_name,
+            "model": self.job.model or self.job.state.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }
@@ -413,7 +430,9 @@ async def create_chat_completion(request: Request) -> Response:
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
-    job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
+    job = _Job(
+        state, request_id, streams, [(text, ids)], params.n, gen.tracker, model=gen.model_name
+    )
     # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
     echoed = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
     view = _ChatView(job, req, echoed)
@@ -464,7 +483,7 @@ class _ChatView:
             "id": self.job.request_id,
             "object": obj,
             "created": self.job.created,
-            "model": self.job.state.model_name,
+            "model": self.job.model or self.job.state.model_name,
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": choices,
         }

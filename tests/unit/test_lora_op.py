@@ -1,0 +1,74 @@
+"""The batched LoRA op against a plain per-row loop: rows of several slots, base rows, slots
+of different ranks, a slot that does not adapt the target; the routing puts each token row
+with its sequence's slot."""
+
+from __future__ import annotations
+
+import torch
+
+from metrale.layers.lora import LoraBatch, LoraSlots
+
+
+def test_segment_op_equals_a_per_row_loop() -> None:
+    g = torch.Generator().manual_seed(0)
+    fan_in, fan_out, max_rank = 24, 40, 8
+    slots = LoraSlots(
+        {(0, "q_proj"): (fan_in, fan_out)}, 3, max_rank, torch.float64, torch.device("cpu")
+    )
+    weights = {}
+    for slot, rank in ((0, 8), (1, 3)):  # slot 2 stays empty (adapts nothing)
+        a = torch.randn(rank, fan_in, generator=g, dtype=torch.float64)
+        b = torch.randn(fan_out, rank, generator=g, dtype=torch.float64)
+        weights[slot] = (a, b, 0.5 + slot)
+        slots.write_slot(slot, {(0, "q_proj"): weights[slot]})
+    row_slots, query_lens = [1, -1, 0, 2, 1, 0], [1, 1, 5, 2, 4, 3]
+    batch = LoraBatch.build(row_slots, query_lens, torch.device("cpu"))
+    assert batch is not None
+    assert batch.token_slots.tolist() == [
+        s for s, n in zip(row_slots, query_lens) for _ in range(n)
+    ]
+    x = torch.randn(sum(query_lens), fan_in, generator=g, dtype=torch.float64)
+    y = torch.randn(sum(query_lens), fan_out, generator=g, dtype=torch.float64)
+    expected = y.clone()
+    for t, slot in enumerate(batch.token_slots.tolist()):
+        if slot in weights:
+            a, b, scale = weights[slot]
+            expected[t] += (b @ (a @ x[t])) * scale
+    slots.batch = batch
+    slots.layer(0).add(x, y, [("q_proj", 0, fan_out)])
+    torch.testing.assert_close(y, expected)
+
+
+def test_routing_of_a_base_only_batch_is_none_and_one_slot_needs_no_index() -> None:
+    cpu = torch.device("cpu")
+    assert LoraBatch.build([-1, -1], [3, 1], cpu) is None
+    one = LoraBatch.build([2, 2], [3, 1], cpu)
+    assert one is not None and one.groups == [(2, None)]
+
+
+def test_device_routing_by_gather_equals_the_segment_op() -> None:
+    """The capturable routing (slot tensor only, `reference.lora_gather_add`) gives the
+    segment op's result, after a slot was rewritten with a lower rank (stale rows zeroed)."""
+    g = torch.Generator().manual_seed(3)
+    cpu = torch.device("cpu")
+    shapes = {(0, "q_proj"): (16, 12), (0, "o_proj"): (12, 16)}
+    slots = LoraSlots(shapes, 2, 8, torch.float64, cpu)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    slots.write_slot(0, {(0, "q_proj"): (rand(8, 16), rand(12, 8), 2.0)})
+    slots.write_slot(0, {(0, "q_proj"): (rand(2, 16), rand(12, 2), 0.5)})  # rank 8 -> 2
+    slots.write_slot(1, {(0, "o_proj"): (rand(5, 12), rand(16, 5), 1.5)})
+    row_slots, lens = [0, -1, 1, 0], [2, 1, 3, 1]
+    x, y = rand(7, 16), rand(7, 12)
+    out = {}
+    for name, batch in (
+        ("segment", LoraBatch.build(row_slots, lens, cpu)),
+        ("gather", LoraBatch(LoraBatch.build(row_slots, lens, cpu).token_slots, None)),
+    ):
+        slots.batch = batch
+        out[name] = y.clone()
+        slots.layer(0).add(x, out[name], [("q_proj", 0, 12)])
+    torch.testing.assert_close(out["gather"], out["segment"])
+    assert not torch.equal(out["segment"], y)
