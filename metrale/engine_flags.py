@@ -51,6 +51,8 @@ FLAG_HELP = {
     "enforce_eager": "no CUDA graphs: every forward runs eagerly",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "ssm_snapshot_slots": "hybrid models: recurrent-state snapshots kept for prefix-cache hits "
+    "(each one full SSM state of a sequence; 0 bypasses the prefix cache on them)",
     "preemption_mode": "recompute | swap",
     "request_timeout": "per-request deadline in seconds (default: none; 0: none)",
     "load_format": "auto | dummy (random weights of the config's shapes)",
@@ -82,7 +84,7 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
-         "enable_prefix_caching", "swap_space_gb"),
+         "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb"),
         "memory",
     ),
     **dict.fromkeys(

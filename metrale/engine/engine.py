@@ -213,6 +213,7 @@ class Engine:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        session_id: str | None = None,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -221,7 +222,8 @@ class Engine:
         `speculative=False` opts this request out of speculative decoding; `lookup_tenant`
         partitions the cross-request draft lookup (None: this request neither feeds nor
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
-        prefix-cache blocks apart from every other namespace's."""
+        prefix-cache blocks apart from every other namespace's; `session_id` names the
+        conversation the request continues (hybrid models keep its SSM snapshots)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
@@ -247,6 +249,7 @@ class Engine:
                 speculative=speculative,
                 lookup_tenant=lookup_tenant,
                 cache_namespace=cache_namespace,
+                session_id=session_id,
             )
             for i in range(n)
         ]

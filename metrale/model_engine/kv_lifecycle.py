@@ -13,6 +13,9 @@ Invariants:
   answer); a partially matched last block is copied, never shared, so writes stay private.
 - `blocks_needed` is `traits.blocks_needed` at this pool's block size: what a forward of that
   many rows allocates, and what the scheduler counts with.
+- Hybrid models with a snapshot store: lookups go through `SsmPrefixCaching._lookup_hybrid`
+  (KV reused only up to a restored snapshot), `cache_sequence` publishes the sequence's decode
+  track and `free_sequence` releases it if it was not published.
 - A swap record holds the sequence's written KV blocks and (hybrid models) its SSM slot
   state; restoring it allocates exactly that many blocks.
 """
@@ -27,6 +30,7 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.cache.ssm_snapshots import SsmSnapshotStore
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     FED_TOKEN,
@@ -45,6 +49,7 @@ class PagedKvLifecycle:
     ssm_pool: SsmSlotPool | None
     ssm_stash: SsmVerifyStash | None
     prefix_cache: RadixPrefixCache | None
+    snapshots: SsmSnapshotStore | None
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
     _prefix_bypassed: bool
@@ -52,6 +57,14 @@ class PagedKvLifecycle:
     if TYPE_CHECKING:  # provided through `Model` (ModelAdapters); stubs would shadow it
 
         def release_adapter_slot(self, slot: int) -> None: ...
+
+        def _lookup_hybrid(self, seq: SequenceState, tokens: Sequence[int], match: Any) -> int: ...
+
+        def _publish_track(self, seq: SequenceState, valid: int) -> None: ...
+
+        def _release_track(self, seq: SequenceState) -> None: ...
+
+        def snapshot_stats(self) -> dict[str, int]: ...
 
     def cache_only_blocks(self) -> int:
         return self.prefix_cache.cache_only_blocks() if self.prefix_cache is not None else 0
@@ -64,6 +77,8 @@ class PagedKvLifecycle:
         while valid and seq.tokens[valid - 1] == FED_TOKEN:  # a fed step's unknown token
             valid -= 1
         self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
+        if self.snapshots is not None:
+            self._publish_track(seq, valid)
 
     def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
         if self.prefix_cache is None:
@@ -80,6 +95,8 @@ class PagedKvLifecycle:
             self.prefix_cache_bypasses += self._prefix_bypassed
             return 0
         match = self.prefix_cache.match(tokens, seq.adapter_id)
+        if self.snapshots is not None:
+            return self._lookup_hybrid(seq, tokens, match)
         if not match.nodes:
             return 0
         blocks = [node.block for node in match.nodes]
@@ -126,11 +143,13 @@ class PagedKvLifecycle:
                 inserted_blocks=c.inserted_blocks,
                 cached_blocks=c.cached_blocks,
             )
+        stats.update(self.snapshot_stats())
         return stats
 
     def free_sequence(self, seq: SequenceState) -> None:
         if self.ssm_stash is not None:
             self.ssm_stash.discard(seq)  # an uncommitted verify's checkpoint
+        self._release_track(seq)
         if seq.block_table:
             self.block_pool.decref(seq.block_table)
         seq.block_table = []

@@ -41,12 +41,14 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.cache.ssm_snapshots import SnapshotCost, SsmSnapshotStore
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
+from metrale.model_engine.ssm_prefix import SsmPrefixCaching
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
@@ -68,7 +70,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
+def snapshot_cost(module: torch.nn.Module) -> SnapshotCost:
+    """The recompute cost the snapshot store weighs snapshots by: 2 flops per parameter per
+    token, plus attention's 4 flops per head dimension per context position per KV layer."""
+    params = sum(p.numel() for p in module.parameters())
+    config = getattr(module, "config", None)
+    heads = getattr(config, "num_attention_heads", 1) or 1
+    head_dim = getattr(config, "head_dim", 64) or 64
+    return SnapshotCost(
+        linear=2.0 * params, attention=4.0 * heads * head_dim * module.kv_layer_count
+    )
+
+
+class TransformerModel(PagedKvLifecycle, SsmPrefixCaching, VerifyForwards, MtpDrafting, Model):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -80,6 +94,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         enable_prefix_caching: bool = True,
         ssm_pool: SsmSlotPool | None = None,
         mtp: bool = False,
+        ssm_snapshot_slots: int = 0,
     ) -> None:
         self.module = module
         if mtp:
@@ -114,16 +129,26 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         self.kernel_ops: KernelOps | None = None
         self._last_hidden: torch.Tensor | None = None
         self.prefix_cache: RadixPrefixCache | None = None
+        #: Hybrid models with prefix caching: the recurrent-state snapshots a hit restores.
+        self.snapshots: SsmSnapshotStore | None = None
         #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
         self.prefix_cache_bypasses = 0
-        self._prefix_bypassed = enable_prefix_caching and self.has_ssm_layers()
+        self._prefix_bypassed = (
+            enable_prefix_caching and self.has_ssm_layers() and ssm_snapshot_slots < 1
+        )
         if self._prefix_bypassed:
             logger.warning(
-                "prefix caching is bypassed: this model keeps recurrent (SSM) state that a KV "
-                "prefix hit cannot restore; every prompt is computed in full"
+                "prefix caching is bypassed: this model keeps recurrent (SSM) state and "
+                "ssm_snapshot_slots is 0, so a KV prefix hit cannot restore it; every prompt is "
+                "computed in full"
             )
         elif enable_prefix_caching:
-            self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size)
+            if ssm_pool is not None:
+                self.snapshots = SsmSnapshotStore(
+                    ssm_pool.specs, ssm_snapshot_slots, ssm_pool.conv_dtype, ssm_pool.device,
+                    snapshot_cost(module),
+                )  # fmt: skip
+            self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size, self.snapshots)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -297,6 +322,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             )
         self._advance(rows)
         self._end_recurrent_verify(capture)
+        self._capture_after_forward(rows)
         return MixedBatchResult(decode_logits, prefill_logits)
 
     def _advance(self, rows: list[ForwardRow]) -> None:
@@ -349,6 +375,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         self._allocate_blocks(rows)
         logits, _ = self._forward(rows, len(rows), (feed, from_rows))
         self._advance(rows)
+        self._capture_after_forward(rows)
         return logits
 
     def _check_ssm_states(self, rows: list[ForwardRow]) -> None:
@@ -493,6 +520,26 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
 
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def prefill_twophase(
+        self, tokens: Sequence[int], seq: SequenceState, chunk_size: int, stream: Stream = None
+    ) -> torch.Tensor:
+        """Prefill `tokens` in chunks of at most `chunk_size` that end at the prompt's capture
+        points (`prefill_capture_point`: its tail split, its branch point), where the recurrent
+        state is snapshotted; returns the last position's `[1, vocab]` logits."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        logits = None
+        while seq.seq_len < len(tokens):
+            start = seq.seq_len
+            end = min(len(tokens), start + chunk_size)
+            point = self.prefill_capture_point(seq)
+            if point is not None and start < point < end:
+                end = point
+            logits = self.prefill_chunk(tokens, seq, start, end - start, end == len(tokens))
+        if logits is None:
+            raise ValueError("prefill_twophase needs at least one token past seq_len")
+        return logits
 
     def hidden_after_norm(self) -> torch.Tensor | None:
         return self._last_hidden

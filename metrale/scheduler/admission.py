@@ -29,7 +29,12 @@ from metrale.errors import KVCacheExhausted
 from metrale.model_engine.traits import blocks_for
 from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.plan import StepPlan
-from metrale.scheduler.sequence import SchedSequence, Status, prefix_namespace  # noqa: F401
+from metrale.scheduler.sequence import (  # noqa: F401
+    SchedSequence,
+    Status,
+    prefix_namespace,
+    session_hash,
+)
 
 
 def tenant_key(tenant: str | None) -> int | None:
@@ -101,6 +106,9 @@ class Admission(SchedulerParts):
         state.adapter_id = seq.prefix_namespace
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
+        state.session_hash = session_hash(
+            seq.prefix_namespace, seq.session_id, seq.prompt_token_ids
+        )
         seq.state = state
         seq.status = Status.RUNNING
         try:
