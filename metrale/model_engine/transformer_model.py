@@ -27,6 +27,10 @@ Invariants:
   Nothing compacts slots: the pool hands out the lowest free slot and a slot index is only an
   index into preallocated tensors (batches gather by index), so fragmented slots cost nothing;
   `compact_sequence` exists for the seed's interface and keeps a verify stash with its state.
+- Hybrid models with prefix caching keep an SSM snapshot store (`snapshots`,
+  `ssm_snapshot_slots` slots; `ssm_prefix.py`): a lookup restores a snapshot before reusing any
+  KV, and every forward ends by snapshotting the rows that reached a capture point or a decode
+  block boundary. With no slots the cache is bypassed, with a start-up warning.
 """
 
 from __future__ import annotations

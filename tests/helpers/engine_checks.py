@@ -14,11 +14,16 @@ from metrale.engine.request import RequestOutput
 def assert_no_leaks(engine: Engine) -> None:
     """Nothing is held by a sequence: every usable block is free or held only by the prefix
     cache, and once the cache is emptied every block is free (all but the null block); on
-    hybrid models every SSM slot is free and no verify checkpoint is stashed."""
+    hybrid models every SSM slot is free, no verify checkpoint is stashed, the snapshot store's
+    accounting holds and no snapshot outlives the cache's KV."""
     model = engine.model
     assert not engine.has_unfinished()
     pool = model.block_pool
     pool.check()
+    snapshots = getattr(model, "snapshots", None)
+    if snapshots is not None:  # hybrid prefix caching: no sequence keeps a decode track
+        snapshots.check()
+        assert snapshots.num_private() == 0, "a decode-track snapshot outlived its sequence"
     cache = model.prefix_cache
     cache_only = cache.cache_only_blocks() if cache is not None else 0
     cached = len(cache.cached_block_ids()) if cache is not None else 0
@@ -27,6 +32,9 @@ def assert_no_leaks(engine: Engine) -> None:
     model.reclaim_prefix_blocks(model.num_total_blocks())
     assert model.num_free_blocks() == model.num_total_blocks()
     pool.check()
+    if snapshots is not None:  # every snapshot went with its node's KV
+        snapshots.check()
+        assert snapshots.num_used() == 0 and snapshots.pool.num_free() == snapshots.num_slots
     ssm_pool = getattr(model, "ssm_pool", None)
     if ssm_pool is not None:  # hybrid models: every SSM slot and verify stash comes back
         assert ssm_pool.num_free() == ssm_pool.num_slots and ssm_pool.num_allocated() == 0
