@@ -6,6 +6,7 @@ Owner: tests.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from metrale import Engine, SamplingParams
 from metrale.engine.request import RequestOutput
@@ -64,3 +65,32 @@ def run_aborting(
             for i in aborted:
                 engine.abort_request(f"r{i}")
     return finals
+
+
+def assert_snapshots_match_cold(model: Any, reference: Any) -> None:
+    """Every SSM snapshot `model`'s prefix cache holds equals, to 1e-4 of the state's scale
+    (the SSM states of the tiny checkpoints are small), the recurrent state `reference` (a
+    model with the same weights) leaves after one cold prefill of the snapshot node's path."""
+    cache, store = model.prefix_cache, model.snapshots
+    nodes = [c for root in cache.roots.values() for c in root.children.values()]
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children.values())
+        if node.snapshot is None:
+            continue
+        path: list[int] = []
+        up = node
+        while up.parent is not None:
+            path[:0] = up.chunk
+            up = up.parent
+        seq = reference.alloc_sequence()
+        try:
+            reference.prefill_chunk(path, seq, 0, len(path), False)
+            slot, snap = seq.ssm_slot_idx(), node.snapshot.slot
+            cold = reference.ssm_pool.layers
+            for (conv, ssm), (cconv, cssm) in zip(store.pool.layers, cold, strict=True):
+                for got, want in ((conv[snap], cconv[slot]), (ssm[snap], cssm[slot])):
+                    scale = want.abs().max().item()
+                    assert (got - want).abs().max().item() <= 1e-4 * scale, node.snapshot
+        finally:
+            reference.free_sequence(seq)

@@ -2,7 +2,8 @@
 architecture hit from turn 2 on (`cached_tokens > 0`, counting only tokens whose KV and state
 were both reused) and give exactly the cache-off tokens (float32 CPU; logprobs within 1e-5:
 the recurrent scan splits at other points); the A.7 poisoning gate (12 replays of a branching
-conversation set in random interleavings give the cold tokens); no snapshot crosses a prefix
+conversation set in random interleavings give the cold tokens, and every snapshot left holds
+the state a cold prefill of its prefix leaves, so none drifted); no snapshot crosses a prefix
 namespace; preemption (recompute and swap) and aborts release every snapshot exactly; with no
 snapshot slots the cache is bypassed as before, with its warning; and a KV prefix without its
 recurrent state is still refused, never used silently."""
@@ -18,7 +19,11 @@ import torch
 from metrale import LLM, SamplingParams
 from metrale.engine.request import RequestOutput
 from tests.helpers.checkpoints import HYBRID_VARIANTS, Variant, build
-from tests.helpers.engine_checks import assert_no_leaks, run_aborting
+from tests.helpers.engine_checks import (
+    assert_no_leaks,
+    assert_snapshots_match_cold,
+    run_aborting,
+)
 
 ARCHS = [v for v in HYBRID_VARIANTS if v.name in ("nemotronh-moe", "bamba", "qwen3next")]
 NEMOTRON = ARCHS[0]
@@ -65,6 +70,7 @@ def test_multi_turn_chat_hits_from_turn_two_and_matches_cache_off(variant: Varia
         chat.append({"role": "assistant", "content": got.outputs[0].text})
     stats = on.engine.model.prefix_cache_stats()
     assert stats["ssm_snapshot_hits"] == 3 and stats["ssm_snapshot_miss_cold"] == 1
+    assert_snapshots_match_cold(on.engine.model, off.engine.model)
     assert stats["bypassed_lookups"] == 0
     assert on.engine.scheduler.stats.prefix_hit_tokens == stats["ssm_snapshot_hit_tokens"]
     assert_no_leaks(on.engine)
@@ -87,6 +93,7 @@ def test_token_turns_hit_the_decode_track(variant: Variant) -> None:
         # The last block boundary this turn's decode reached (its final token is not fed).
         expected = (len(answered) - 1) // BLOCK * BLOCK
         conv = answered + tokens(g, 7)
+    assert_snapshots_match_cold(on.engine.model, off.engine.model)
     assert_no_leaks(on.engine)
 
 
@@ -132,15 +139,15 @@ def test_poisoning_gate_twelve_random_replays_equal_cold_runs(variant: Variant) 
     g = torch.Generator().manual_seed(11)
     convs, system = branching_conversations(g)
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
-    cold = run_conversations(
-        make(variant, enable_prefix_caching=False), system, convs, None, params
-    )
+    off = make(variant, enable_prefix_caching=False)
+    cold = run_conversations(off, system, convs, None, params)
     on = make(variant)
     rng = random.Random(2026)
     for _ in range(12):
         assert run_conversations(on, system, convs, rng, params) == cold
     stats = on.engine.model.prefix_cache_stats()
     assert stats["ssm_snapshot_hits"] > 12 * 6
+    assert_snapshots_match_cold(on.engine.model, off.engine.model)  # no state drifted
     assert_no_leaks(on.engine)
 
 
