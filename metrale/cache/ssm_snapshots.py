@@ -22,7 +22,8 @@ snapshots of a live conversation are kept. A newcomer never evicts a snapshot wi
 utility than its own; private tracks are never evicted, and hold at most half the pool.
 
 Invariants:
-- slots used == published + private snapshots; used + free == `num_slots`, always.
+- slots used == published + private (+ acquired, not yet published) snapshots; used + free ==
+  `num_slots`, always. Only published snapshots are ever evicted.
 - A snapshot's state is a bit copy of a live slot's state taken right after a forward whose
   sequence covered exactly `tokens` tokens (copies are device-side `copy_`, no host sync).
 - A published snapshot belongs to exactly one node, and a node holds at most one; evicting the
@@ -121,6 +122,8 @@ class SsmSnapshotStore:
         self._clock = itertools.count(1)
         self._published: set[Snapshot] = set()
         self._private: set[Snapshot] = set()
+        #: Acquired for a node, not yet published (between `acquire` and `publish`).
+        self._pending: set[Snapshot] = set()
         #: session -> logical time of its last lookup or capture.
         self._session_active: dict[int, int] = {}
         #: Called with a node whose snapshot was evicted under pressure (the radix tree's
@@ -143,7 +146,8 @@ class SsmSnapshotStore:
 
     def check(self) -> None:
         """The accounting invariants (tests call it)."""
-        assert self.num_used() == len(self._published) + len(self._private)
+        held = len(self._published) + len(self._private) + len(self._pending)
+        assert self.num_used() == held
         assert self.num_used() + self.pool.num_free() == self.num_slots
         for snap in self._published:
             assert snap.node is not None and snap.node.snapshot is snap
@@ -193,7 +197,7 @@ class SsmSnapshotStore:
             return None
         snap = Snapshot(self.pool.allocate(), tokens, origin, session)
         self.touch(snap, session)
-        (self._private if private else self._published).add(snap)
+        (self._private if private else self._pending).add(snap)
         return snap
 
     def publish(self, snap: Snapshot, node: Any) -> None:
@@ -201,6 +205,7 @@ class SsmSnapshotStore:
         if node.snapshot is not None:
             raise ValueError("the radix node already holds a snapshot")
         self._private.discard(snap)
+        self._pending.discard(snap)
         self._published.add(snap)
         snap.node = node
         node.snapshot = snap
@@ -209,6 +214,7 @@ class SsmSnapshotStore:
     def release(self, snap: Snapshot) -> None:
         """Return the snapshot's slot and detach it from its node (idempotent)."""
         self._private.discard(snap)
+        self._pending.discard(snap)
         self._published.discard(snap)
         if snap.node is not None and snap.node.snapshot is snap:
             snap.node.snapshot = None

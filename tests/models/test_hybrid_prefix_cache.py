@@ -277,3 +277,33 @@ def test_a_restored_snapshot_continues_as_a_cold_prefill(variant: Variant) -> No
     model.free_sequence(cold)
     model.snapshots.check()
     assert model.snapshots.num_private() == 0 and model.snapshots.num_published() == 1
+
+
+def test_snapshot_metrics_are_exported() -> None:
+    """The `/metrics` families of the snapshot store carry the model's counters."""
+    from metrale.server.metrics import _snapshot_metrics
+
+    llm = make(NEMOTRON, ssm_snapshot_slots=3)
+    g = torch.Generator().manual_seed(8)
+    conv = tokens(g, 40)
+    for _ in range(3):
+        out = llm.generate([conv], PARAMS)[0]
+        conv = conv + out.outputs[0].token_ids + tokens(g, 5)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in _snapshot_metrics(llm.engine.model.prefix_cache_stats())
+        for s in family.samples
+    }
+    assert samples[("metrale_ssm_snapshot_slots_total", ())] == 3
+    assert 0 < samples[("metrale_ssm_snapshot_slots_used", ())] <= 3
+    assert samples[("metrale_ssm_snapshot_hits_total", ())] == 2
+    assert samples[("metrale_ssm_snapshot_misses_total", (("cause", "cold"),))] == 1
+    per_slot = samples[("metrale_ssm_snapshot_bytes_per_slot", ())]
+    assert (
+        samples[("metrale_ssm_snapshot_bytes_used", ())]
+        == per_slot * (samples[("metrale_ssm_snapshot_slots_used", ())])
+    )
+    assert llm.engine.model.ssm_snapshot_occupancy() == (
+        samples[("metrale_ssm_snapshot_slots_used", ())],
+        3,
+    )
