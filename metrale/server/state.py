@@ -152,6 +152,7 @@ class ServerState:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        session_id: str | None = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -172,6 +173,7 @@ class ServerState:
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
+                    session_id=session_id,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

@@ -198,3 +198,23 @@ def test_radix_eviction_releases_the_node_snapshot() -> None:
     assert cache.evict(2) == 2
     assert snap.guard.idx() is None and s.num_used() == 0 and s.stats.released_with_kv == 1
     s.check()
+
+
+def test_session_tags_come_from_session_id_user_or_the_prompt_opening() -> None:
+    from metrale.scheduler.sequence import SESSION_PREFIX_TOKENS, session_hash
+    from metrale.server.protocol.common import parse_body
+    from metrale.server.protocol.openai import ChatCompletionRequest
+
+    prompt = list(range(100))
+    turn2 = [*prompt, 7, 8, 9]
+    assert session_hash(0, None, prompt) == session_hash(0, None, turn2)  # one conversation
+    assert session_hash(0, None, prompt) != session_hash(1, None, prompt)  # namespaces apart
+    other = [*prompt[: SESSION_PREFIX_TOKENS - 1], 999, *prompt[SESSION_PREFIX_TOKENS:]]
+    assert session_hash(0, None, other) != session_hash(0, None, prompt)
+    assert session_hash(0, "s1", prompt) == session_hash(0, "s1", [5]) != session_hash(0, "s2", [5])
+    assert all(session_hash(ns, sid, prompt) != 0 for ns in (0, 3) for sid in (None, "x"))
+    msgs = [{"role": "user", "content": "hi"}]
+    body = parse_body(ChatCompletionRequest, {"messages": msgs, "session_id": "c1", "user": "u"})
+    assert body.session() == "c1"
+    assert parse_body(ChatCompletionRequest, {"messages": msgs, "user": "u"}).session() == "user:u"
+    assert parse_body(ChatCompletionRequest, {"messages": msgs}).session() is None

@@ -55,6 +55,8 @@ class GenerationBody(Protocol):
 
     def check_supported(self) -> None: ...
 
+    def session(self) -> str | None: ...
+
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
 #: Cuts a prompt's ids to what `truncate_prompt_tokens` keeps (given the context length).
@@ -173,6 +175,7 @@ class Generation(Generic[BodyT]):
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
             cache_namespace=cache_namespace(self.request, body.cache_salt),
+            session_id=body.session(),
         )
 
 
