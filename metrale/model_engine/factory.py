@@ -91,7 +91,8 @@ class LoadReport:
     kv_bytes: int
     num_kv_blocks: int
     load_seconds: float
-    #: SSM slot pool (hybrid models): bytes and slots; 0 without recurrent layers.
+    #: SSM slot pool and snapshot store (hybrid models): bytes, and live slots; 0 without
+    #: recurrent layers.
     ssm_bytes: int = 0
     num_ssm_slots: int = 0
     #: CUDA start-up breakdown (weights, activations, KV, graphs); None on the CPU.
