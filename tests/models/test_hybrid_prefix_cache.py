@@ -307,3 +307,24 @@ def test_snapshot_metrics_are_exported() -> None:
         samples[("metrale_ssm_snapshot_slots_used", ())],
         3,
     )
+
+
+@pytest.mark.parametrize("variant", [ARCHS[0], ARCHS[2]], ids=lambda v: v.name)
+def test_turns_hit_with_speculative_decoding_on(variant: Variant) -> None:
+    """A.7 #8: with ngram speculation (verify rows roll the state back; a committed verify
+    that ends on a block boundary refreshes the decode track) the turns still hit and give the
+    cache-off, speculation-off tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    on, off = make(variant, speculative_config=spec), make(variant, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(12)
+    motif = tokens(g, 6)
+    conv = tokens(g, 20) + motif * 5  # repeats, so the ngram proposer drafts
+    params = SamplingParams(temperature=0, max_tokens=30, min_tokens=30)
+    for turn in range(3):
+        got, ref = on.generate([conv], params)[0], off.generate([conv], params)[0]
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert (got.num_cached_tokens > 0) == (turn > 0)
+        conv = conv + got.outputs[0].token_ids + motif * 2
+    assert on.engine.spec_stats.num_draft_tokens > 0
+    assert_snapshots_match_cold(on.engine.model, off.engine.model)
+    assert_no_leaks(on.engine)
