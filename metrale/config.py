@@ -55,7 +55,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Hybrid (recurrent-state) models: slots of the SSM snapshot store that lets the prefix
     #: cache hit on them (each one full recurrent state, float32); 0 bypasses the prefix cache.
-    ssm_snapshot_slots: int = 32
+    ssm_snapshot_slots: int = 16
     preemption_mode: str = "recompute"
     swap_space_gb: float = 4.0
     #: Seed of the engine's sampler for unseeded requests.
