@@ -12,7 +12,8 @@ Where snapshots come from:
   branch point. The scheduler ends a prefill chunk at each (`prefill_capture_point`); right
   after the forward that reaches one, the sequence's blocks up to it are indexed in the radix
   tree and the live state is copied onto that node (published at once, so concurrent
-  siblings hit it too).
+  siblings hit it too). A point within `NEAR_BLOCKS` blocks of the restored snapshot, or a
+  branch point that close to the tail, is skipped (each split costs a forward).
 - Decode: each time a plain decode step (or a committed verify) leaves the sequence on a block
   boundary, its live state is copied into the sequence's private decode track
   (`decode_marconi_checkpoint`), refreshed in place; when the sequence is cached (finish,
@@ -40,6 +41,11 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.cache.ssm_snapshots import Snapshot, SsmSnapshotStore
 from metrale.model_engine.batch import ForwardRow
 from metrale.model_engine.traits import SequenceState
+
+#: Blocks within which a capture point is skipped when another snapshot of the same prompt
+#: (restored or planned) lies (A.6: "skip a capture if another snapshot of the same request
+#: lies within 2 granules").
+NEAR_BLOCKS = 2
 
 
 class SsmPrefixCaching:
@@ -81,10 +87,17 @@ class SsmPrefixCaching:
         assert store is not None and cache is not None and pool is not None
         store.touch_session(seq.session_hash)
         reused = match.reused if match.snapshot is not None else 0
+        # A capture within `near` tokens of another snapshot of this prompt (the restored one,
+        # or the tail over a branch point) is skipped: it would save little and cost a split.
+        near = NEAR_BLOCKS * self.block_size
+        floor = reused + near if reused else 0
         tail = self.prefill_tail_split(tokens)
-        seq.tail_checkpoint_tokens = tail if tail is not None and tail > reused else None
+        seq.tail_checkpoint_tokens = tail if tail is not None and tail > floor else None
         branch = match.kv_tokens
-        seq.ssm_branch_tokens = branch if reused < branch < len(tokens) else None
+        keep = floor < branch < len(tokens) and (
+            seq.tail_checkpoint_tokens is None or abs(seq.tail_checkpoint_tokens - branch) > near
+        )
+        seq.ssm_branch_tokens = branch if keep else None
         if match.snapshot is None:
             store.stats.misses[cache.miss_cause(tokens, seq.adapter_id, match)] += 1
             return 0

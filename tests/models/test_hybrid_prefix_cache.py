@@ -328,3 +328,39 @@ def test_turns_hit_with_speculative_decoding_on(variant: Variant) -> None:
     assert on.engine.spec_stats.num_draft_tokens > 0
     assert_snapshots_match_cold(on.engine.model, off.engine.model)
     assert_no_leaks(on.engine)
+
+
+def test_capture_points_tail_branch_and_the_two_block_filter() -> None:
+    """A cold prompt snapshots its tail split; a sibling whose KV match outruns the snapshots
+    also snapshots that branch point (Marconi), and a third prompt then restores it; a point
+    within two blocks of the restored snapshot is skipped (it would cost a split, save little)."""
+    model = make(NEMOTRON).engine.model
+    g = torch.Generator().manual_seed(30)
+    a = tokens(g, 100)
+    b = a[:40] + tokens(g, 60)
+    seq = model.alloc_sequence()
+    assert model.lookup_prefix(seq, a) == 0
+    assert (seq.tail_checkpoint_tokens, seq.ssm_branch_tokens) == (96, None)
+    model.prefill_twophase(a, seq, chunk_size=1000)
+    model.free_sequence(seq)
+    seq = model.alloc_sequence()
+    assert model.lookup_prefix(seq, b) == 0  # KV for 32 tokens, no state there
+    assert (seq.ssm_branch_tokens, seq.tail_checkpoint_tokens) == (32, 96)
+    assert model.prefill_capture_point(seq) == 32
+    model.prefill_twophase(b, seq, chunk_size=1000)
+    model.free_sequence(seq)
+    seq = model.alloc_sequence()
+    assert model.lookup_prefix(seq, a[:40] + tokens(g, 50)) == 32  # the branch snapshot
+    assert seq.tail_checkpoint_tokens == 80 and seq.ssm_branch_tokens is None
+    model.free_sequence(seq)
+    seq = model.alloc_sequence()
+    assert model.lookup_prefix(seq, a[:40] + tokens(g, 30)) == 32
+    assert seq.tail_checkpoint_tokens is None  # 64: two blocks above the restored 32
+    model.free_sequence(seq)
+    seq = model.alloc_sequence()
+    assert model.lookup_prefix(seq, a + tokens(g, 10)) == 96
+    assert model.prefill_capture_point(seq) is None  # tail 96 + 0..1 block: skipped
+    model.free_sequence(seq)
+    stats = model.prefix_cache_stats()
+    assert stats["ssm_snapshot_miss_no_snapshot"] == 1 and stats["ssm_snapshot_hits"] == 3
+    model.snapshots.check()
