@@ -6,7 +6,7 @@ the forward passes live in `transformer_model.py`, speculative verify in `verify
 
 Invariants:
 - `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
-  refs, its SSM slot and verify stash, its adapter slot) and leaves it empty, so a second call releases nothing.
+  refs, its SSM slot, verify stash and unpublished decode-track snapshot, its adapter slot) and leaves it empty, so a second call releases nothing.
 - `cache_sequence` never indexes a position holding `FED_TOKEN` (a fed step's unread token),
   nor past `kv_valid_tokens`.
 - `lookup_prefix` runs once per sequence, before its first chunk (a replay returns the first

@@ -231,7 +231,8 @@ class SequenceState:
     prefix_lookup_applied: bool = False
     #: The `skip` result of the chunk-0 lookup, returned again on a replay.
     prefix_lookup_skip: bool = False
-    #: Token count of an SSM checkpoint near the prompt's end held for this sequence.
+    #: Hybrid prefix caching: the prompt's tail split, where two-phase prefill snapshots the
+    #: recurrent state (None: no tail capture planned).
     tail_checkpoint_tokens: int | None = None
     #: Length of the prefix whose paged KV this sequence has written or validly reused.
     kv_valid_tokens: int = 0
