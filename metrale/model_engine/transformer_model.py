@@ -74,16 +74,12 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-def snapshot_cost(module: torch.nn.Module) -> SnapshotCost:
+def snapshot_cost(module: torch.nn.Module, config: ModelConfig) -> SnapshotCost:
     """The recompute cost the snapshot store weighs snapshots by: 2 flops per parameter per
     token, plus attention's 4 flops per head dimension per context position per KV layer."""
     params = sum(p.numel() for p in module.parameters())
-    config = getattr(module, "config", None)
-    heads = getattr(config, "num_attention_heads", 1) or 1
-    head_dim = getattr(config, "head_dim", 64) or 64
-    return SnapshotCost(
-        linear=2.0 * params, attention=4.0 * heads * head_dim * module.kv_layer_count
-    )
+    width = config.num_attention_heads * config.head_dim
+    return SnapshotCost(linear=2.0 * params, attention=4.0 * width * module.kv_layer_count)
 
 
 class TransformerModel(PagedKvLifecycle, SsmPrefixCaching, VerifyForwards, MtpDrafting, Model):
@@ -150,7 +146,7 @@ class TransformerModel(PagedKvLifecycle, SsmPrefixCaching, VerifyForwards, MtpDr
             if ssm_pool is not None:
                 self.snapshots = SsmSnapshotStore(
                     ssm_pool.specs, ssm_snapshot_slots, ssm_pool.conv_dtype, ssm_pool.device,
-                    snapshot_cost(module),
+                    snapshot_cost(module, config),
                 )  # fmt: skip
             self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size, self.snapshots)
 
