@@ -56,6 +56,9 @@ class EngineConfig:
     #: KV memory budget on the CPU, in GiB, when num_kv_blocks is not given.
     cpu_kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
+    #: Hybrid (recurrent-state) models: slots of the SSM snapshot store that lets the prefix
+    #: cache hit on them (each one full recurrent state, float32); 0 bypasses the prefix cache.
+    ssm_snapshot_slots: int = 16
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     #: CPU only: projections and attention whose rows never depend on the rest of the batch
@@ -138,6 +141,8 @@ class EngineConfig:
             )
         if self.cpu_kv_cache_gb <= 0:
             raise bad("cpu_kv_cache_gb", f"must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.ssm_snapshot_slots < 0:
+            raise bad("ssm_snapshot_slots", f"must be >= 0, got {self.ssm_snapshot_slots}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise bad(
                 "preemption_mode", f"'{self.preemption_mode}' is not one of {PREEMPTION_MODES}"

@@ -56,6 +56,8 @@ FLAG_HELP = {
     "enforce_eager": "no CUDA graphs: every forward runs eagerly",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
+    "ssm_snapshot_slots": "hybrid models: recurrent-state snapshots kept for prefix-cache hits "
+    "(each one full SSM state of a sequence; 0 bypasses the prefix cache on them)",
     "preemption_mode": "recompute | swap",
     "batch_invariant": "CPU: kernels whose results for a request never depend on what shares "
     "its batch or how its prompt was chunked (byte-identical outputs; slower)",
@@ -98,8 +100,8 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
-         "enable_prefix_caching", "swap_space_gb", "kv_offload_host_gb", "kv_offload_disk",
-         "kv_offload_disk_gb"),
+         "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb", "kv_offload_host_gb",
+         "kv_offload_disk", "kv_offload_disk_gb"),
         "memory",
     ),
     **dict.fromkeys(

@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> dict:
         figures=figures,
         device=args.device,
         out_dir=args.out_dir,
-        notes="peer: the same engine with the prefix cache cold (no cache hit)",
+        notes="peer: the same engine with the prefix cache cold (no cache hit)"
+        + (f"; {args.notes}" if args.notes else ""),
     )
     print(
         f"cold TTFT {figures['cold_ttft_ms']:.1f} ms, warm TTFT {figures['warm_ttft_ms']:.1f} ms "
@@ -102,3 +103,4 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cached-len", type=int, default=1900)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default="bench/records")
+    parser.add_argument("--notes", default="", help="appended to the record's notes")

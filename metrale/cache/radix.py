@@ -12,8 +12,15 @@ Reference counting rides on the block pool: the tree holds one pool reference pe
 each sequence whose `block_table` contains a cached block holds its own. So a node's block is
 "cache-only" exactly when its pool count is 1, and only then may it be evicted.
 
+Hybrid models (a `SsmSnapshotStore` is given): a node may also hold the recurrent-state
+snapshot taken when a sequence had computed exactly the node's path (`RadixNode.snapshot`), and
+a match reuses KV only up to the deepest node holding one, strictly below the prompt's end (the
+state after token N cannot be rewound, and the last token's logits need the state before it):
+the KV matched past it is recomputed, and no block is ever copied.
+
 Invariants:
 - Only blocks whose KV is fully written (`kv_valid_tokens`) are inserted.
+- Evicting a node's KV releases its snapshot with it (a snapshot without its KV is useless).
 - A lookup never returns all of a prompt: the last token is always recomputed so its logits
   exist. When every token matched, the last matched block is copied (copy-on-write) into a
   private block and only its final token is recomputed.
@@ -32,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from metrale.cache.block_pool import BlockPool
+from metrale.cache.ssm_snapshots import Snapshot, SsmSnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,10 @@ class RadixNode:
     last_access: int = 0
     #: Roots only: the namespace (adapter id / tenant key) the tree below belongs to.
     namespace: int = 0
+    #: Hybrid models: the recurrent-state snapshot after exactly this node's path, or None.
+    snapshot: Snapshot | None = None
+    #: A snapshot here was evicted under pool pressure (the miss-cause metric).
+    snapshot_evicted: bool = False
 
 
 @dataclass
@@ -65,12 +77,21 @@ class PrefixMatch:
     reused: int
     #: The last matched block must be copied before its final token is recomputed.
     copy_last: bool
+    #: Hybrid models: the snapshot restoring the state after `reused` tokens (None: none).
+    snapshot: Snapshot | None = None
+    #: Hybrid models: tokens of KV matched (full blocks), which may exceed `reused`.
+    kv_tokens: int = 0
 
 
 class RadixPrefixCache:
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, snapshots: SsmSnapshotStore | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.snapshots = snapshots
+        if snapshots is not None:
+            snapshots.on_evict = _mark_evicted
         self.roots: dict[int, RadixNode] = {}
         #: Called with each node about to be evicted, its block still intact (the KV tiers
         #: offload it there).
@@ -92,11 +113,61 @@ class RadixPrefixCache:
             if node is not None:
                 nodes.append(node)
         matched = len(nodes) * bs
+        if self.snapshots is not None:
+            return self._match_hybrid(nodes, len(tokens))
         if matched == 0:
             return PrefixMatch([], 0, False)
         if matched == len(tokens):
             return PrefixMatch(nodes, matched - 1, True)
         return PrefixMatch(nodes, matched, False)
+
+    def _match_hybrid(self, nodes: list[RadixNode], num_tokens: int) -> PrefixMatch:
+        """Cut a KV match back to its deepest snapshot strictly below the prompt's end."""
+        bs = self.block_size
+        best = 0
+        for i, node in enumerate(nodes):
+            if (i + 1) * bs >= num_tokens:
+                break
+            if node.snapshot is not None:
+                best = i + 1
+        kept = nodes[:best]
+        snap = kept[-1].snapshot if kept else None
+        return PrefixMatch(kept, best * bs, False, snapshot=snap, kv_tokens=len(nodes) * bs)
+
+    def miss_cause(self, tokens: Sequence[int], adapter_id: int, match: PrefixMatch) -> str:
+        """Why a hybrid lookup reused nothing: "cold" (no KV matched anywhere),
+        "no_snapshot" (KV matched, never snapshotted on the path), "evicted" (a snapshot on
+        the path was evicted under pressure), "wrong_adapter" (another namespace holds a
+        snapshot of this prefix)."""
+        if match.kv_tokens:
+            path = self._path(tokens, adapter_id)
+            if any(node.snapshot_evicted for node in path):
+                return "evicted"
+            return "no_snapshot"
+        for other, _root in self.roots.items():
+            if other != adapter_id and any(
+                node.snapshot is not None for node in self._path(tokens[:-1], other)
+            ):
+                return "wrong_adapter"
+        return "cold"
+
+    def _path(self, tokens: Sequence[int], adapter_id: int) -> list[RadixNode]:
+        bs = self.block_size
+        nodes: list[RadixNode] = []
+        node = self.roots.get(adapter_id)
+        while node is not None and (len(nodes) + 1) * bs <= len(tokens):
+            start = len(nodes) * bs
+            node = node.children.get(tuple(tokens[start : start + bs]))
+            if node is not None:
+                nodes.append(node)
+        return nodes
+
+    def node_at(self, tokens: Sequence[int], adapter_id: int) -> RadixNode | None:
+        """The node whose path is exactly `tokens` (a whole number of blocks), or None."""
+        if not tokens or len(tokens) % self.block_size:
+            return None
+        path = self._path(tokens, adapter_id)
+        return path[-1] if len(path) * self.block_size == len(tokens) else None
 
     def touch(self, nodes: Sequence[RadixNode]) -> None:
         now = next(self._clock)
@@ -170,6 +241,9 @@ class RadixPrefixCache:
             del parent.children[node.chunk]
             if self.on_evict is not None:
                 self.on_evict(node)
+            if node.snapshot is not None and self.snapshots is not None:
+                self.snapshots.release(node.snapshot)
+                self.snapshots.stats.released_with_kv += 1
             self.pool.decref([node.block])
             freed += 1
             if parent.parent is not None and self._evictable(parent, protected):
@@ -203,3 +277,7 @@ class RadixPrefixCache:
 
     def cache_only_blocks(self) -> int:
         return sum(1 for b in self.cached_block_ids() if self.pool.ref_count(b) == 1)
+
+
+def _mark_evicted(node: RadixNode) -> None:
+    node.snapshot_evicted = True

@@ -220,6 +220,7 @@ class Engine:
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        session_id: str | None = None,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -229,7 +230,8 @@ class Engine:
         partitions the cross-request draft lookup (None: this request neither feeds nor
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
         prefix-cache blocks apart from every other namespace's; `priority` orders the queues
-        under `scheduling_policy="priority"` (lower first)."""
+        under `scheduling_policy="priority"` (lower first); `session_id` names the
+        conversation the request continues (hybrid models keep its SSM snapshots)."""
         params = params or self.default_sampling_params()
         if adapter_id:
             self._check_adapter(adapter_id)
@@ -260,6 +262,7 @@ class Engine:
                 lookup_tenant=lookup_tenant,
                 cache_namespace=cache_namespace,
                 priority=priority,
+                session_id=session_id,
             )
             for i in range(n)
         ]

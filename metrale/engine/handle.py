@@ -76,6 +76,7 @@ class EngineHandle(Protocol):
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        session_id: str | None = None,
     ) -> RequestStream: ...
     async def control(self, method: str, *args: Any) -> Any: ...
 
@@ -190,6 +191,7 @@ class AddArgs:
     lookup_tenant: str | None
     cache_namespace: str | None = None
     priority: int = 0
+    session_id: str | None = None
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -207,6 +209,7 @@ class AddArgs:
             adapter_id=self.adapter_id, speculative=self.speculative,
             lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
             priority=self.priority,
+            session_id=self.session_id,
         )  # fmt: skip
 
 
@@ -328,6 +331,7 @@ class HandleBase(ABC, Generic[E]):
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        session_id: str | None = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -338,7 +342,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant, cache_namespace, priority,
+            lookup_tenant, cache_namespace, priority, session_id,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:

@@ -112,6 +112,11 @@ class ModelSsmState:
     def decode_marconi_checkpoint(self, seq: SequenceState) -> None:
         return None
 
+    def prefill_capture_point(self, seq: SequenceState) -> int | None:
+        """A metrale extension: the next position past `seq.seq_len` where the scheduler must
+        end a prefill chunk so the model can snapshot its recurrent state (None: none)."""
+        return None
+
     def start_checkpoint_async(self, seq: SequenceState) -> None:
         self.checkpoint_ssm_states(seq)
 

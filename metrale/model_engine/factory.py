@@ -94,7 +94,8 @@ class LoadReport:
     kv_bytes: int
     num_kv_blocks: int
     load_seconds: float
-    #: SSM slot pool (hybrid models): bytes and slots; 0 without recurrent layers.
+    #: SSM slot pool and snapshot store (hybrid models): bytes, and live slots; 0 without
+    #: recurrent layers.
     ssm_bytes: int = 0
     num_ssm_slots: int = 0
     #: CUDA start-up breakdown (weights, activations, KV, graphs); None on the CPU.
@@ -192,6 +193,10 @@ def _load_model(
     if ssm_specs:
         ssm_pool = SsmSlotPool(ssm_specs, config.max_num_seqs, dtype, device)
     ssm_bytes = ssm_pool.bytes_total() if ssm_pool is not None else 0
+    snapshot_slots = config.ssm_snapshot_slots if config.enable_prefix_caching else 0
+    if ssm_pool is not None and snapshot_slots:
+        # The snapshot store takes its memory from the KV budget, as the live slots do.
+        ssm_bytes += SsmSlotPool.bytes_for(ssm_specs, snapshot_slots, dtype)
     breakdown = StartupBreakdown(
         weights_bytes=weights_bytes, load_seconds=time.perf_counter() - start
     )
@@ -231,7 +236,7 @@ def _load_model(
     )  # fmt: skip
     model = TransformerModel(
         module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool,
-        mtp=mtp,
+        mtp=mtp, ssm_snapshot_slots=snapshot_slots,
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
@@ -264,8 +269,14 @@ def _load_model(
     if ssm_pool is not None:
         logger.info(
             "SSM slot pool: %d slots x %d recurrent layers (%.1f MiB, float32 state)",
-            ssm_pool.num_slots, len(ssm_specs), ssm_bytes / 2**20,
+            ssm_pool.num_slots, len(ssm_specs), ssm_pool.bytes_total() / 2**20,
         )  # fmt: skip
+        if model.snapshots is not None:
+            logger.info(
+                "SSM snapshot store: %d slots x %.2f MiB (%.1f MiB) for hybrid prefix caching",
+                model.snapshots.num_slots, model.snapshots.bytes_per_snapshot / 2**20,
+                model.snapshots.bytes_total() / 2**20,
+            )  # fmt: skip
     logger.info(
         "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d usable blocks (+1 null, %.1f MiB) "
         "in %.2fs",

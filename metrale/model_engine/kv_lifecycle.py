@@ -6,7 +6,7 @@ the forward passes live in `transformer_model.py`, speculative verify in `verify
 
 Invariants:
 - `free_sequence` drops exactly the references the sequence holds (its blocks, its prefix
-  refs, its SSM slot and verify stash, its adapter slot) and leaves it empty, so a second call releases nothing.
+  refs, its SSM slot, verify stash and unpublished decode-track snapshot, its adapter slot) and leaves it empty, so a second call releases nothing.
 - `cache_sequence` never indexes a position holding `FED_TOKEN` (a fed step's unread token),
   nor past `kv_valid_tokens`.
 - `lookup_prefix` runs once per sequence, before its first chunk (a replay returns the first
@@ -16,6 +16,9 @@ Invariants:
 - With KV tiers (`kv_tiers`), a block the prefix cache evicts is kept in host memory, then on
   disk, under its chain key; a lookup extends the device match with tier blocks, written into
   fresh private blocks before the prefill, and counts them as reused.
+- Hybrid models with a snapshot store: lookups go through `SsmPrefixCaching._lookup_hybrid`
+  (KV reused only up to a restored snapshot), `cache_sequence` publishes the sequence's decode
+  track and `free_sequence` releases it if it was not published.
 - A swap record holds the sequence's written KV blocks and (hybrid models) its SSM slot
   state; restoring it allocates exactly that many blocks.
 """
@@ -31,6 +34,7 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.kv_tiers import KvTiers, chain_keys
 from metrale.cache.radix import RadixNode, RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.cache.ssm_snapshots import SsmSnapshotStore
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     FED_TOKEN,
@@ -50,6 +54,7 @@ class PagedKvLifecycle:
     ssm_stash: SsmVerifyStash | None
     prefix_cache: RadixPrefixCache | None
     kv_tiers: KvTiers | None
+    snapshots: SsmSnapshotStore | None
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
     _prefix_bypassed: bool
@@ -57,6 +62,14 @@ class PagedKvLifecycle:
     if TYPE_CHECKING:  # provided through `Model` (ModelAdapters); stubs would shadow it
 
         def release_adapter_slot(self, slot: int) -> None: ...
+
+        def _lookup_hybrid(self, seq: SequenceState, tokens: Sequence[int], match: Any) -> int: ...
+
+        def _publish_track(self, seq: SequenceState, valid: int) -> None: ...
+
+        def _release_track(self, seq: SequenceState) -> None: ...
+
+        def snapshot_stats(self) -> dict[str, int]: ...
 
     def cache_only_blocks(self) -> int:
         return self.prefix_cache.cache_only_blocks() if self.prefix_cache is not None else 0
@@ -69,6 +82,8 @@ class PagedKvLifecycle:
         while valid and seq.tokens[valid - 1] == FED_TOKEN:  # a fed step's unknown token
             valid -= 1
         self.prefix_cache.insert(seq.tokens[:valid], seq.block_table, seq.adapter_id)
+        if self.snapshots is not None:
+            self._publish_track(seq, valid)
 
     def prefix_match_len(self, tokens: Sequence[int], adapter_id: int) -> int:
         if self.prefix_cache is None:
@@ -85,6 +100,8 @@ class PagedKvLifecycle:
             self.prefix_cache_bypasses += self._prefix_bypassed
             return 0
         match = self.prefix_cache.match(tokens, seq.adapter_id)
+        if self.snapshots is not None:
+            return self._lookup_hybrid(seq, tokens, match)
         blocks = [node.block for node in match.nodes]
         reused = match.reused
         if match.copy_last:
@@ -173,11 +190,13 @@ class PagedKvLifecycle:
                 offload_disk_hits=t.disk.hits, offload_disk_evictions=t.disk.evictions,
                 offload_corrupt=t.corrupt,
             )  # fmt: skip
+        stats.update(self.snapshot_stats())
         return stats
 
     def free_sequence(self, seq: SequenceState) -> None:
         if self.ssm_stash is not None:
             self.ssm_stash.discard(seq)  # an uncommitted verify's checkpoint
+        self._release_track(seq)
         if seq.block_table:
             self.block_pool.decref(seq.block_table)
         seq.block_table = []

@@ -202,9 +202,11 @@ class SequenceState:
     ssm_slot: SlotGuardLike | None = None
     #: Prompt position covered by the restored SSM snapshot and cached KV.
     marconi_skip_to: int = 0
-    #: Snapshot slot when the whole prompt matched a snapshot; None otherwise.
+    #: Snapshot slot when the whole prompt matched a snapshot; None otherwise (metrale never
+    #: restores an exact-end snapshot: the last token's logits need the state before it).
     marconi_exact_snap: int | None = None
-    #: Session identity; SSM snapshots restore only for a matching tag (0 skips the check).
+    #: Session identity: the SSM snapshot store keeps the snapshots of recently active
+    #: sessions (snapshots are content-addressed, so any session may restore them; 0: none).
     session_hash: int = 0
     #: Tenant for the cross-request prompt-lookup cache; None keeps the sequence out of it.
     lookup_tenant: int | None = None
@@ -230,12 +232,19 @@ class SequenceState:
     prefix_lookup_applied: bool = False
     #: The `skip` result of the chunk-0 lookup, returned again on a replay.
     prefix_lookup_skip: bool = False
-    #: Token count of an SSM checkpoint near the prompt's end held for this sequence.
+    #: Hybrid prefix caching: the prompt's tail split, where two-phase prefill snapshots the
+    #: recurrent state (None: no tail capture planned).
     tail_checkpoint_tokens: int | None = None
     #: Length of the prefix whose paged KV this sequence has written or validly reused.
     kv_valid_tokens: int = 0
     #: Block index of the latest decode-time SSM checkpoint.
     last_decode_ckpt_block: int = 0
+    #: Hybrid prefix caching: the KV match point past the deepest snapshot, where prefill
+    #: snapshots the state too (Marconi's branch point); None when there is none.
+    ssm_branch_tokens: int | None = None
+    #: Hybrid prefix caching: the private decode-track snapshot (`ssm_snapshots.Snapshot`)
+    #: published when the sequence is cached, released when it is freed otherwise.
+    ssm_track: Any = None
     #: Prompt length, set by prefill; the prefix-cache insert takes refs only past it.
     prompt_len: int = 0
     #: High-speed-swap disk block ids, one per logical block the sequence has had.

@@ -32,6 +32,10 @@ Invariants:
   Nothing compacts slots: the pool hands out the lowest free slot and a slot index is only an
   index into preallocated tensors (batches gather by index), so fragmented slots cost nothing;
   `compact_sequence` exists for the seed's interface and keeps a verify stash with its state.
+- Hybrid models with prefix caching keep an SSM snapshot store (`snapshots`,
+  `ssm_snapshot_slots` slots; `ssm_prefix.py`): a lookup restores a snapshot before reusing any
+  KV, and every forward ends by snapshotting the rows that reached a capture point or a decode
+  block boundary. With no slots the cache is bypassed, with a start-up warning.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.kv_tiers import KvTiers
 from metrale.cache.radix import RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
+from metrale.cache.ssm_snapshots import SnapshotCost, SsmSnapshotStore
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
@@ -54,6 +59,7 @@ from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.lora import LoraAdapters
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
+from metrale.model_engine.ssm_prefix import SsmPrefixCaching
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
@@ -75,7 +81,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapters, Model):
+def snapshot_cost(module: torch.nn.Module, config: ModelConfig) -> SnapshotCost:
+    """The recompute cost the snapshot store weighs snapshots by: 2 flops per parameter per
+    token, plus attention's 4 flops per head dimension per context position per KV layer."""
+    params = sum(p.numel() for p in module.parameters())
+    width = config.num_attention_heads * config.head_dim
+    return SnapshotCost(linear=2.0 * params, attention=4.0 * width * module.kv_layer_count)
+
+
+class TransformerModel(
+    PagedKvLifecycle, SsmPrefixCaching, VerifyForwards, MtpDrafting, LoraAdapters, Model
+):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -87,6 +103,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         enable_prefix_caching: bool = True,
         ssm_pool: SsmSlotPool | None = None,
         mtp: bool = False,
+        ssm_snapshot_slots: int = 0,
     ) -> None:
         self.module = module
         if mtp:
@@ -125,23 +142,33 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         self.prefix_cache: RadixPrefixCache | None = None
         #: The prefix cache's host / disk tiers (`attach_kv_tiers`); None: evicted KV is gone.
         self.kv_tiers: KvTiers | None = None
+        #: Hybrid models with prefix caching: the recurrent-state snapshots a hit restores.
+        self.snapshots: SsmSnapshotStore | None = None
         #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
         self.prefix_cache_bypasses = 0
-        self._prefix_bypassed = enable_prefix_caching and self.has_ssm_layers()
+        self._prefix_bypassed = (
+            enable_prefix_caching and self.has_ssm_layers() and ssm_snapshot_slots < 1
+        )
         if self._prefix_bypassed:
             logger.warning(
-                "prefix caching is bypassed: this model keeps recurrent (SSM) state that a KV "
-                "prefix hit cannot restore; every prompt is computed in full"
+                "prefix caching is bypassed: this model keeps recurrent (SSM) state and "
+                "ssm_snapshot_slots is 0, so a KV prefix hit cannot restore it; every prompt is "
+                "computed in full"
             )
         elif enable_prefix_caching:
-            self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size)
+            if ssm_pool is not None:
+                self.snapshots = SsmSnapshotStore(
+                    ssm_pool.specs, ssm_snapshot_slots, ssm_pool.conv_dtype, ssm_pool.device,
+                    snapshot_cost(module, config),
+                )  # fmt: skip
+            self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size, self.snapshots)
 
     def attach_kv_tiers(self, tiers: KvTiers) -> None:
         """Keep what the prefix cache evicts in `tiers`, and look there on a lookup."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or self.snapshots is not None:
             raise InvalidRequestError(
-                "kv offload needs the prefix cache (enable_prefix_caching) on a model whose "
-                "prefix cache is not bypassed (hybrid models are not supported yet)",
+                "kv offload needs the prefix cache (enable_prefix_caching) of a model without "
+                "recurrent layers (hybrid models' snapshots have no lower tier yet)",
                 param="kv_offload_host_gb",
             )
         self.kv_tiers = tiers
@@ -321,6 +348,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
             )
         self._advance(rows)
         self._end_recurrent_verify(capture)
+        self._capture_after_forward(rows)
         return MixedBatchResult(decode_logits, prefill_logits)
 
     def _advance(self, rows: list[ForwardRow]) -> None:
@@ -373,6 +401,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
         self._allocate_blocks(rows)
         logits, _ = self._forward(rows, len(rows), (feed, from_rows))
         self._advance(rows)
+        self._capture_after_forward(rows)
         return logits
 
     def _check_ssm_states(self, rows: list[ForwardRow]) -> None:
@@ -534,6 +563,26 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, LoraAdapte
 
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    def prefill_twophase(
+        self, tokens: Sequence[int], seq: SequenceState, chunk_size: int, stream: Stream = None
+    ) -> torch.Tensor:
+        """Prefill `tokens` in chunks of at most `chunk_size` that end at the prompt's capture
+        points (`prefill_capture_point`: its tail split, its branch point), where the recurrent
+        state is snapshotted; returns the last position's `[1, vocab]` logits."""
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        logits = None
+        while seq.seq_len < len(tokens):
+            start = seq.seq_len
+            end = min(len(tokens), start + chunk_size)
+            point = self.prefill_capture_point(seq)
+            if point is not None and start < point < end:
+                end = point
+            logits = self.prefill_chunk(tokens, seq, start, end - start, end == len(tokens))
+        if logits is None:
+            raise ValueError("prefill_twophase needs at least one token past seq_len")
+        return logits
 
     def hidden_after_norm(self) -> torch.Tensor | None:
         return self._last_hidden

@@ -235,6 +235,8 @@ class VerifyForwards:
         self._release_blocks_past_seq_len(seq)
         if self.mtp_enabled:
             self._cut_mtp_rows(seq)
+        if k:  # hybrid prefix caching: the committed state may sit on a block boundary
+            self.decode_marconi_checkpoint(seq)
 
     def _release_blocks_past_seq_len(self, seq: SequenceState) -> None:
         """Return the blocks past the ones `seq_len` fills; only a verify (its rejected

@@ -36,7 +36,12 @@ from metrale.errors import KVCacheExhausted
 from metrale.model_engine.traits import blocks_for
 from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.plan import StepPlan
-from metrale.scheduler.sequence import SchedSequence, Status, prefix_namespace  # noqa: F401
+from metrale.scheduler.sequence import (  # noqa: F401
+    SchedSequence,
+    Status,
+    prefix_namespace,
+    session_hash,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +156,9 @@ class Admission(SchedulerParts):
             state.acquired_adapter_slot = self.model.acquire_adapter_slot(adapter_slot)
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
+        state.session_hash = session_hash(
+            seq.prefix_namespace, seq.session_id, seq.prompt_token_ids
+        )
         seq.state = state
         seq.status = Status.RUNNING
         try:

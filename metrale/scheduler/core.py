@@ -30,7 +30,9 @@ Invariants:
 - Every exit path (finish, abort, timeout, error, preemption) releases the sequence's device
   state exactly once, after offering its written KV to the prefix cache.
 - A non-final prefill chunk ends on a KV block boundary whenever the budget reaches one; a
-  budget smaller than the distance to the next boundary still makes progress.
+  budget smaller than the distance to the next boundary still makes progress. On hybrid
+  models with prefix caching a chunk also ends at the model's `prefill_capture_point` (the
+  prompt's tail split, its branch point), where the recurrent state is snapshotted.
 - `schedule()` runs only when no launched step is unread; `plan_fed_step` plans the next
   decode step while one is (the device token feed) and never admits, prefills, preempts or
   expires anything. `commit` writes each token over the `FED_TOKEN` a fed step recorded at its
@@ -371,6 +373,10 @@ class Scheduler(Admission, Preemption):
             aligned_end = (start + length) // self.block_size * self.block_size
             if aligned_end > start:
                 length = aligned_end - start
+        state = seq.state
+        point = self.model.prefill_capture_point(state) if state is not None else None
+        if point is not None and start < point < start + length:
+            length = point - start  # two-phase prefill: the state is snapshotted there
         return PrefillWork(seq, start, length)
 
     # ------------------------------------------------------------------ commit

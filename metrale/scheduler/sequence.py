@@ -74,6 +74,23 @@ class TokenView(Sequence[int]):
         return self._prompt[i] if i < n else self._output[i - n]
 
 
+#: Prompt tokens that name a session when the request names none: the turns of one
+#: conversation share their opening (system prompt and first message).
+SESSION_PREFIX_TOKENS = 64
+
+
+def session_hash(namespace: int, session_id: str | None, prompt: Sequence[int]) -> int:
+    """The SSM snapshot store's session tag of a sequence (never 0): a hash of its prefix
+    namespace and `session_id`, or, without one, of its first `SESSION_PREFIX_TOKENS` prompt
+    tokens (stable across processes)."""
+    if session_id:
+        raw = f"{namespace}\0id\0{session_id}".encode("utf-8", "surrogatepass")
+    else:
+        head = ",".join(map(str, prompt[:SESSION_PREFIX_TOKENS]))
+        raw = f"{namespace}\0tokens\0{head}".encode()
+    return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") | 1
+
+
 def prefix_namespace(adapter_id: int, cache_namespace: str | None) -> int:
     """The prefix cache's namespace key of a sequence: its adapter id, or, with a
     `cache_namespace`, a 62-bit hash of both with bit 62 set (never a plain adapter id), so
@@ -127,6 +144,9 @@ class SchedSequence:
     #: sequences of different namespaces never share prefix-cache blocks; None: the
     #: adapter's shared one.
     cache_namespace: str | None = None
+    #: The conversation this request continues (a client's `session_id` / `user`); None: the
+    #: session is derived from the prompt's opening tokens (`session_hash`).
+    session_id: str | None = None
 
     @property
     def prefix_namespace(self) -> int:

@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from metrale.cache.ssm_snapshots import MISS_CAUSES
 from metrale.engine.async_engine import EngineHandle, EngineSnapshot
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,7 @@ class _EngineCollector(Collector):
         forwards.add_metric(["graph"], snap.graph_forwards)
         forwards.add_metric(["eager"], snap.eager_forwards)
         yield forwards
+        yield from _snapshot_metrics(snap.prefix_cache)
         yield from _spec_metrics(snap)
         yield from _lora_metrics(snap)
 
@@ -233,6 +235,60 @@ def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:
         "metrale_kv_offload_corrupt",
         "disk-tier block files refused (bad header or checksum); their blocks are recomputed",
         value=cache.get("offload_corrupt", 0),
+    )
+
+
+def _snapshot_metrics(cache: dict[str, int]) -> Iterator[Metric]:
+    """The SSM snapshot store of hybrid models' prefix cache (zero on other models)."""
+    yield GaugeMetricFamily(
+        "metrale_ssm_snapshot_slots_used",
+        "SSM snapshot store slots holding a snapshot (hybrid prefix caching)",
+        value=cache.get("ssm_snapshot_slots_used", 0),
+    )
+    yield GaugeMetricFamily(
+        "metrale_ssm_snapshot_slots_total",
+        "SSM snapshot store slots (--ssm-snapshot-slots; 0 without a store)",
+        value=cache.get("ssm_snapshot_slots", 0),
+    )
+    yield GaugeMetricFamily(
+        "metrale_ssm_snapshot_bytes_used",
+        "bytes of the SSM snapshot store's slots holding a snapshot",
+        value=cache.get("ssm_snapshot_bytes_used", 0),
+    )
+    yield GaugeMetricFamily(
+        "metrale_ssm_snapshot_bytes_per_slot",
+        "bytes of one SSM snapshot (every recurrent layer's conv and SSM state)",
+        value=cache.get("ssm_snapshot_bytes_per_slot", 0),
+    )
+    yield CounterMetricFamily(
+        "metrale_ssm_snapshot_hits",
+        "hybrid prefix lookups that restored an SSM snapshot",
+        value=cache.get("ssm_snapshot_hits", 0),
+    )
+    misses = CounterMetricFamily(
+        "metrale_ssm_snapshot_misses",
+        "hybrid prefix lookups that reused nothing, by cause (cold: nothing cached; "
+        "no_snapshot: KV cached without a state; evicted: its snapshot was evicted; "
+        "wrong_adapter: only another adapter or tenant holds it)",
+        labels=["cause"],
+    )
+    for cause in MISS_CAUSES:
+        misses.add_metric([cause], cache.get(f"ssm_snapshot_miss_{cause}", 0))
+    yield misses
+    yield CounterMetricFamily(
+        "metrale_ssm_snapshot_captures",
+        "SSM snapshots taken (two-phase prefill points, decode tracks)",
+        value=cache.get("ssm_snapshot_captures", 0),
+    )
+    yield CounterMetricFamily(
+        "metrale_ssm_snapshot_captures_skipped",
+        "SSM snapshots not taken: the store was full of worthier or in-use snapshots",
+        value=cache.get("ssm_snapshot_captures_skipped", 0),
+    )
+    yield CounterMetricFamily(
+        "metrale_ssm_snapshot_evictions",
+        "SSM snapshots evicted under store pressure (Marconi utility)",
+        value=cache.get("ssm_snapshot_evictions", 0),
     )
 
 

@@ -226,6 +226,7 @@ class ServerState:
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        session_id: str | None = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -253,6 +254,7 @@ class ServerState:
                     speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
                     priority=priority,
+                    session_id=session_id,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

@@ -177,7 +177,7 @@ def test_a_model_that_cannot_load_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) -> None:
-    """The parent's "add" tuple holds them and the cache namespace (defaults included), the real child
+    """The parent's "add" tuple holds them, the cache namespace, the priority and the session (defaults included), the real child
     accepts it, and the child's side of the wire hands them to `Engine.add_request`."""
     sent: list[tuple[Any, ...]] = []
     real_send = process._send
@@ -188,7 +188,16 @@ def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) 
 
     async def run() -> None:
         for rid, kwargs in [
-            ("w1", {"speculative": False, "lookup_tenant": "key:ab/t", "cache_namespace": "s"}),
+            (
+                "w1",
+                {
+                    "speculative": False,
+                    "lookup_tenant": "key:ab/t",
+                    "cache_namespace": "s",
+                    "session_id": "chat-1",
+                    "priority": 3,
+                },
+            ),
             ("w2", {}),
         ]:
             stream = await process.add_request(
@@ -203,7 +212,10 @@ def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) 
     finally:
         del process._send
     adds = [pickle.loads(pickle.dumps(m)) for m in sent if m[0] == "add"]
-    assert [a[-3:] for a in adds] == [(False, "key:ab/t", "s"), (True, DEFAULT_TENANT, None)]
+    assert [a[-5:] for a in adds] == [
+        (False, "key:ab/t", "s", 3, "chat-1"),
+        (True, DEFAULT_TENANT, None, 0, None),
+    ]
 
     calls: list[dict[str, Any]] = []
 
@@ -222,10 +234,10 @@ def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) 
     child = _ChildLoop(SpyEngine(), pipe)  # type: ignore[arg-type]
     for add in adds:
         assert child._apply(add)
-    assert [(c["speculative"], c["lookup_tenant"], c["cache_namespace"]) for c in calls] == [
-        (False, "key:ab/t", "s"),
-        (True, DEFAULT_TENANT, None),
-    ]
+    assert [
+        (c["speculative"], c["lookup_tenant"], c["cache_namespace"], c["priority"], c["session_id"])
+        for c in calls
+    ] == [(False, "key:ab/t", "s", 3, "chat-1"), (True, DEFAULT_TENANT, None, 0, None)]
     assert pipe.sent == [("added", "w1", None), ("added", "w2", None)]
     # The child's snapshots carry the speculation counters (zero: speculation is off here).
     snap = process.snapshot()

@@ -507,6 +507,8 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     for series, labels in (
         ("metrale_prefix_cache_evicted_blocks_total", ()),
         ("metrale_prefix_cache_bypassed_lookups_total", ()),
+        ("metrale_ssm_snapshot_slots_used", ()),  # 0: a dense model has no snapshot store
+        ("metrale_ssm_snapshot_misses_total", (("cause", "evicted"),)),
         ("metrale_swapped_blocks_total", (("direction", "out"),)),
         ("metrale_swap_fallbacks_total", ()),
     ):

@@ -12,8 +12,9 @@ Invariants:
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
 - Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
-  is a JSON boolean (anything else is a 400 naming it), `tenant` and `cache_salt` (vLLM's)
-  non-empty strings of at most `MAX_TENANT_LEN` characters.
+  is a JSON boolean (anything else is a 400 naming it), `tenant`, `cache_salt` (vLLM's) and
+  `session_id` non-empty strings of at most `MAX_TENANT_LEN` characters. `session_id` (or the
+  OpenAI `user`) only steers which SSM snapshots a hybrid model keeps, never the output.
 - `decode_json` refuses, with a 400 naming the problem (and the field where there is one),
   before any model sees the body: invalid JSON or UTF-8, `NaN` / `Infinity`, containers nested
   deeper than `MAX_JSON_DEPTH`, integers of more than `MAX_INT_DIGITS` digits, and any string
@@ -72,6 +73,16 @@ class SpeculationFields(RequestModel):
     #: vLLM's `cache_salt`: requests with different salts (or none) never share prefix-cache
     #: blocks, so a cache hit's timing tells nothing across them.
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_LEN)
+    #: The conversation a request continues (hybrid models keep its SSM snapshots cached);
+    #: without it, the body's `user`, else the prompt's opening tokens, name the session.
+    session_id: str | None = Field(default=None, min_length=1, max_length=MAX_TENANT_LEN)
+
+    def session(self) -> str | None:
+        """The request's session for the SSM snapshot store: `session_id`, else `user`."""
+        if self.session_id:
+            return self.session_id
+        user = (self.model_extra or {}).get("user")
+        return f"user:{user}" if isinstance(user, str) and user else None
 
 
 def unsupported(field: str, what: str | None = None) -> Unsupported:

@@ -55,6 +55,8 @@ class GenerationBody(Protocol):
 
     def check_supported(self) -> None: ...
 
+    def session(self) -> str | None: ...
+
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
 #: Cuts a prompt's ids to what `truncate_prompt_tokens` keeps (given the context length).
@@ -183,6 +185,7 @@ class Generation(Generic[BodyT]):
             lookup_tenant=request_tenant(self.request, body.tenant),
             cache_namespace=cache_namespace(self.request, body.cache_salt),
             priority=getattr(body, "priority", 0),
+            session_id=body.session(),
         )
 
 
