@@ -34,11 +34,20 @@ Invariants:
 - Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
   proposed only before a step planned from the known tokens; a step that could speculate
   drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
+- Structured output (`SamplingParams.structured_outputs`): the grammar is compiled (cached
+  by spec, `metrale.sampling.grammar.GrammarBackend`) in `add_request`, before anything is
+  queued (a spec xgrammar refuses is an `InvalidRequestError`); each choice owns a
+  `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
+  preemption and prefix caching never advance it twice. A step after one that sampled a
+  grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`),
+  and grammar rows do not speculate (`grammar_spec_disabled` counts the requests that asked
+  for it and were opted out, logged). A choice whose grammar terminates finishes ("stop").
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -63,6 +72,7 @@ from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
 from metrale.progress import LoadProgress, load_progress
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
+from metrale.sampling.grammar import GrammarBackend, GrammarState
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
@@ -177,6 +187,14 @@ class Engine:
         self.speculation = Speculation(config.speculative(), model, self.vocab_size, proposer)
         #: When the last step was read back (the gate's step intervals).
         self._last_read = 0.0
+        #: Structured output: the compiler (built on the first constrained request) and each
+        #: constrained sequence's matcher, by seq_id.
+        self._grammars: GrammarBackend | None = None
+        self._grammar_of: dict[str, GrammarState] = {}
+        #: Constrained requests opted out of speculation; steps read back because the step
+        #: before sampled a grammar row (metrics and tests).
+        self.grammar_spec_disabled = 0
+        self.grammar_drained_steps = 0
 
     # Speculation's counters (its proposer, gate and k: `self.speculation`).
     @property
@@ -190,6 +208,13 @@ class Engine:
         if self.config.model is None:
             return BUNDLED_MODEL_NAME
         return Path(self.model_dir).name
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this model's vocabulary (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def default_sampling_params(self) -> SamplingParams:
         """`SamplingParams()` with the model's generation-config defaults applied."""
@@ -225,6 +250,17 @@ class Engine:
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
+        spec = params.structured_outputs
+        if spec is not None:
+            self.grammar_backend.compile(spec)  # refuses before anything is queued
+            if speculative and self.speculation.proposer is not None:
+                speculative = False
+                self.grammar_spec_disabled += 1
+                logger.info(
+                    "request %s: speculative decoding off for its grammar-constrained rows "
+                    "(drafts are not checked against the grammar)",
+                    request_id,
+                )
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -254,6 +290,9 @@ class Engine:
             for seq in added:
                 self.scheduler.finish(seq, "abort")
             raise
+        if spec is not None:
+            for seq in seqs:
+                self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec)
         state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
         state.final_only = final_only
         self.requests[request_id] = state
@@ -282,6 +321,7 @@ class Engine:
             self.scheduler.finish(choice.seq, "abort")
             choice.close("abort", None)
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._grammar_of.pop(choice.seq.seq_id, None)
             self.speculation.forget(choice.seq)
         return state.to_output()
 
@@ -312,6 +352,10 @@ class Engine:
         if previous is not None:
             if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
+            elif self._grammar_of and any(
+                s.seq_id in self._grammar_of for s in previous.plan.sampled
+            ):
+                self.grammar_drained_steps += 1  # the grammar mask needs the token on the host
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens
@@ -416,6 +460,7 @@ class Engine:
                 seed=s.seed,
                 eos_token_ids=s.eos_token_ids,
                 pending=pending,
+                grammar=self._grammar_of.get(s.seq_id),
             )
             for s in sampled
         ]
@@ -430,7 +475,22 @@ class Engine:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
         at EOS, stop tokens or their length); their outputs are built by `_emit`."""
         out = batch.to_host()
-        return _Pending(out, self.scheduler.commit(plan, out.token_ids, out.emitted))
+        committed = self.scheduler.commit(plan, out.token_ids, out.emitted)
+        if self._grammar_of:
+            committed = [self._advance_grammar(c) for c in committed]
+        return _Pending(out, committed)
+
+    def _advance_grammar(self, c: Committed) -> Committed:
+        """Advance a constrained sequence's matcher over its committed tokens; a grammar that
+        has terminated (a stop token accepted, e.g. under `ignore_eos`) ends the sequence."""
+        grammar = self._grammar_of.get(c.seq.seq_id)
+        if grammar is None:
+            return c
+        grammar.sync(c.seq.output_token_ids)
+        if grammar.terminated and not c.seq.is_finished:
+            self.scheduler.finish(c.seq, "stop")
+            return dataclasses.replace(c, finished=True)
+        return c
 
     def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
         """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
@@ -504,4 +564,5 @@ class Engine:
         self.requests.pop(request_id, None)
         for choice in state.choices:
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._grammar_of.pop(choice.seq.seq_id, None)
             self.speculation.forget(choice.seq)

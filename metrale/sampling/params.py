@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.errors import InvalidRequestError
+from metrale.sampling.structured import GrammarSpec
 
 #: Temperatures below this sample greedily (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -230,6 +231,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     #: Keep the matched stop string at the end of the output text.
     include_stop_str_in_output: bool = False
+    #: Constrain the output to a grammar (JSON schema, regex, choice, EBNF, tool calls); the
+    #: engine compiles it with xgrammar (`metrale.sampling.grammar`).
+    structured_outputs: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int(self.n, "n")
@@ -302,6 +306,12 @@ class SamplingParams:
         self.include_stop_str_in_output = _as_bool(
             self.include_stop_str_in_output, "include_stop_str_in_output"
         )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, GrammarSpec
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a GrammarSpec", param="structured_outputs"
+            )
 
     # ---------------------------------------------------------------------------------------
     # Derived views

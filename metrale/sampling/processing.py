@@ -5,7 +5,9 @@ Owner: sampling. `process_logits` is what `Sampler.sample` and `Sampler.verify` 
 (prompt + output tokens), then frequency/presence penalties (output tokens, plus a fed row's
 pending token read on the device), then logit_bias, then min_tokens masking (the ids of
 `SamplingParams.masked_stop_token_ids` at -inf while `SamplingParams.stop_tokens_allowed` is
-False for the row's step). The tensor ops themselves are `logits_processors`'.
+False for the row's step), then the grammar mask of rows with a `grammar` (structured output:
+`metrale.sampling.grammar.apply_grammar_masks`, a bitmask filled on the host and applied on
+the device). The tensor ops themselves are `logits_processors`'.
 
 Invariants:
 - The input logits are never written: every stage is out of place.
@@ -91,6 +93,18 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
             x,
             to_device(mask_rows, torch.int64, device),
             to_device(mask_ids, torch.int64, device),
+        )
+    grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if grammar_rows:
+        from metrale.sampling.grammar import apply_grammar_masks
+
+        if any(rows[i].pending for i in grammar_rows):
+            raise MetraleError("a grammar row cannot have a pending token (it is never fed)")
+        x = apply_grammar_masks(
+            x,
+            grammar_rows,
+            [rows[i].grammar for i in grammar_rows],  # type: ignore[misc]
+            [rows[i].output_token_ids for i in grammar_rows],
         )
     return x
 

@@ -197,6 +197,10 @@ def _expand(row: SamplingRow, draft: list[int]) -> list[SamplingRow]:
     as `pending` (step = row.step + j for min_tokens and the seeded counter) and shares the
     output list, so expanding costs no copy of the output."""
     params = row.params
+    if row.grammar is not None:
+        if draft:
+            raise MetraleError("a grammar-constrained row cannot verify drafts")
+        return [row]
     if not params.uses_penalties:
         return [
             SamplingRow(

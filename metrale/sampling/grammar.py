@@ -1,0 +1,250 @@
+"""Grammar-constrained sampling with xgrammar: compiled grammars, per-sequence matchers, masks.
+
+Owner: sampling. `GrammarBackend` (one per engine) turns a `GrammarSpec` into an xgrammar
+`CompiledGrammar` over the model's vocabulary (a `TokenizerInfo` built from our `Tokenizer`)
+and caches it by the spec's key; `GrammarState` (one per sequence) is a matcher that follows
+the sequence's accepted tokens; `apply_grammar_masks` is the sampler's last stage-1 step: it
+fills one bitmask row per constrained row on the host, moves the bitmask to the logits'
+device (pinned memory, non-blocking) and sets every token the grammar forbids to -inf there.
+
+Invariants:
+- A `GrammarState`'s matcher has accepted exactly the sequence's output tokens: `sync(tokens)`
+  accepts the ones it has not seen and, if the sequence is shorter than what it accepted (a
+  rollback), replays from the start. It is idempotent, so recompute preemption (the output
+  kept, the KV recomputed) and prefix caching (which changes no output token) never advance
+  it twice.
+- A token the grammar rejects (only possible for a token the mask did not choose: the
+  sampler's fallback for a row with nothing samplable) marks the state `failed`: its rows
+  then allow nothing, so the row is reported unsamplable and the engine ends that request
+  with an error; the batch never fails.
+- After the grammar's end (`terminated`: a stop token accepted) a row allows only the stop
+  tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
+- No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row),
+  `to_device` copies it non-blocking through pinned memory, and the unpack and the mask are
+  device ops. The caller's logits are not written.
+- A spec xgrammar refuses raises `InvalidRequestError` naming the request field and xgrammar's
+  reason (the construct), before the request is queued.
+- xgrammar is imported when the first backend is built, so a server that never constrains
+  output does not need it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from metrale.errors import InvalidRequestError, MetraleError
+from metrale.sampling.structured import GrammarSpec
+
+if TYPE_CHECKING:
+    from metrale.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["GrammarBackend", "GrammarState", "apply_grammar_masks", "bitmask_words"]
+
+logger = logging.getLogger(__name__)
+
+#: Compiled grammars kept per backend (least recently used dropped first).
+COMPILE_CACHE_ENTRIES = 256
+#: The C++ location xgrammar puts in front of its messages ("[17:06:23] /path/x.cc:94: ").
+_XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of one bitmask row over `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+def _vocab_type(backend_json: str) -> tuple[str, bool]:
+    """(xgrammar vocab type name, add_prefix_space) read from a `tokenizer.json`'s decoder."""
+    data = json.loads(backend_json)
+    decoder = data.get("decoder") or {}
+    parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
+    types = {part.get("type") for part in parts if isinstance(part, dict)}
+    if "ByteLevel" in types:
+        return "BYTE_LEVEL", False
+    if "ByteFallback" in types:
+        prefix = any(
+            part.get("type") == "Metaspace" and part.get("prepend_scheme", "always") != "never"
+            for part in parts
+            if isinstance(part, dict)
+        )
+        return "BYTE_FALLBACK", prefix
+    return "RAW", False
+
+
+class GrammarBackend:
+    """xgrammar's compiler over one model's vocabulary, with a compile cache by spec."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Collection[int]
+    ) -> None:
+        try:
+            import xgrammar as xgr
+        except ImportError as exc:  # the server extra brings it
+            raise InvalidRequestError(
+                "structured output needs the xgrammar package (pip install 'metrale[server]')",
+                param="response_format",
+            ) from exc
+        self._xgr = xgr
+        self.vocab_size = vocab_size
+        vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
+        encoded = [""] * vocab_size
+        stops = set(stop_token_ids)
+        special = set(tokenizer.all_special_ids)
+        for token, index in vocab.items():
+            # Special tokens (other than the stops) get no text: xgrammar then never allows
+            # them inside the grammar's strings, where they would decode to nothing.
+            if index < vocab_size and (index not in special or index in stops):
+                encoded[index] = token
+        kind, prefix = _vocab_type(tokenizer.backend.to_str())
+        self.stop_token_ids = sorted(t for t in stops if t < vocab_size)
+        if not self.stop_token_ids:
+            raise MetraleError("structured output needs a stop (EOS) token in the vocabulary")
+        self.info = xgr.TokenizerInfo(
+            encoded,
+            getattr(xgr.VocabType, kind),
+            vocab_size=vocab_size,
+            stop_token_ids=self.stop_token_ids,
+            add_prefix_space=prefix,
+        )
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        #: Compiles done and cache hits (tests and logs).
+        self.compiles = 0
+        self.cache_hits = 0
+        logger.info(
+            "structured output: xgrammar over %d tokens (%s vocabulary, stop ids %s)",
+            vocab_size,
+            kind.lower(),
+            self.stop_token_ids,
+        )
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of `spec` (cached); `InvalidRequestError` if xgrammar refuses."""
+        cached = self._cache.get(spec.key)
+        if cached is not None:
+            self._cache.move_to_end(spec.key)
+            self.cache_hits += 1
+            return cached
+        try:
+            compiled = self._compile(spec)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # xgrammar reports every refusal as RuntimeError/ValueError
+            reason = _XGRAMMAR_PREFIX.sub("", str(exc)).strip().splitlines()[0]
+            raise InvalidRequestError(
+                f"{spec.param}: the {spec.kind.replace('_', ' ')} is not supported: {reason}",
+                param=spec.param,
+            ) from None
+        self.compiles += 1
+        self._cache[spec.key] = compiled
+        if len(self._cache) > COMPILE_CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, spec: GrammarSpec) -> Any:
+        compiler = self._compiler
+        if spec.kind == "json_schema":
+            return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            choices = json.loads(spec.value)
+            ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+            return compiler.compile_grammar(ebnf)
+        if spec.kind == "grammar":
+            return compiler.compile_grammar(spec.value)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.value)
+        raise InvalidRequestError(f"unknown constraint kind {spec.kind!r}", param=spec.param)
+
+    def state(self, spec: GrammarSpec) -> GrammarState:
+        """A fresh matcher for one sequence constrained by `spec`."""
+        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.stop_token_ids)
+
+
+class GrammarState:
+    """One sequence's matcher, kept equal to its output tokens (see the module invariants)."""
+
+    def __init__(self, matcher: Any, stop_token_ids: Sequence[int]) -> None:
+        self._matcher = matcher
+        self._stop_token_ids = list(stop_token_ids)
+        #: Output tokens the matcher has seen (accepted, or after its end: ignored).
+        self.num_seen = 0
+        #: A token the grammar rejects was accepted into the output.
+        self.failed = False
+        #: How many times `sync` found the sequence shorter and replayed (rollbacks).
+        self.replays = 0
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and a stop token was accepted."""
+        return bool(self._matcher.is_terminated())
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Make the matcher have accepted exactly `tokens` (the sequence's output)."""
+        if len(tokens) < self.num_seen:
+            self._matcher.reset()
+            self.num_seen = 0
+            self.failed = False
+            self.replays += 1
+        for index in range(self.num_seen, len(tokens)):
+            if (
+                not self.failed
+                and not self._matcher.is_terminated()
+                and not self._matcher.accept_token(int(tokens[index]))
+            ):
+                self.failed = True
+        self.num_seen = len(tokens)
+
+    def fill(self, bitmask: Tensor, row: int) -> None:
+        """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32)."""
+        if self.failed:
+            bitmask[row].zero_()
+        elif self._matcher.is_terminated():
+            bitmask[row].zero_()
+            for token in self._stop_token_ids:
+                bitmask[row, token // 32] |= _bit(token % 32)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _bit(position: int) -> int:
+    """The int32 value with only bit `position` set (bit 31 is the sign bit)."""
+    return -(1 << 31) if position == 31 else 1 << position
+
+
+def apply_grammar_masks(
+    x: Tensor,
+    rows: Sequence[int],
+    states: Sequence[GrammarState],
+    tokens: Sequence[Sequence[int]],
+) -> Tensor:
+    """`x` (`[B, V]` float32) with row `rows[j]` limited to what `states[j]` allows after
+    `tokens[j]` (that sequence's output, which the state is synced to first). Out of place."""
+    from metrale.sampling.processing import to_device
+
+    vocab = x.shape[1]
+    words = bitmask_words(vocab)
+    host = torch.empty((len(rows), words), dtype=torch.int32)
+    for j, (state, output) in enumerate(zip(states, tokens)):
+        state.sync(output)
+        state.fill(host, j)
+    mask = to_device(host, torch.int32, x.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
+    forbidden = allowed == 0
+    if len(rows) == x.shape[0]:
+        return x.masked_fill(forbidden, float("-inf"))
+    index = to_device(list(rows), torch.int64, x.device)
+    sub = x.index_select(0, index).masked_fill(forbidden, float("-inf"))
+    return x.index_copy(0, index, sub)
