@@ -130,6 +130,8 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The app over `engine`. `api_key`: one key or several (each its own tenant);
     `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
@@ -157,6 +159,8 @@ def create_app(
         prefix_cache_isolation=prefix_cache_isolation,
         max_body_bytes=max_body_bytes,
         max_prompt_tokens=max_prompt_tokens,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
     )
 
     @asynccontextmanager

@@ -60,6 +60,10 @@ class ServerState:
     max_body_bytes: int = MAX_BODY_BYTES
     #: `--max-prompt-tokens`: most prompt tokens a request may send (None: the context's).
     max_prompt_tokens: int | None = None
+    #: `--tool-call-parser` (None: from the chat template) and `--reasoning-parser` (None:
+    #: off); see `metrale.server.chat_output`.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _max_token_chars: int | None = field(default=None, repr=False)
 

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
+from metrale.server.chat_output import ChatOutputPlan, openai_plan
 from metrale.server.errors import InternalServerError, error_body, safe_text
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.openai import (
@@ -360,20 +361,23 @@ class _CompletionView:
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
+    plan = openai_plan(req, state.tokenizer, state.tool_call_parser, state.reasoning_parser)
     text, ids = await gen.chat_prompt(
         chat_messages(req.messages),
         add_generation_prompt=req.add_generation_prompt,
-        **(req.chat_template_kwargs or {}),
+        **{**plan.template_args(), **(req.chat_template_kwargs or {})},
     )
-    params = req.sampling_params(
-        max_tokens=req.resolved_max_tokens,
-        logprobs=req.logprob_count,
-        defaults=state.sampling_defaults,
+    params = plan.apply(
+        req.sampling_params(
+            max_tokens=req.resolved_max_tokens,
+            logprobs=req.logprob_count,
+            defaults=state.sampling_defaults,
+        )
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
     job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
-    view = _ChatView(job, req)
+    view = _ChatView(job, req, plan, text)
     if req.stream:
         return EventStreamResponse(
             view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
@@ -383,9 +387,13 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 class _ChatView:
-    def __init__(self, job: _Job, req: ChatCompletionRequest) -> None:
+    def __init__(
+        self, job: _Job, req: ChatCompletionRequest, plan: ChatOutputPlan, prompt: str
+    ) -> None:
         self.job = job
         self.req = req
+        self.plan = plan
+        self.prompt = prompt
         self.tokenizer = job.state.tokenizer
         self.top = req.top_logprobs or 0
 
@@ -412,16 +420,37 @@ class _ChatView:
             "choices": choices,
         }
 
+    def _message(self, choice: CompletionOutput) -> tuple[dict[str, Any], bool]:
+        """The choice's message (reasoning, content and tool calls split by the plan) and
+        whether it called tools."""
+        parts = self.plan.parts(choice.text, self.prompt)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": parts.content if parts.content or not parts.tool_calls else None,
+            "refusal": None,
+        }
+        if self.plan.reasoning is not None:
+            message["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = [call.openai() for call in parts.tool_calls]
+        return message, bool(parts.tool_calls)
+
+    def _finish_reason(self, choice: CompletionOutput, called: bool) -> str | None:
+        reason = finish_reason(choice.finish_reason)
+        return "tool_calls" if called and reason == "stop" else reason
+
     def response(self) -> dict[str, Any]:
-        choices = [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": choice.text, "refusal": None},
-                "logprobs": self._logprobs(choice),
-                "finish_reason": finish_reason(choice.finish_reason),
-            }
-            for index, _, _, choice in self.job.choices()
-        ]
+        choices = []
+        for index, _, _, choice in self.job.choices():
+            message, called = self._message(choice)
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": self._logprobs(choice),
+                    "finish_reason": self._finish_reason(choice, called),
+                }
+            )
         body = self._envelope("chat.completion", choices)
         body["usage"] = self.job.usage()
         return body
@@ -442,9 +471,10 @@ class _ChatView:
 
     async def _frames(self, merged: Outputs) -> AsyncIterator[str]:
         job = self.job
-        sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
+        splitters = {index: self.plan.splitter(self.prompt) for index in range(job.n)}
+        calls: dict[int, int] = {}  # tool calls sent per choice
         for index in range(job.n):
             yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
         async for prompt, output in merged:
@@ -453,19 +483,25 @@ class _ChatView:
                 index = choice.index
                 if index in done:
                     continue
-                start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                delta = choice.text[start_t:]
-                if delta:
-                    sent_text[index] = len(choice.text)
-                    sent_tokens[index] = len(choice.token_ids)
-                    yield sse(
-                        self._chunk(
-                            index, {"content": delta}, logprobs=self._logprobs(choice, start_k)
-                        )
-                    )
+                start_k = sent_tokens.get(index, 0)
+                parts = splitters[index].feed(choice.text, final=choice.finished)
+                deltas: list[dict[str, Any]] = []
+                if parts.reasoning:
+                    deltas.append({"reasoning_content": parts.reasoning})
+                if parts.content:
+                    deltas.append({"content": parts.content})
+                for call in parts.tool_calls:
+                    deltas.append({"tool_calls": [call.openai(calls.get(index, 0))]})
+                    calls[index] = calls.get(index, 0) + 1
+                for delta in deltas:
+                    logprobs = self._logprobs(choice, start_k)
+                    sent_tokens[index] = start_k = len(choice.token_ids)
+                    yield sse(self._chunk(index, delta, logprobs=logprobs))
                 if choice.finished:
                     done.add(index)
-                    extra: dict[str, Any] = {"finish_reason": finish_reason(choice.finish_reason)}
+                    extra: dict[str, Any] = {
+                        "finish_reason": self._finish_reason(choice, index in calls)
+                    }
                     trailing = self._logprobs(choice, sent_tokens.get(index, 0))
                     if trailing and trailing["content"]:
                         extra["logprobs"] = trailing
