@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,14 @@ class ChatOutputPlan:
     grammar: GrammarSpec | None = None
     #: Extra chat-template variables (`enable_thinking`).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: Anthropic `thinking.budget_tokens` (enabled thinking): the route's reasoning phase.
+    thinking_budget: int | None = None
+
+    def answer_plan(self) -> ChatOutputPlan:
+        """The plan of the answer after a budgeted reasoning phase (no reasoning split)."""
+        if self.thinking_budget is None:
+            return self
+        return dataclasses.replace(self, reasoning=None, thinking_budget=None)
 
     @property
     def parses_tools(self) -> bool:
@@ -172,14 +181,18 @@ def anthropic_plan(
     choice = anthropic_tool_choice(req.tool_choice, tools)
     thinking = req.thinking if isinstance(req.thinking, dict) else None
     kwargs: dict[str, Any] = {}
+    budget: int | None = None
     if thinking is not None and thinking.get("type") == "enabled":
         kwargs["enable_thinking"] = True
         reasoning = reasoning or get_reasoning_parser("qwen3")
+        budget = int(thinking["budget_tokens"])
     elif thinking is not None and thinking.get("type") == "disabled":
         kwargs["enable_thinking"] = False
         reasoning = None
     grammar = anthropic_output_format(req.output_config)
-    return _finish_plan(tools, choice, parser, reasoning, grammar, kwargs, "output_config.format")
+    plan = _finish_plan(tools, choice, parser, reasoning, grammar, kwargs, "output_config.format")
+    plan.thinking_budget = budget
+    return plan
 
 
 def _finish_plan(

@@ -22,14 +22,26 @@ from dataclasses import dataclass
 
 from metrale.errors import InvalidRequestError
 
-__all__ = ["PARSERS", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]
+__all__ = [
+    "PARSERS",
+    "THINK_END",
+    "THINK_START",
+    "ReasoningParser",
+    "ReasoningStream",
+    "get_reasoning_parser",
+]
+
+
+#: The reasoning tags of every parser here.
+THINK_START = "<think>"
+THINK_END = "</think>"
 
 
 @dataclass(frozen=True)
 class ReasoningParser:
     name: str
-    start: str = "<think>"
-    end: str = "</think>"
+    start: str = THINK_START
+    end: str = THINK_END
 
     def starts_in_prompt(self, prompt: str) -> bool:
         """Whether the prompt opened the reasoning (ends with the start tag, less spaces)."""
