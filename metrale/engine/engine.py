@@ -251,8 +251,9 @@ class Engine:
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
         spec = params.structured_outputs
+        compiled = None
         if spec is not None:
-            self.grammar_backend.compile(spec)  # refuses before anything is queued
+            compiled = self.grammar_backend.compile(spec)  # refuses before anything is queued
             if speculative and self.speculation.proposer is not None:
                 speculative = False
                 self.grammar_spec_disabled += 1
@@ -292,7 +293,7 @@ class Engine:
             raise
         if spec is not None:
             for seq in seqs:
-                self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec)
+                self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
         state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
         state.final_only = final_only
         self.requests[request_id] = state

@@ -17,6 +17,10 @@ Invariants:
   sampler's fallback for a row with nothing samplable) marks the state `failed`: its rows
   then allow nothing, so the row is reported unsamplable and the engine ends that request
   with an error; the batch never fails.
+- JSON grammars (`json_schema`, `json_object`) are compact (no whitespace beyond one space
+  after ':' and ','), and their rows also forbid every token holding a control character
+  (U+0000-U+001F): xgrammar's string rules let raw ones through, which strict JSON parsers
+  (Python's, pydantic's) refuse; escaped forms stay allowed, so no JSON value is lost.
 - After the grammar's end (`terminated`: a stop token accepted) a row allows only the stop
   tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
 - No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row),
@@ -116,6 +120,7 @@ class GrammarBackend:
         )
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._no_control: Tensor | None = None
         #: Compiles done and cache hits (tests and logs).
         self.compiles = 0
         self.cache_hits = 0
@@ -167,16 +172,33 @@ class GrammarBackend:
             return compiler.compile_structural_tag(spec.value)
         raise InvalidRequestError(f"unknown constraint kind {spec.kind!r}", param=spec.param)
 
-    def state(self, spec: GrammarSpec) -> GrammarState:
-        """A fresh matcher for one sequence constrained by `spec`."""
-        return GrammarState(self._xgr.GrammarMatcher(self.compile(spec)), self.stop_token_ids)
+    def state(self, spec: GrammarSpec, compiled: Any = None) -> GrammarState:
+        """A fresh matcher for one sequence constrained by `spec` (`compiled`: its compiled
+        grammar, when the caller has it already)."""
+        matcher = self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(spec))
+        extra = self.no_control_row() if spec.kind in ("json_schema", "json_object") else None
+        return GrammarState(matcher, self.stop_token_ids, extra)
+
+    def no_control_row(self) -> Tensor:
+        """A bitmask row (int32 words) allowing every token without a control character."""
+        if self._no_control is None:
+            row = torch.full((bitmask_words(self.vocab_size),), -1, dtype=torch.int32)
+            for token, raw in enumerate(self.info.decoded_vocab[: self.vocab_size]):
+                if any(b < 0x20 for b in raw):
+                    row[token // 32] &= ~_bit(token % 32)
+            self._no_control = row
+        return self._no_control
 
 
 class GrammarState:
     """One sequence's matcher, kept equal to its output tokens (see the module invariants)."""
 
-    def __init__(self, matcher: Any, stop_token_ids: Sequence[int]) -> None:
+    def __init__(
+        self, matcher: Any, stop_token_ids: Sequence[int], extra_mask: Tensor | None = None
+    ) -> None:
         self._matcher = matcher
+        #: A bitmask row ANDed into every fill (JSON grammars: no control characters).
+        self._extra_mask = extra_mask
         self._stop_token_ids = list(stop_token_ids)
         #: Output tokens the matcher has seen (accepted, or after its end: ignored).
         self.num_seen = 0
@@ -216,6 +238,8 @@ class GrammarState:
                 bitmask[row, token // 32] |= _bit(token % 32)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
+            if self._extra_mask is not None:
+                bitmask[row] &= self._extra_mask
 
 
 def _bit(position: int) -> int:

@@ -355,7 +355,7 @@ class HermesParser(ToolParser):
         calls: list[ToolCall] = []
         for body in self._BLOCK.findall(tail):
             try:
-                call = _load_call(json.loads(body), "arguments")
+                call = _load_call(json.loads(body, strict=False), "arguments")
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -380,7 +380,7 @@ class Qwen3CoderParser(ToolParser):
             for key, raw in self._PARAM.findall(body):
                 raw = raw.strip()  # the grammar, like the format, pads values with whitespace
                 try:
-                    arguments[key] = json.loads(raw)
+                    arguments[key] = json.loads(raw, strict=False)
                 except json.JSONDecodeError:
                     arguments[key] = raw
             calls.append(ToolCall(name, json.dumps(arguments, ensure_ascii=False)))
@@ -405,7 +405,7 @@ class Qwen3CoderParser(ToolParser):
 
 def _json_values(text: str) -> tuple[list[Any], str]:
     """The JSON values at the start of `text`, separated by ';' or whitespace, and the rest."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)  # raw control characters in strings
     values: list[Any] = []
     pos = 0
     while True:
