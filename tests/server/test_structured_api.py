@@ -277,7 +277,7 @@ def test_vllm_constraint_fields(server: ServerProcess, client: OpenAI, model: st
                     "type": "json_schema",
                     "json_schema": {"name": "x", "schema": {"type": "strange"}},
                 }
-            },  # fmt: skip
+            },
             "response_format",
             'Unsupported type "strange"',
         ),
@@ -293,7 +293,7 @@ def test_vllm_constraint_fields(server: ServerProcess, client: OpenAI, model: st
                 "tools": [WEATHER],
                 "tool_choice": "required",
                 "response_format": {"type": "json_object"},
-            },  # fmt: skip
+            },
             "response_format",
             "cannot be combined",
         ),

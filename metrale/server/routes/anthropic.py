@@ -255,7 +255,10 @@ class _Blocks:
         self.index += 1
         self.kind = kind
         start = {"type": "content_block_start", "index": self.index, "content_block": block}
-        return [*frames, sse(start, "content_block_start")]
+        frames.append(sse(start, "content_block_start"))
+        if self.index == 0:  # Anthropic's order: the first block's start, then a ping
+            frames.append(sse({"type": "ping"}, "ping"))
+        return frames
 
     def delta(self, kind: str, block: dict[str, Any], delta: dict[str, Any]) -> list[str]:
         frames = [] if self.kind == kind else self.open(kind, block)
@@ -276,7 +279,6 @@ async def _events(job: _MessageJob) -> AsyncIterator[str]:
             if not started:
                 started = True
                 yield sse({"type": "message_start", "message": job.message([])}, "message_start")
-                yield sse({"type": "ping"}, "ping")
             frames: list[str] = []
             if phase == "thinking":
                 delta = choice.text[thinking_sent:]
