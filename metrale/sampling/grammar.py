@@ -23,6 +23,9 @@ Invariants:
   (Python's, pydantic's) refuse; escaped forms stay allowed, so no JSON value is lost.
 - After the grammar's end (`terminated`: a stop token accepted) a row allows only the stop
   tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
+- A step's live rows are filled in one call of xgrammar's `BatchGrammarMatcher` (its own
+  threads, without the GIL). On CUDA this host work runs while the step's forward computes
+  (the forward is queued before the sampler runs).
 - No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row),
   `to_device` copies it non-blocking through pinned memory, and the unpack and the mask are
   device ops. The caller's logits are not written.
@@ -56,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 #: Compiled grammars kept per backend (least recently used dropped first).
 COMPILE_CACHE_ENTRIES = 256
+#: Threads xgrammar's batch matcher fills a step's bitmask rows on.
+BATCH_FILL_THREADS = 8
 #: The C++ location xgrammar puts in front of its messages ("[17:06:23] /path/x.cc:94: ").
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
 
@@ -121,6 +126,8 @@ class GrammarBackend:
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._no_control: Tensor | None = None
+        #: Fills several rows' bitmasks at once on C++ threads (the GIL released).
+        self._batch = xgr.BatchGrammarMatcher(max_threads=BATCH_FILL_THREADS)
         #: Compiles done and cache hits (tests and logs).
         self.compiles = 0
         self.cache_hits = 0
@@ -177,7 +184,7 @@ class GrammarBackend:
         grammar, when the caller has it already)."""
         matcher = self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(spec))
         extra = self.no_control_row() if spec.kind in ("json_schema", "json_object") else None
-        return GrammarState(matcher, self.stop_token_ids, extra)
+        return GrammarState(matcher, self.stop_token_ids, extra, self._batch)
 
     def no_control_row(self) -> Tensor:
         """A bitmask row (int32 words) allowing every token without a control character."""
@@ -194,9 +201,14 @@ class GrammarState:
     """One sequence's matcher, kept equal to its output tokens (see the module invariants)."""
 
     def __init__(
-        self, matcher: Any, stop_token_ids: Sequence[int], extra_mask: Tensor | None = None
+        self,
+        matcher: Any,
+        stop_token_ids: Sequence[int],
+        extra_mask: Tensor | None = None,
+        batch: Any = None,
     ) -> None:
         self._matcher = matcher
+        self._batch = batch
         #: A bitmask row ANDed into every fill (JSON grammars: no control characters).
         self._extra_mask = extra_mask
         self._stop_token_ids = list(stop_token_ids)
@@ -227,6 +239,30 @@ class GrammarState:
             ):
                 self.failed = True
         self.num_seen = len(tokens)
+
+    @property
+    def live(self) -> bool:
+        """Neither failed nor terminated: its next tokens come from the grammar."""
+        return not self.failed and not self._matcher.is_terminated()
+
+    @staticmethod
+    def fill_rows(bitmask: Tensor, states: Sequence[GrammarState]) -> None:
+        """`bitmask[j]` for every `states[j]`: the live ones in one batched xgrammar call
+        (threads), the rest one by one."""
+        live = [j for j, state in enumerate(states) if state.live]
+        batch = states[live[0]]._batch if live else None
+        if batch is not None and len(live) > 1:
+            batch.batch_fill_next_token_bitmask([states[j]._matcher for j in live], bitmask, live)
+            for j in live:
+                extra = states[j]._extra_mask
+                if extra is not None:
+                    bitmask[j] &= extra
+            live_set = set(live)
+            rest = [j for j in range(len(states)) if j not in live_set]
+        else:
+            rest = list(range(len(states)))
+        for j in rest:
+            states[j].fill(bitmask, j)
 
     def fill(self, bitmask: Tensor, row: int) -> None:
         """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32)."""
@@ -260,9 +296,9 @@ def apply_grammar_masks(
     vocab = x.shape[1]
     words = bitmask_words(vocab)
     host = torch.empty((len(rows), words), dtype=torch.int32)
-    for j, (state, output) in enumerate(zip(states, tokens)):
+    for state, output in zip(states, tokens):
         state.sync(output)
-        state.fill(host, j)
+    GrammarState.fill_rows(host, states)
     mask = to_device(host, torch.int32, x.device)
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
