@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -127,7 +128,8 @@ class GrammarBackend:
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._no_control: Tensor | None = None
         #: Fills several rows' bitmasks at once on C++ threads (the GIL released).
-        self._batch = xgr.BatchGrammarMatcher(max_threads=BATCH_FILL_THREADS)
+        threads = max(1, min(BATCH_FILL_THREADS, os.cpu_count() or 1))
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
         #: Compiles done and cache hits (tests and logs).
         self.compiles = 0
         self.cache_hits = 0
