@@ -15,6 +15,11 @@ Invariants:
 - Leaving early (disconnect, error, shutdown) aborts every engine request of the HTTP request.
 - Every engine request gets the body's `speculative` and the draft-lookup tenant of the
   request's API key and `tenant` field (`request_tenant`).
+- A chat request's tools, tool choice, reasoning split and output constraint are its
+  `ChatOutputPlan` (`metrale.server.chat_output`): the template gets the tools, the sampling
+  the grammar, and each choice's text is split into `reasoning_content`, `content` and
+  `tool_calls` (finish reason "tool_calls" when it called one); streamed, the deltas of each
+  concatenate to the non-streamed parts.
 """
 
 from __future__ import annotations
