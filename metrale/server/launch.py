@@ -106,7 +106,8 @@ def add_serve_parser(subparsers: Any) -> None:
         help="run the engine on a thread of the server process instead of its own process "
         "(slower under many concurrent streams: both then share one GIL; default: off)",
     )
-    chat = parser.add_argument_group("tools and reasoning", "tool-call and reasoning parsers")
+    # Tool-call and reasoning parsers (the chat routes' output split).
+    chat = server
     chat.add_argument(
         "--tool-call-parser",
         default=None,
@@ -116,7 +117,7 @@ def add_serve_parser(subparsers: Any) -> None:
     chat.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="accepted for vLLM compatibility: tool_choice 'auto' is always on",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on (default: off, no effect)",
     )
     chat.add_argument(
         "--reasoning-parser",
