@@ -39,9 +39,10 @@ Invariants:
   queued (a spec xgrammar refuses is an `InvalidRequestError`); each choice owns a
   `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
   preemption and prefix caching never advance it twice. A step after one that sampled a
-  grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`),
-  and grammar rows do not speculate (`grammar_spec_disabled` counts the requests that asked
-  for it and were opted out, logged). A choice whose grammar terminates finishes ("stop").
+  grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`).
+  A constrained row's drafts are cut before the first token its grammar refuses
+  (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
+  speculation stays lossless. A choice whose grammar terminates finishes ("stop").
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
@@ -191,9 +192,9 @@ class Engine:
         #: constrained sequence's matcher, by seq_id.
         self._grammars: GrammarBackend | None = None
         self._grammar_of: dict[str, GrammarState] = {}
-        #: Constrained requests opted out of speculation; steps read back because the step
+        #: Drafts cut because the grammar refuses them; steps read back because the step
         #: before sampled a grammar row (metrics and tests).
-        self.grammar_spec_disabled = 0
+        self.grammar_drafts_cut = 0
         self.grammar_drained_steps = 0
 
     # Speculation's counters (its proposer, gate and k: `self.speculation`).
@@ -254,14 +255,6 @@ class Engine:
         compiled = None
         if spec is not None:
             compiled = self.grammar_backend.compile(spec)  # refuses before anything is queued
-            if speculative and self.speculation.proposer is not None:
-                speculative = False
-                self.grammar_spec_disabled += 1
-                logger.info(
-                    "request %s: speculative decoding off for its grammar-constrained rows "
-                    "(drafts are not checked against the grammar)",
-                    request_id,
-                )
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -365,6 +358,8 @@ class Engine:
                 previous = None
         if plan is None:
             self.speculation.propose(self.scheduler)
+            if self._grammar_of:
+                self._cut_drafts()
             plan = self.scheduler.schedule()
             for seq in plan.finished:
                 self._close_choice(seq, touched)
@@ -480,6 +475,17 @@ class Engine:
         if self._grammar_of:
             committed = [self._advance_grammar(c) for c in committed]
         return _Pending(out, committed)
+
+    def _cut_drafts(self) -> None:
+        """Drafts of constrained rows end before the first token their grammar refuses (the
+        verifier would reject it; cutting saves its compute and KV)."""
+        for seq in self.scheduler.running:
+            grammar = self._grammar_of.get(seq.seq_id)
+            if grammar is not None and seq.spec_token_ids:
+                keep = grammar.valid_prefix(seq.output_token_ids, seq.spec_token_ids)
+                if keep < len(seq.spec_token_ids):
+                    self.grammar_drafts_cut += len(seq.spec_token_ids) - keep
+                    del seq.spec_token_ids[keep:]
 
     def _advance_grammar(self, c: Committed) -> Committed:
         """Advance a constrained sequence's matcher over its committed tokens; a grammar that

@@ -9,10 +9,14 @@ device (pinned memory, non-blocking) and sets every token the grammar forbids to
 
 Invariants:
 - A `GrammarState`'s matcher has accepted exactly the sequence's output tokens: `sync(tokens)`
-  accepts the ones it has not seen and, if the sequence is shorter than what it accepted (a
-  rollback), replays from the start. It is idempotent, so recompute preemption (the output
-  kept, the KV recomputed) and prefix caching (which changes no output token) never advance
-  it twice.
+  keeps what the last synced list shares with `tokens`, rolls the matcher back over the rest
+  (rejected drafts) and accepts the new tokens. It is idempotent, so recompute preemption
+  (the output kept, the KV recomputed) and prefix caching (which changes no output token)
+  never advance it twice.
+- Speculative decoding: `valid_prefix` cuts a row's drafts at the first token the grammar
+  refuses (the engine does, before planning); a verify row's positions are masked in order,
+  position j after the output plus drafts 0..j-1, so the target distribution at every
+  position is the constrained one and verification stays lossless.
 - A token the grammar rejects (only possible for a token the mask did not choose: the
   sampler's fallback for a row with nothing samplable) marks the state `failed`: its rows
   then allow nothing, so the row is reported unsamplable and the engine ends that request
@@ -214,43 +218,77 @@ class GrammarState:
         #: A bitmask row ANDed into every fill (JSON grammars: no control characters).
         self._extra_mask = extra_mask
         self._stop_token_ids = list(stop_token_ids)
-        #: Output tokens the matcher has seen (accepted, or after its end: ignored).
-        self.num_seen = 0
-        #: A token the grammar rejects was accepted into the output.
-        self.failed = False
-        #: How many times `sync` found the sequence shorter and replayed (rollbacks).
-        self.replays = 0
+        #: The tokens last synced to, and how many of them (a prefix) the matcher accepted:
+        #: fewer than all when one was rejected (`failed`) or came after the grammar's end.
+        self._view: list[int] = []
+        self._accepted = 0
+        #: Tokens given back to the matcher (`sync` to a list that diverged: rejected drafts).
+        self.rollbacks = 0
+
+    @property
+    def num_seen(self) -> int:
+        return len(self._view)
 
     @property
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted."""
         return bool(self._matcher.is_terminated())
 
-    def sync(self, tokens: Sequence[int]) -> None:
-        """Make the matcher have accepted exactly `tokens` (the sequence's output)."""
-        if len(tokens) < self.num_seen:
-            self._matcher.reset()
-            self.num_seen = 0
-            self.failed = False
-            self.replays += 1
-        for index in range(self.num_seen, len(tokens)):
-            if (
-                not self.failed
-                and not self._matcher.is_terminated()
-                and not self._matcher.accept_token(int(tokens[index]))
-            ):
-                self.failed = True
-        self.num_seen = len(tokens)
+    @property
+    def failed(self) -> bool:
+        """A token of the synced list was rejected by the grammar."""
+        return self._accepted < len(self._view) and not self._matcher.is_terminated()
 
     @property
     def live(self) -> bool:
         """Neither failed nor terminated: its next tokens come from the grammar."""
-        return not self.failed and not self._matcher.is_terminated()
+        return self._accepted == len(self._view) and not self._matcher.is_terminated()
+
+    def sync(self, tokens: Sequence[int]) -> None:
+        """Make the matcher have accepted exactly `tokens` (up to a rejected token or the
+        grammar's end): the part shared with the last synced list stays, the rest is rolled
+        back and the new tokens accepted. Appending (the common case) costs the new tokens."""
+        view = self._view
+        common = len(view)
+        if len(tokens) < common or list(tokens[:common]) != view:
+            common = 0
+            for a, b in zip(view, tokens):
+                if a != b:
+                    break
+                common += 1
+            del view[common:]
+        if common < self._accepted:
+            self._matcher.rollback(self._accepted - common)
+            self.rollbacks += self._accepted - common
+            self._accepted = common
+        view.extend(int(t) for t in tokens[len(view) :])
+        matcher = self._matcher
+        while (
+            self._accepted < len(view)
+            and not matcher.is_terminated()
+            and matcher.accept_token(view[self._accepted])
+        ):
+            self._accepted += 1
+
+    def valid_prefix(self, output: Sequence[int], drafts: Sequence[int]) -> int:
+        """How many leading `drafts` the grammar allows after `output` (tried, then given
+        back: the matcher ends synced to `output`)."""
+        self.sync(output)
+        if not self.live:
+            return 0
+        count = 0
+        for token in drafts:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(int(token)):
+                break
+            count += 1
+        if count:
+            self._matcher.rollback(count)
+        return count
 
     @staticmethod
     def fill_rows(bitmask: Tensor, states: Sequence[GrammarState]) -> None:
-        """`bitmask[j]` for every `states[j]`: the live ones in one batched xgrammar call
-        (threads), the rest one by one."""
+        """`bitmask[j]` for every `states[j]` (each state once): the live ones in one batched
+        xgrammar call (threads), the rest one by one."""
         live = [j for j, state in enumerate(states) if state.live]
         batch = states[live[0]]._batch if live else None
         if batch is not None and len(live) > 1:
@@ -266,10 +304,16 @@ class GrammarState:
         for j in rest:
             states[j].fill(bitmask, j)
 
-    def fill(self, bitmask: Tensor, row: int) -> None:
-        """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32)."""
+    def fill(self, bitmask: Tensor, row: int, committed: int | None = None) -> None:
+        """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32).
+        `committed`: how many synced tokens are the sequence's own (the rest are drafts
+        being verified): after a rejected draft the row allows everything, since the
+        verifier rejects that draft and drops this position anyway."""
         if self.failed:
-            bitmask[row].zero_()
+            if committed is not None and self._accepted >= committed:
+                bitmask[row].fill_(-1)
+            else:
+                bitmask[row].zero_()
         elif self._matcher.is_terminated():
             bitmask[row].zero_()
             for token in self._stop_token_ids:
@@ -290,17 +334,27 @@ def apply_grammar_masks(
     rows: Sequence[int],
     states: Sequence[GrammarState],
     tokens: Sequence[Sequence[int]],
+    committed: Sequence[int | None] | None = None,
 ) -> Tensor:
     """`x` (`[B, V]` float32) with row `rows[j]` limited to what `states[j]` allows after
-    `tokens[j]` (that sequence's output, which the state is synced to first). Out of place."""
+    `tokens[j]` (that sequence's output, which the state is synced to first). Out of place.
+    A verify row's positions share one state: `tokens[j]` is then the output plus the drafts
+    before that position, `committed[j]` the output's length (see `GrammarState.fill`), and
+    the rows are synced and filled one after the other, in order."""
     from metrale.sampling.processing import to_device
 
     vocab = x.shape[1]
     words = bitmask_words(vocab)
     host = torch.empty((len(rows), words), dtype=torch.int32)
-    for state, output in zip(states, tokens):
-        state.sync(output)
-    GrammarState.fill_rows(host, states)
+    shared = len({id(state) for state in states}) < len(states)
+    if not shared and (committed is None or all(c is None for c in committed)):
+        for state, output in zip(states, tokens):
+            state.sync(output)
+        GrammarState.fill_rows(host, states)
+    else:
+        for j, (state, output) in enumerate(zip(states, tokens)):
+            state.sync(output)
+            state.fill(host, j, committed[j] if committed is not None else None)
     mask = to_device(host, torch.int32, x.device)
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]

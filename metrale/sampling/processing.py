@@ -105,6 +105,7 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
             grammar_rows,
             [rows[i].grammar for i in grammar_rows],  # type: ignore[misc]
             [rows[i].output_token_ids for i in grammar_rows],
+            [rows[i].grammar_committed for i in grammar_rows],
         )
     return x
 

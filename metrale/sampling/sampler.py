@@ -127,8 +127,11 @@ class SamplingRow:
     pending: int = 0
     #: The sequence's grammar matcher (structured output; `metrale.sampling.grammar`), synced
     #: to `output_token_ids` and applied last in stage 1. Such a row is never fed (`pending`
-    #: is 0) and verifies no drafts.
+    #: is 0).
     grammar: GrammarState | None = None
+    #: On a verify position of a grammar row: how many of `output_token_ids` are the
+    #: sequence's own (the rest are drafts); None otherwise.
+    grammar_committed: int | None = None
 
     @property
     def effective_seed(self) -> int | None:

@@ -1,7 +1,7 @@
 """The grammar stage of the sampler, on the bundled tokenizer and random logits: the mask is
 exactly xgrammar's (its own `apply_token_bitmask_inplace`), a greedy grammar row is the masked
 argmax, rows without a grammar get the tokens they get without one, matcher sync is idempotent
-and replays after a rollback, a rejected token makes the row unsamplable (never the batch)."""
+and rolls back over diverged (rejected-draft) tokens, drafts are cut at the first refused one, a rejected token makes the row unsamplable (never the batch)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,16 @@ def test_sync_is_idempotent_and_replays_after_a_rollback(
     state = backend.state(SPEC)
     state.sync(ids[:3])
     state.sync(ids[:3])  # recompute preemption: the same output again
-    assert state.num_seen == 3 and not state.failed and state.replays == 0
+    assert state.num_seen == 3 and not state.failed and state.rollbacks == 0
     state.sync(ids[:2])  # a rollback (rejected drafts)
-    assert state.replays == 1 and state.num_seen == 2
+    assert state.rollbacks == 1 and state.num_seen == 2
+    other = tokenizer.encode('{"k": "no"}', add_special_tokens=False)
+    state.sync(other)  # diverged after the shared prefix: rolled back there, then accepted
+    assert not state.failed and state.live
+    state.sync(ids)
+    assert not state.failed and state.live
+    assert state.valid_prefix(ids[:3], ids[3:]) == len(ids) - 3
+    assert state.num_seen == 3 and state.valid_prefix(ids[:3], [*ids[3:5], 0, 7]) == 2
     state.sync([*ids, *sorted(tokenizer.eos_token_ids)[:1]])
     assert state.terminated and not state.failed
     bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
