@@ -309,3 +309,49 @@ def test_refusals_name_field_and_construct(
     )
     error = assert_openai_error(response, 400, param)
     assert words in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("template", "family"),
+    [("llama3_tools.jinja", "llama3_json"), ("mistral_tools.jinja", "mistral")],
+)
+def test_parser_read_from_the_template(template: str, family: str) -> None:
+    """With no --tool-call-parser, the family comes from the chat template: a required call
+    in the Llama-3 and Mistral formats parses, streamed the same, and its result goes back."""
+    proc = ServerProcess(
+        "--chat-template", str(TEMPLATE.parent / template), "--num-kv-blocks", "256",
+        checkpoint=str(BUNDLED_MODEL_DIR),
+    )  # fmt: skip
+    try:
+        client = OpenAI(base_url=proc.wait_ready().url + "/v1", api_key="unused")
+        request = {
+            "model": client.models.list().data[0].id,
+            "messages": [{"role": "user", "content": "Weather in Lima?"}],
+            "tools": [WEATHER],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "temperature": 0,
+            "max_tokens": 96,
+        }
+        message = client.chat.completions.create(**request).choices[0].message
+        (call,) = message.tool_calls
+        assert call.function.name == "get_weather"
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) == {"city", "unit"}
+        streamed = ""
+        for chunk in client.chat.completions.create(**request, stream=True):
+            for choice in chunk.choices:
+                for delta in choice.delta.tool_calls or []:
+                    streamed += delta.function.arguments or ""
+        assert json.loads(streamed) == arguments
+        follow = [
+            *request["messages"],
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "20 C"},
+        ]
+        again = client.chat.completions.create(
+            **{**request, "messages": follow, "tool_choice": "none", "max_tokens": 4}
+        )
+        assert again.usage.prompt_tokens > 0
+    finally:
+        proc.close()

@@ -7,6 +7,7 @@ calls of the allowed tools with arguments valid for their schema."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +113,10 @@ def test_detect_parser_from_template() -> None:
     assert detect_parser("[TOOL_CALLS]").name == "mistral"
     assert detect_parser("<|python_tag|>").name == "llama3_json"
     assert detect_parser(None).name == "hermes"
+    templates = Path(__file__).parents[1] / "server" / "templates"
+    for name, family in (("qwen3_tools", "hermes"), ("llama3_tools", "llama3_json"),
+                         ("mistral_tools", "mistral")):  # fmt: skip
+        assert detect_parser((templates / f"{name}.jinja").read_text()).name == family
     with pytest.raises(InvalidRequestError, match="unknown tool-call parser"):
         get_parser("nope")
 
