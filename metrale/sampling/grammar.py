@@ -62,6 +62,9 @@ __all__ = ["GrammarBackend", "GrammarState", "apply_grammar_masks", "bitmask_wor
 
 logger = logging.getLogger(__name__)
 
+#: Special tokens that keep their text for the grammar: tool-call formats write them (Mistral's
+#: `[TOOL_CALLS]` is one special token; the grammar's "[TOOL_CALLS][" then matches it).
+TOOL_CALL_MARKERS = frozenset({"[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<|python_tag|>"})
 #: Compiled grammars kept per backend (least recently used dropped first).
 COMPILE_CACHE_ENTRIES = 256
 #: Threads xgrammar's batch matcher fills a step's bitmask rows on.
@@ -113,9 +116,12 @@ class GrammarBackend:
         stops = set(stop_token_ids)
         special = set(tokenizer.all_special_ids)
         for token, index in vocab.items():
-            # Special tokens (other than the stops) get no text: xgrammar then never allows
-            # them inside the grammar's strings, where they would decode to nothing.
-            if index < vocab_size and (index not in special or index in stops):
+            # Special tokens (other than the stops and the tool-call markers) get no text:
+            # xgrammar then never allows them inside the grammar's strings, where they would
+            # decode to nothing.
+            if index < vocab_size and (
+                index not in special or index in stops or token in TOOL_CALL_MARKERS
+            ):
                 encoded[index] = token
         kind, prefix = _vocab_type(tokenizer.backend.to_str())
         self.stop_token_ids = sorted(t for t in stops if t < vocab_size)

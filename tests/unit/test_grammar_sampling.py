@@ -137,3 +137,31 @@ def test_spec_validation() -> None:
         GrammarSpec.json_schema([1], "guided_json")
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+
+
+def test_special_tool_call_marker_is_one_allowed_token() -> None:
+    """Mistral's `[TOOL_CALLS]` is a special token: the tool-call grammar allows that token
+    (not only its spelling in plain-text pieces), and other special tokens stay out."""
+    from metrale.server.tools import ToolChoice, get_parser, normalize_tools
+
+    tokenizer = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    tokenizer.backend.add_special_tokens(["[TOOL_CALLS]"])
+    marker = tokenizer.token_to_id("[TOOL_CALLS]")
+    assert marker == VOCAB
+    backend = GrammarBackend(tokenizer, VOCAB + 1, tokenizer.eos_token_ids)
+    tools = normalize_tools([{"type": "function", "function": {"name": "f"}}])
+    state = backend.state(get_parser("mistral").grammar(tools, ToolChoice("required")))
+    logits = torch.zeros(1, VOCAB + 1)
+    allowed = torch.isfinite(apply_grammar_masks(logits, [0], [state], [[]])[0])
+    assert allowed[marker]
+    # Inside a free JSON string, the other special tokens are never allowed.
+    free = backend.state(GrammarSpec.json_schema({"type": "string"}, "x"))
+    inside = torch.isfinite(
+        apply_grammar_masks(logits, [0], [free], [tokenizer.encode('"', add_special_tokens=False)])[
+            0
+        ]
+    )
+    assert (
+        inside[tokenizer.token_to_id("Hello") or 70]
+        and not inside[tokenizer.token_to_id("<|im_start|>")]
+    )
