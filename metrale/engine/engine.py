@@ -34,9 +34,11 @@ Invariants:
 - Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
   proposed only before a step planned from the known tokens; a step that could speculate
   drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
-- Structured output (`SamplingParams.structured_outputs`): the grammar is compiled (cached
-  by spec, `metrale.sampling.grammar.GrammarBackend`) in `add_request`, before anything is
-  queued (a spec xgrammar refuses is an `InvalidRequestError`); each choice owns a
+- Structured output (`SamplingParams.structured_outputs`): `add_request` parses the grammar
+  (a spec xgrammar refuses is an `InvalidRequestError`, nothing queued) and its compile runs
+  on the grammar backend's worker thread (cached by spec,
+  `metrale.sampling.grammar.GrammarBackend`); the request's sequences wait, not `ready`,
+  until `step` finds it done (a compile that fails ends the request "error"). Each choice owns a
   `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
   preemption and prefix caching never advance it twice. A step after one that sampled a
   grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`).
@@ -52,8 +54,11 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -76,6 +81,7 @@ from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_
 from metrale.sampling.grammar import GrammarBackend, GrammarState
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+from metrale.sampling.structured import GrammarSpec
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
@@ -192,6 +198,8 @@ class Engine:
         #: constrained sequence's matcher, by seq_id.
         self._grammars: GrammarBackend | None = None
         self._grammar_of: dict[str, GrammarState] = {}
+        #: Requests whose grammar is compiling (their sequences wait, not ready), by id.
+        self._compiling: dict[str, tuple[Future[Any], GrammarSpec]] = {}
         #: Drafts cut because the grammar refuses them; steps read back because the step
         #: before sampled a grammar row (metrics and tests).
         self.grammar_drafts_cut = 0
@@ -252,9 +260,11 @@ class Engine:
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
         spec = params.structured_outputs
-        compiled = None
+        compiling: Future[Any] | None = None
         if spec is not None:
-            compiled = self.grammar_backend.compile(spec)  # refuses before anything is queued
+            compiling = self.grammar_backend.submit(spec)  # refuses before anything is queued
+            if compiling.done() and compiling.exception() is not None:
+                raise compiling.exception()  # type: ignore[misc]
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -275,6 +285,9 @@ class Engine:
             )
             for i in range(n)
         ]
+        if compiling is not None and not compiling.done():
+            for seq in seqs:
+                seq.ready = False  # admitted once its grammar is compiled (`_poll_compiles`)
         added: list[SchedSequence] = []
         try:
             for seq in seqs:
@@ -284,10 +297,12 @@ class Engine:
             for seq in added:
                 self.scheduler.finish(seq, "abort")
             raise
-        if spec is not None:
-            for seq in seqs:
-                self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
         state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
+        if spec is not None and compiling is not None:
+            if compiling.done():
+                self._attach_grammars(seqs, spec, compiling.result())
+            else:
+                self._compiling[request_id] = (compiling, spec)
         state.final_only = final_only
         self.requests[request_id] = state
         for choice in state.choices:
@@ -309,6 +324,7 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is (waiting, prefilling, decoding, swapped)."""
         state = self.requests.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         if state is None:
             return None
         for choice in state.choices:
@@ -340,6 +356,8 @@ class Engine:
         the forward runs."""
         touched: dict[str, RequestState] = {}
         started = time.perf_counter()
+        if self._compiling:
+            self._poll_compiles(touched)
         ready, self._pending = self._pending, []
         previous, self._inflight = self._inflight, None
         plan: StepPlan | None = None
@@ -361,6 +379,8 @@ class Engine:
             if self._grammar_of:
                 self._cut_drafts()
             plan = self.scheduler.schedule()
+            if plan.is_empty() and self._compiling:  # only compiles to wait for: not a spin
+                futures.wait([f for f, _ in self._compiling.values()], timeout=0.005)
             for seq in plan.finished:
                 self._close_choice(seq, touched)
         launched: SampledBatch | None = None
@@ -475,6 +495,33 @@ class Engine:
         if self._grammar_of:
             committed = [self._advance_grammar(c) for c in committed]
         return _Pending(out, committed)
+
+    def _attach_grammars(
+        self, seqs: Sequence[SchedSequence], spec: GrammarSpec, compiled: Any
+    ) -> None:
+        for seq in seqs:
+            self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
+            seq.ready = True
+
+    def _poll_compiles(self, touched: dict[str, RequestState]) -> None:
+        """Requests whose grammar finished compiling: their matchers, and admission; a
+        compile that failed ends its request with the error."""
+        for request_id, (future, spec) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            error = future.exception()
+            if error is None:
+                self._attach_grammars([c.seq for c in state.choices], spec, future.result())
+                continue
+            state.error = str(error)
+            for choice in state.choices:
+                self.scheduler.finish(choice.seq, "error")
+                choice.close("error", None)
+            touched[request_id] = state
 
     def _cut_drafts(self) -> None:
         """Drafts of constrained rows end before the first token their grammar refuses (the

@@ -33,8 +33,10 @@ Invariants:
 - No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row),
   `to_device` copies it non-blocking through pinned memory, and the unpack and the mask are
   device ops. The caller's logits are not written.
-- A spec xgrammar refuses raises `InvalidRequestError` naming the request field and xgrammar's
-  reason (the construct), before the request is queued.
+- Compiled off the step: `submit` parses the spec at once (a spec xgrammar refuses raises
+  `InvalidRequestError` naming the request field and xgrammar's reason, the construct, before
+  the request is queued) and compiles it over the vocabulary on a worker thread (xgrammar
+  releases the GIL), cached by the spec's text; the engine admits the request once it is done.
 - xgrammar is imported when the first backend is built, so a server that never constrains
   output does not need it.
 """
@@ -47,6 +49,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,7 +138,10 @@ class GrammarBackend:
             add_prefix_space=prefix,
         )
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        #: Compiles by spec key: done futures are the cache, pending ones are shared by
+        #: requests with the same spec.
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-grammar")
         self._no_control: Tensor | None = None
         #: Fills several rows' bitmasks at once on C++ threads (the GIL released).
         threads = max(1, min(BATCH_FILL_THREADS, os.cpu_count() or 1))
@@ -150,15 +156,37 @@ class GrammarBackend:
             self.stop_token_ids,
         )
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        """The compiled grammar of `spec` (cached); `InvalidRequestError` if xgrammar refuses."""
-        cached = self._cache.get(spec.key)
-        if cached is not None:
+    def submit(self, spec: GrammarSpec) -> Future[Any]:
+        """The compile of `spec`, started on the backend's worker thread (xgrammar releases
+        the GIL there) or found in the cache. The spec is parsed first, here: a construct
+        xgrammar refuses raises `InvalidRequestError` at once. The future's result is the
+        compiled grammar; a compile that fails after parsing holds that error."""
+        future = self._cache.get(spec.key)
+        if future is not None and not (future.done() and future.exception() is not None):
             self._cache.move_to_end(spec.key)
             self.cache_hits += 1
-            return cached
+            return future
+        grammar = self._guard(spec, lambda: self._parse(spec))
+        future = self._executor.submit(self._guard, spec, lambda: self._compile(spec, grammar))
+        self.compiles += 1
+        self._cache[spec.key] = future
+        while len(self._cache) > COMPILE_CACHE_ENTRIES:
+            oldest = next(iter(self._cache))
+            if not self._cache[oldest].done():
+                break  # never drop a compile someone waits for
+            del self._cache[oldest]
+        return future
+
+    def compile(self, spec: GrammarSpec) -> Any:
+        """The compiled grammar of `spec` (cached), waiting for it; `InvalidRequestError`
+        if xgrammar refuses it."""
+        return self.submit(spec).result()
+
+    @staticmethod
+    def _guard(spec: GrammarSpec, work: Any) -> Any:
+        """`work()`, with xgrammar's refusals as `InvalidRequestError` naming the field."""
         try:
-            compiled = self._compile(spec)
+            return work()
         except InvalidRequestError:
             raise
         except Exception as exc:  # xgrammar reports every refusal as RuntimeError/ValueError
@@ -167,29 +195,28 @@ class GrammarBackend:
                 f"{spec.param}: the {spec.kind.replace('_', ' ')} is not supported: {reason}",
                 param=spec.param,
             ) from None
-        self.compiles += 1
-        self._cache[spec.key] = compiled
-        if len(self._cache) > COMPILE_CACHE_ENTRIES:
-            self._cache.popitem(last=False)
-        return compiled
 
-    def _compile(self, spec: GrammarSpec) -> Any:
-        compiler = self._compiler
+    def _parse(self, spec: GrammarSpec) -> Any:
+        """The tokenizer-independent grammar of `spec` (fast; the compile is the slow part)."""
+        grammar = self._xgr.Grammar
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            return grammar.from_json_schema(spec.value, any_whitespace=False, strict_mode=True)
         if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            return grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
+            return grammar.from_regex(spec.value)
         if spec.kind == "choice":
             choices = json.loads(spec.value)
             ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-            return compiler.compile_grammar(ebnf)
+            return grammar.from_ebnf(ebnf)
         if spec.kind == "grammar":
-            return compiler.compile_grammar(spec.value)
+            return grammar.from_ebnf(spec.value)
         if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(spec.value)
+            return grammar.from_structural_tag(spec.value)
         raise InvalidRequestError(f"unknown constraint kind {spec.kind!r}", param=spec.param)
+
+    def _compile(self, spec: GrammarSpec, grammar: Any) -> Any:
+        return self._compiler.compile_grammar(grammar)
 
     def state(self, spec: GrammarSpec, compiled: Any = None) -> GrammarState:
         """A fresh matcher for one sequence constrained by `spec` (`compiled`: its compiled

@@ -123,6 +123,9 @@ class SchedSequence:
     #: sequences of different namespaces never share prefix-cache blocks; None: the
     #: adapter's shared one.
     cache_namespace: str | None = None
+    #: False while something the engine needs before admission is not there yet (its
+    #: output grammar compiling): a waiting sequence is admitted only once ready.
+    ready: bool = True
 
     @property
     def prefix_namespace(self) -> int:

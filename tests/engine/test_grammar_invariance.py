@@ -2,8 +2,10 @@
 nothing it should not. With a JSON-schema grammar, 16 requests (greedy and seeded sampling)
 give the same tokens with and without prefix caching, under a pool so tight that sequences
 are preempted (recompute and swap), under async scheduling or not, and with speculation on
-(drafts cut where the grammar refuses them, verified under the mask); an unconstrained request's tokens do not change when a
-constrained one runs beside it; a grammar that terminates finishes the request ("stop")."""
+(drafts cut where the grammar refuses them, verified under the mask); a request waits
+unadmitted while its grammar compiles on the worker thread, the others decoding; an
+unconstrained request's tokens do not change when a constrained one runs beside it; a
+grammar that terminates finishes the request ("stop")."""
 
 from __future__ import annotations
 
@@ -165,3 +167,45 @@ def test_refused_schema_names_the_construct_and_changes_nothing() -> None:
         llm.generate([[9, 10, 11]], SamplingParams(max_tokens=4, structured_outputs=regex))
     assert not llm.engine.has_unfinished()
     assert_no_leaks(llm.engine)
+
+
+def test_compile_runs_off_the_step() -> None:
+    """A request whose grammar is still compiling waits (not admitted) while the others
+    decode; once compiled it runs, and a compile of the same schema is shared."""
+    import threading
+
+    llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=200)
+    engine = llm.engine
+    backend = engine.grammar_backend
+    compile_for = backend._compile
+    gate = threading.Event()
+
+    def slow(spec: GrammarSpec, grammar: object) -> object:
+        assert gate.wait(30)
+        return compile_for(spec, grammar)
+
+    backend._compile = slow  # type: ignore[method-assign]
+    free = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    engine.add_request("free", [9, 10, 11], free)
+    constrained = SamplingParams(temperature=0, max_tokens=96, structured_outputs=SPEC)
+    engine.add_request("json-a", [9, 10, 12], constrained)
+    engine.add_request("json-b", [9, 10, 13], constrained)
+    finished: dict[str, object] = {}
+    for _ in range(12):
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert "free" in finished and len(finished["free"].outputs[0].token_ids) == 6
+    assert not finished.keys() & {"json-a", "json-b"}
+    assert backend.compiles == 1  # the second request shares the first one's compile
+    engine.add_request("json-c", [9, 10, 14], constrained)
+    engine.abort_request("json-c")  # aborted while compiling: nothing of it stays
+    assert "json-c" not in engine._compiling
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    for rid in ("json-a", "json-b"):
+        json.loads(finished[rid].outputs[0].text)
+    assert_no_leaks(engine)
