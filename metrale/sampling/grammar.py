@@ -255,6 +255,8 @@ class GrammarState:
         #: fewer than all when one was rejected (`failed`) or came after the grammar's end.
         self._view: list[int] = []
         self._accepted = 0
+        #: Where the synced list's drafts begin (a verify position's `committed`), if any.
+        self._drafts_from: int | None = None
         #: Tokens given back to the matcher (`sync` to a list that diverged: rejected drafts).
         self.rollbacks = 0
 
@@ -277,19 +279,22 @@ class GrammarState:
         """Neither failed nor terminated: its next tokens come from the grammar."""
         return self._accepted == len(self._view) and not self._matcher.is_terminated()
 
-    def sync(self, tokens: Sequence[int]) -> None:
+    def sync(self, tokens: Sequence[int], committed: int | None = None) -> None:
         """Make the matcher have accepted exactly `tokens` (up to a rejected token or the
         grammar's end): the part shared with the last synced list stays, the rest is rolled
-        back and the new tokens accepted. Appending (the common case) costs the new tokens."""
+        back and the new tokens accepted. `committed` (a verify position): the tokens from
+        there on are drafts, which the next sync may find replaced.
+
+        A sequence's output only grows, so the last synced list is a prefix of `tokens`
+        except where it held drafts: only that tail (or the last token) is compared, and
+        appending costs the new tokens alone, whatever the output's length."""
         view = self._view
-        common = len(view)
-        if len(tokens) < common or list(tokens[:common]) != view:
-            common = 0
-            for a, b in zip(view, tokens):
-                if a != b:
-                    break
-                common += 1
-            del view[common:]
+        trusted = self._drafts_from if self._drafts_from is not None else len(view) - 1
+        common = max(0, min(trusted, len(tokens), len(view)))
+        while common < len(view) and common < len(tokens) and view[common] == tokens[common]:
+            common += 1
+        del view[common:]
+        self._drafts_from = committed
         if common < self._accepted:
             self._matcher.rollback(self._accepted - common)
             self.rollbacks += self._accepted - common
@@ -386,8 +391,9 @@ def apply_grammar_masks(
         GrammarState.fill_rows(host, states)
     else:
         for j, (state, output) in enumerate(zip(states, tokens)):
-            state.sync(output)
-            state.fill(host, j, committed[j] if committed is not None else None)
+            own = committed[j] if committed is not None else None
+            state.sync(output, own)
+            state.fill(host, j, own)
     mask = to_device(host, torch.int32, x.device)
     shifts = torch.arange(32, dtype=torch.int32, device=x.device)
     allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]

@@ -73,19 +73,21 @@ def test_sync_is_idempotent_and_replays_after_a_rollback(
     backend: GrammarBackend, tokenizer: Tokenizer
 ) -> None:
     ids = tokenizer.encode('{"k": "yes"}', add_special_tokens=False)
-    state = backend.state(SPEC)
-    state.sync(ids[:3])
-    state.sync(ids[:3])  # recompute preemption: the same output again
-    assert state.num_seen == 3 and not state.failed and state.rollbacks == 0
-    state.sync(ids[:2])  # a rollback (rejected drafts)
-    assert state.rollbacks == 1 and state.num_seen == 2
     other = tokenizer.encode('{"k": "no"}', add_special_tokens=False)
-    state.sync(other)  # diverged after the shared prefix: rolled back there, then accepted
-    assert not state.failed and state.live
-    state.sync(ids)
-    assert not state.failed and state.live
-    assert state.valid_prefix(ids[:3], ids[3:]) == len(ids) - 3
-    assert state.num_seen == 3 and state.valid_prefix(ids[:3], [*ids[3:5], 0, 7]) == 2
+    shared = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)
+    state = backend.state(SPEC)
+    state.sync(ids[:shared])
+    state.sync(ids[:shared])  # recompute preemption: the same output again
+    assert state.num_seen == shared and not state.failed and state.rollbacks == 0
+    # A verify: the drafts after the output are tried, then the commit replaces them.
+    state.sync(ids, committed=shared)
+    assert state.live and state.num_seen == len(ids)
+    state.sync(other)
+    assert state.rollbacks == len(ids) - shared and state.live and state.num_seen == len(other)
+    assert state.valid_prefix(other[:shared], other[shared:]) == len(other) - shared
+    assert state.num_seen == shared
+    # The JSON is complete after ids, so EOS (0) is allowed too, and nothing after it.
+    assert state.valid_prefix(ids[:shared], [*ids[shared:], 0, 7]) == len(ids) - shared + 1
     state.sync([*ids, *sorted(tokenizer.eos_token_ids)[:1]])
     assert state.terminated and not state.failed
     bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
