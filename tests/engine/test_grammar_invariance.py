@@ -209,3 +209,16 @@ def test_compile_runs_off_the_step() -> None:
     for rid in ("json-a", "json-b"):
         json.loads(finished[rid].outputs[0].text)
     assert_no_leaks(engine)
+
+
+def test_grammar_end_finishes_even_under_ignore_eos() -> None:
+    llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=64)
+    spec = GrammarSpec.choice(["alpha", "beta"], "guided_choice")
+    params = SamplingParams(
+        temperature=1.0, seed=3, n=4, max_tokens=32, ignore_eos=True, structured_outputs=spec
+    )
+    (out,) = llm.generate([[9, 10, 11]], params)
+    for choice in out.outputs:
+        assert choice.finish_reason == "stop" and choice.text in ("alpha", "beta")
+        assert len(choice.token_ids) < 32
+    assert_no_leaks(llm.engine)
