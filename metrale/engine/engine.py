@@ -367,7 +367,13 @@ class Engine:
             elif self._grammar_of and any(
                 s.seq_id in self._grammar_of for s in previous.plan.sampled
             ):
-                self.grammar_drained_steps += 1  # the grammar mask needs the token on the host
+                if not self.grammar_drained_steps:
+                    logger.info(
+                        "structured output: a step after a grammar-constrained row is read "
+                        "back before the next is planned (its mask needs the token on the "
+                        "host); counted in grammar_drained_steps and drained_steps"
+                    )
+                self.grammar_drained_steps += 1
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens

@@ -6,7 +6,7 @@ failure into an `InvalidRequestError` whose `param` names the offending field.
 Invariants:
 - A field the server does not know is refused with a 400 naming it (OpenAI answers unknown
   arguments the same way); fields that would change the result and are not supported yet
-  (tools, response_format, images, ...) are refused by name, never silently ignored.
+  (images, `functions`, ...) are refused by name, never silently ignored.
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
 - Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
