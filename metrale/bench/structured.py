@@ -232,9 +232,12 @@ def step_cost(
         "step_ms_median": statistics.median(times) * 1000,
         "step_ms_mean": statistics.fmean(times) * 1000,
     }
-    if fills:
+    if fills and states is not None:
         result["fill_ms_median"] = statistics.median(fills) * 1000
         result["calls_completed"] = restarts
+        #: Rows whose grammar refused a sampled token (must stay 0: the mask works).
+        result["failed_rows"] = sum(state.failed for state in states)
+        result["tokens_in_open_calls"] = sum(len(o) for o in outputs)
     return result
 
 
