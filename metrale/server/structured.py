@@ -92,9 +92,15 @@ def _structured_outputs(value: Any) -> GrammarSpec | None:
             found.append(GrammarSpec.text("grammar", item, at))
         elif key == "structural_tag":
             found.append(_structural_tag(item, at))
-        elif key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
-                     "whitespace_pattern", "backend"):  # fmt: skip
-            continue  # backend options: metrale has one backend, compact whitespace
+        elif key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            continue  # no effect here: one backend, compact JSON, the schema's own rules
+        elif key == "backend" and item in ("auto", "xgrammar"):
+            continue
+        elif key in ("backend", "whitespace_pattern"):
+            raise InvalidRequestError(
+                f"{at} is not supported: the backend is xgrammar, JSON is written compactly",
+                param=at,
+            )
         else:
             raise InvalidRequestError(f"{param} has no field {key!r}", param=at)
     if len(found) > 1:
