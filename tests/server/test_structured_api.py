@@ -282,6 +282,11 @@ def test_vllm_constraint_fields(server: ServerProcess, client: OpenAI, model: st
             'Unsupported type "strange"',
         ),
         ({"guided_regex": "(?<=a)b"}, "guided_regex", "Lookbehind"),
+        (
+            {"structured_outputs": {"regex": "a", "backend": "outlines"}},
+            "structured_outputs.backend",
+            "not supported",
+        ),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "only one"),
         (
             {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
