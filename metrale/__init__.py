@@ -39,7 +39,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
 ]
-__version__ = "0.1.0"
+from metrale.version import __version__ as __version__  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

@@ -26,6 +26,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
+#: "fcfs": queues in arrival order; "priority": by each request's `priority` (lower first,
+#: vLLM's rule), then arrival, and preemption takes the lowest priority first.
+SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
 #: "auto": the checkpoint's generation_config.json supplies default sampling parameters;
 #: "none" (or vLLM's spelling "vllm"): the engine's own defaults.
@@ -54,6 +57,11 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 1.0
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    #: CPU only: projections and attention whose rows never depend on the rest of the batch
+    #: or the prompt's chunking (`metrale.kernels.invariant`): byte-identical outputs
+    #: whatever ran beside a request, at a speed cost.
+    batch_invariant: bool = False
     swap_space_gb: float = 4.0
     #: Seed of the engine's sampler for unseeded requests.
     seed: int = 0
@@ -117,6 +125,11 @@ class EngineConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise bad(
                 "preemption_mode", f"'{self.preemption_mode}' is not one of {PREEMPTION_MODES}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise bad(
+                "scheduling_policy",
+                f"'{self.scheduling_policy}' is not one of {SCHEDULING_POLICIES}",
             )
         if self.swap_space_gb < 0:
             raise bad("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")

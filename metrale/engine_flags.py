@@ -12,6 +12,8 @@ Invariants:
 - `--help` groups the flags by topic (`FLAG_TOPICS`, in `TOPICS` order); a field not listed
   there lands in `DEFAULT_TOPIC`, so a new `EngineConfig` field needs no entry to appear.
   Every flag's help ends with its default unless the help text already says it.
+- `--served-model-name` takes several names (vLLM's shape): `EngineConfig` gets the first,
+  `served_model_names` returns them all for the server.
 - Importing this module is cheap (argparse and the config dataclass only).
 """
 
@@ -43,12 +45,17 @@ FLAG_HELP = {
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
     "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
     "seed": "seed of the sampler for unseeded requests",
-    "served_model_name": "model name in the API (default: the checkpoint directory's name)",
+    "served_model_name": "model name(s) in the API; requests may name any of them, answers "
+    "carry the first (default: the checkpoint directory's name)",
     "chat_template": "a Jinja chat template file or string (default: the tokenizer's)",
     "enforce_eager": "no CUDA graphs: every forward runs eagerly",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "preemption_mode": "recompute | swap",
+    "batch_invariant": "CPU: kernels whose results for a request never depend on what shares "
+    "its batch or how its prompt was chunked (byte-identical outputs; slower)",
+    "scheduling_policy": "fcfs: requests in arrival order | priority: by the request's "
+    "`priority` (lower first), then arrival; preemption takes the lowest priority first",
     "request_timeout": "per-request deadline in seconds (default: none; 0: none)",
     "load_format": "auto | dummy (random weights of the config's shapes)",
     "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
@@ -83,7 +90,7 @@ FLAG_TOPICS: dict[str, str] = {
         "memory",
     ),
     **dict.fromkeys(
-        ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "request_timeout",
+        ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "scheduling_policy", "batch_invariant", "request_timeout",
          "max_queue", "async_scheduling", "enforce_eager"),
         "scheduling",
     ),
@@ -134,7 +141,10 @@ def add_engine_arguments(
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hints[f.name])
         help_text = with_default(FLAG_HELP.get(f.name, f.name.replace("_", " ")), f.default)
-        if typ is bool:
+        if f.name == "served_model_name":
+            # vLLM's shape: several names; the first is the one answers carry.
+            group.add_argument(flag, nargs="+", default=f.default, help=help_text)
+        elif typ is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
@@ -145,10 +155,20 @@ def add_engine_arguments(
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
+    names = served_model_names(args)
+    values["served_model_name"] = names[0] if names else None
     if getattr(args, "model_flag", None):
         values["model"] = args.model_flag
     values.update(overrides)
     return EngineConfig(**values)
+
+
+def served_model_names(args: argparse.Namespace) -> list[str]:
+    """Every `--served-model-name` given (empty: the checkpoint's name is served)."""
+    names = getattr(args, "served_model_name", None)
+    if names is None:
+        return []
+    return [names] if isinstance(names, str) else list(names)
 
 
 def add_log_level(parser: argparse.ArgumentParser) -> None:

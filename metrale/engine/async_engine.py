@@ -20,7 +20,8 @@ Invariants:
   every open stream as `EngineDeadError` and refuses new requests with it.
 - When there is no work the thread sleeps on a condition variable (no busy spin).
 - `add_request` hands every argument of `Engine.add_request` the server sets (prompt, params,
-  timeout, adapter, `speculative`, `lookup_tenant`, `cache_namespace`) through unchanged.
+  timeout, adapter, `speculative`, `lookup_tenant`, `cache_namespace`, `priority`) through
+  unchanged.
 """
 
 from __future__ import annotations

@@ -67,6 +67,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
     BUNDLED_MODEL_DIR,
     BUNDLED_MODEL_NAME,
     DEFAULT_TENANT,
+    bad_word_ids,
     check_request,
     resolve_model_dir,
 )
@@ -168,6 +169,7 @@ class Engine:
                 max_model_len=self.max_model_len,
                 max_prefill_chunk=max_prefill_chunk,
                 preemption_mode=config.preemption_mode,
+                scheduling_policy=config.scheduling_policy,
                 swap_space_bytes=int(config.swap_space_gb * 2**30),
                 enable_prefix_caching=config.enable_prefix_caching,
                 max_queue=config.max_queue,
@@ -216,6 +218,8 @@ class Engine:
             return self.config.served_model_name
         if self.config.model is None:
             return BUNDLED_MODEL_NAME
+        if self.model_dir != self.config.model:  # a repo id found in the Hugging Face cache
+            return self.config.model
         return Path(self.model_dir).name
 
     @property
@@ -244,6 +248,7 @@ class Engine:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -252,13 +257,16 @@ class Engine:
         `speculative=False` opts this request out of speculative decoding; `lookup_tenant`
         partitions the cross-request draft lookup (None: this request neither feeds nor
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
-        prefix-cache blocks apart from every other namespace's."""
+        prefix-cache blocks apart from every other namespace's; `priority` orders the queues
+        under `scheduling_policy="priority"` (lower first)."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
+        if params.bad_words:
+            params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
         spec = params.structured_outputs
         compiling: Future[Any] | None = None
         if spec is not None:
@@ -282,6 +290,7 @@ class Engine:
                 speculative=speculative,
                 lookup_tenant=lookup_tenant,
                 cache_namespace=cache_namespace,
+                priority=priority,
             )
             for i in range(n)
         ]
@@ -374,6 +383,8 @@ class Engine:
                         "host); counted in grammar_drained_steps and drained_steps"
                     )
                 self.grammar_drained_steps += 1
+            elif any(s.params.needs_known_output for s in previous.plan.sampled):
+                pass  # a multi-token bad word is banned by the output's known end
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens

@@ -16,7 +16,7 @@ split the same way).
 
 Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
 - parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id,
-  speculative, lookup_tenant, cache_namespace) (the arguments of `Engine.add_request`, in that order),
+  speculative, lookup_tenant, cache_namespace, priority) (the arguments of `Engine.add_request`, in that order),
   ("abort", request_id), ("shutdown",).
 - child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then
   ("added", request_id, error | None) answering each add, ("out", [OutputDelta], snapshot |
@@ -97,6 +97,8 @@ class OutputDelta:
     prompt_logprobs: list[PositionLogprobs | None] | None
     #: Sent once, in the request's first delta (the engine tokenized a text prompt).
     prompt_token_ids: list[int] | None
+    #: An embedding request's vector, in its final delta.
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -148,6 +150,7 @@ class DeltaEncoder:
             output.request_id, output.finished, choices, output.num_cached_tokens,
             dict(output.metrics), output.error, prompt_logprobs,
             list(output.prompt_token_ids) if first else None,
+            output.embedding if output.finished else None,
         )  # fmt: skip
 
     def forget(self, request_id: str) -> None:
@@ -199,6 +202,7 @@ def _apply_delta(assembly: _Assembly, delta: OutputDelta) -> RequestOutput:
         num_cached_tokens=delta.num_cached_tokens,
         metrics=delta.metrics,
         error=delta.error,
+        embedding=delta.embedding,
     )
     assembly.last = output
     return output

@@ -72,6 +72,7 @@ class EngineHandle(Protocol):
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> RequestStream: ...
 
 
@@ -184,6 +185,7 @@ class AddArgs:
     speculative: bool
     lookup_tenant: str | None
     cache_namespace: str | None = None
+    priority: int = 0
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -200,6 +202,7 @@ class AddArgs:
             prompt_token_ids=self.prompt_token_ids, timeout=self.timeout,
             adapter_id=self.adapter_id, speculative=self.speculative,
             lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
+            priority=self.priority,
         )  # fmt: skip
 
 
@@ -279,6 +282,7 @@ class HandleBase(ABC, Generic[E]):
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -289,7 +293,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant, cache_namespace,
+            lookup_tenant, cache_namespace, priority,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:

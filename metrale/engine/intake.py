@@ -1,5 +1,6 @@
 """Checking a request before it is queued: its prompt (text or token ids) and its output
-budget against the vocabulary and the context; and which checkpoint directory serves.
+budget against the vocabulary and the context; and which checkpoint directory serves (a directory, a repo id in the local Hugging
+Face cache, or the bundled model).
 
 Owner: engine (`Engine.check_prompt` and `Engine.add_request` call `check_request`; the
 offline `LLM` checks every prompt of a call through `Engine.check_prompt` before queueing any).
@@ -13,6 +14,8 @@ Invariants:
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,14 +31,57 @@ DEFAULT_TENANT = "default"
 
 
 def resolve_model_dir(model: str | None) -> str:
-    """The checkpoint directory to serve: `model`, else the bundled model."""
+    """The checkpoint directory to serve: `model` (a directory, or a Hugging Face repo id
+    found in the local cache: `hub_cache_dir`), else the bundled model. Nothing is
+    downloaded: a repo id that is not in the cache is an error saying so."""
     if model is not None:
-        return model
+        if Path(model).exists() or not _REPO_ID.fullmatch(model):
+            return model
+        found = hub_cache_dir(model)
+        if found is None:
+            raise InvalidRequestError(
+                f"model {model!r} is not a directory, and the local Hugging Face cache "
+                f"({_hub_cache_root()}) has no snapshot of it; metrale downloads nothing: "
+                f"fetch it first (`huggingface-cli download {model}`) or pass a directory",
+                param="model",
+            )
+        return str(found)
     if not (BUNDLED_MODEL_DIR / "config.json").is_file():
         raise InvalidRequestError(
             f"no model given and the bundled model is missing at {BUNDLED_MODEL_DIR}", param="model"
         )
     return str(BUNDLED_MODEL_DIR)
+
+
+#: A Hugging Face repo id: `org/name` (letters, digits, `-_.`).
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _hub_cache_root() -> Path:
+    """Where Hugging Face keeps downloaded repos: `$HF_HUB_CACHE`, else `$HF_HOME/hub`,
+    else `~/.cache/huggingface/hub` (the library's own rule)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return Path(home) / "hub"
+
+
+def hub_cache_dir(repo_id: str) -> Path | None:
+    """The cached snapshot of `repo_id` holding a config.json: the one `refs/main` names,
+    else the newest; None when the cache has none."""
+    repo = _hub_cache_root() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        named = snapshots / ref.read_text().strip()
+        if (named / "config.json").is_file():
+            return named
+    candidates = [d for d in snapshots.iterdir() if (d / "config.json").is_file()]
+    return max(candidates, key=lambda d: d.stat().st_mtime) if candidates else None
 
 
 def check_request(
@@ -50,6 +96,18 @@ def check_request(
     text, ids = _prompt_ids(prompt, prompt_token_ids, tokenizer, vocab_size, max_model_len)
     params.validate_for_vocab(vocab_size)
     return text, ids, _resolve_max_tokens(len(ids), params, max_model_len)
+
+
+def bad_word_ids(params: SamplingParams, tokenizer: Tokenizer) -> list[list[int]]:
+    """`params.bad_words` as the token-id sequences that spell them, each with and without a
+    leading space (how a word mid-sentence and at the start tokenize), without repeats."""
+    seen: list[list[int]] = []
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in seen:
+                seen.append(ids)
+    return seen
 
 
 def _prompt_ids(

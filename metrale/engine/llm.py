@@ -1,4 +1,4 @@
-"""`LLM`: the offline API users know from vLLM: `generate`, `chat`.
+"""`LLM`: the offline API users know from vLLM: `generate`, `chat`, `embed`.
 
 Owner: engine.
 
@@ -56,6 +56,16 @@ class LLM:
         items = _as_prompt_list(prompts)
         params = _params_list(sampling_params, len(items), self.get_default_sampling_params)
         return self._run([(_split_prompt(p), sp) for p, sp in zip(items, params)])
+
+    def embed(
+        self, prompts: PromptInput | Sequence[PromptInput], pooling: str = "last"
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding: its final hidden states pooled ("last" token or "mean"),
+        L2-normalised, in `RequestOutput.embedding` (the one generated token is not part of
+        it)."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling)
+        items = _as_prompt_list(prompts)
+        return self._run([(_split_prompt(p), params) for p in items])
 
     def chat(
         self,

@@ -184,4 +184,5 @@ class RequestState:
             num_cached_tokens=self.choices[0].seq.num_cached_tokens,
             metrics=metrics,
             error=self.error,
+            embedding=self.choices[0].seq.embedding if self.finished else None,
         )

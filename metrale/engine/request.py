@@ -54,6 +54,8 @@ class RequestOutput:
     finished: bool
     #: `[None, {token: Logprob}, ...]`: the first prompt token has no score.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    #: An embedding request's pooled, L2-normalised final hidden state (in the final output).
+    embedding: list[float] | None = None
     num_cached_tokens: int = 0
     #: Timings in seconds since the request arrived (monotonic clock).
     metrics: dict[str, float] = field(default_factory=dict)

@@ -118,6 +118,8 @@ class EngineInfo:
     kv_block_size: int
     #: The checkpoint's generation_config.json sampling defaults (empty when not used).
     sampling_defaults: SamplingDefaults
+    #: `EngineConfig.scheduling_policy` ("fcfs" or "priority").
+    scheduling_policy: str = "fcfs"
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -131,4 +133,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         num_total_blocks=model.num_total_blocks(),
         kv_block_size=model.kv_block_size() or 0,
         sampling_defaults=engine.sampling_defaults,
+        scheduling_policy=engine.config.scheduling_policy,
     )

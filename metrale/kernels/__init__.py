@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from metrale.errors import InvalidRequestError
 from metrale.kernels import reference, ssm_reference
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,34 @@ class KernelOps:
 
 
 def kernels_for(
-    device: torch.device, use_triton: bool = True, pdl: bool | None = None
+    device: torch.device,
+    use_triton: bool = True,
+    pdl: bool | None = None,
+    batch_invariant: bool = False,
 ) -> KernelOps:
     """The op set for a device. CUDA gets Triton kernels when they are importable. `pdl`:
     launch the decode-path kernels as programmatic dependents; None: on where supported
-    (sm_90+), unless the environment sets `METRALE_PDL=0`."""
+    (sm_90+), unless the environment sets `METRALE_PDL=0`. `batch_invariant` (CPU only):
+    the projections and attention of `metrale.kernels.invariant`, whose rows never depend
+    on the rest of the batch."""
+    if batch_invariant:
+        if device.type != "cpu":
+            raise InvalidRequestError(
+                "batch_invariant: the batch-invariant kernels are built for the CPU only",
+                param="batch_invariant",
+            )
+        from metrale.kernels import invariant
+
+        names = [f.name for f in fields(KernelOps) if f.name != "implementations"]
+        impls = dict.fromkeys(names, "torch")
+        impls.update(linear="invariant", silu_mul_linear="invariant", paged_attention="invariant")
+        logger.info("kernels: batch-invariant projections and attention (CPU)")
+        return KernelOps(
+            linear=invariant.linear,
+            silu_mul_linear=invariant.silu_mul_linear,
+            paged_attention=invariant.paged_attention,
+            implementations=impls,
+        )
     if device.type == "cuda" and use_triton:
         try:
             from metrale.kernels.triton_attention_common import pdl_supported

@@ -140,7 +140,7 @@ def _load_model(
             param="max_model_len",
         )
     draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
-    ops = kernels_for(device)
+    ops = kernels_for(device, batch_invariant=config.batch_invariant)
     with torch.device(device), _default_dtype(dtype):
         module = cls(mcfg, ops, max_model_len)
     module.eval()

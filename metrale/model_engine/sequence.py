@@ -245,6 +245,14 @@ class SequenceState:
     collect_prompt_logprobs: int | None = None
     #: One entry per prompt position `i` scoring `tokens[i + 1]`; filled across chunks.
     prompt_logprobs: list[PromptTokenLogprob] = field(default_factory=list)
+    #: "mean" / "last": prefill pools the prompt's final hidden states (an embedding).
+    pooling: str | None = None
+    #: The running sum (mean) or the last row (last) of those hidden states, float32.
+    pooled: Any = None
+    #: Prompt positions summed into `pooled`.
+    pooled_count: int = 0
+    #: The finished embedding (L2-normalised), set by the last prefill chunk.
+    embedding: list[float] | None = None
     #: LoRA pool slot this sequence's requests select; -1 selects the active adapter.
     adapter_slot: int = -1
     #: The resolved LoRA pool slot this sequence holds a ref on; -1 when none.

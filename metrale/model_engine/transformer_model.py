@@ -415,6 +415,8 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])
         else:
             hidden = self.module(*args, **kwargs)
+        if any(r.prefill and r.seq.pooling is not None for r in rows):
+            self._pool(rows, hidden)
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
@@ -440,6 +442,31 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits
+
+    def _pool(self, rows: list[ForwardRow], hidden: torch.Tensor) -> None:
+        """Fold each pooling prefill row's final hidden states into its sequence's
+        `pooled`; the last chunk turns it into the L2-normalised `embedding` (one host read
+        per embedding request, at its end)."""
+        start = 0
+        for r in rows:
+            n, seq = len(r.tokens), r.seq
+            if r.prefill and seq.pooling is not None:
+                part = hidden[start : start + n].float()
+                if seq.pooling == "mean":
+                    total = part.sum(dim=0)
+                    seq.pooled = total if seq.pooled is None else seq.pooled + total
+                    seq.pooled_count += n
+                else:
+                    seq.pooled = part[-1]
+                if r.want_logits:  # the prompt's last chunk
+                    vector = (
+                        seq.pooled / max(seq.pooled_count, 1)
+                        if seq.pooling == "mean"
+                        else seq.pooled
+                    )
+                    seq.embedding = torch.nn.functional.normalize(vector, dim=0).tolist()
+                    seq.pooled, seq.pooled_count, seq.pooling = None, 0, None
+            start += n
 
     def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
         """Append one PromptTokenLogprob per chunk position that has a next prompt token."""

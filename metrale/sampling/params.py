@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,8 @@ from metrale.sampling.structured import GrammarSpec
 GREEDY_TEMPERATURE = 1e-5
 #: Upper bound of `logprobs` and `prompt_logprobs` (OpenAI's `top_logprobs` limit).
 MAX_LOGPROBS = 20
+#: How an embedding pools a prompt's final hidden states (None: no embedding).
+POOLING_TYPES = (None, "mean", "last")
 #: Bounds of presence/frequency penalties (OpenAI's documented range).
 MAX_ABS_PENALTY = 2.0
 #: Bound of each logit_bias value (OpenAI's documented range).
@@ -99,20 +101,20 @@ def _as_float(value: Any, name: str) -> float:
     return result
 
 
-def _normalise_stop(value: Any) -> list[str]:
+def _normalise_stop(value: Any, name: str = "stop") -> list[str]:
     if value is None:
         return []
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple):
         raise InvalidRequestError(
-            f"stop must be a string or a list of strings, got {value!r}", param="stop"
+            f"{name} must be a string or a list of strings, got {value!r}", param=name
         )
     result: list[str] = []
     for item in items:
         if not isinstance(item, str):
-            raise InvalidRequestError(f"stop must contain only strings, got {item!r}", param="stop")
+            raise InvalidRequestError(f"{name} must contain only strings, got {item!r}", param=name)
         if not item:
-            raise InvalidRequestError("stop strings must not be empty", param="stop")
+            raise InvalidRequestError(f"{name} strings must not be empty", param=name)
         result.append(item)
     return result
 
@@ -234,6 +236,18 @@ class SamplingParams:
     #: Constrain the output to a grammar (JSON schema, regex, choice, EBNF, tool calls); the
     #: engine compiles it with xgrammar (`metrale.sampling.grammar`).
     structured_outputs: GrammarSpec | None = None
+    #: Only these token ids may be sampled (vLLM's `allowed_token_ids`); None: any.
+    allowed_token_ids: list[int] | None = None
+    #: Words never generated (vLLM's `bad_words`): the engine resolves each to its token ids
+    #: (`bad_words_token_ids`, with and without a leading space); the last token of a word is
+    #: masked whenever the output ends with the ones before it.
+    bad_words: list[str] = field(default_factory=list)
+    #: `bad_words` as token-id sequences, set by the engine at admission (not by clients).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    #: Embeddings (set by `/v1/embeddings`, not a sampling choice): "mean" or "last" pools
+    #: the final hidden states of the prompt into `RequestOutput.embedding` (L2-normalised);
+    #: such a request reuses no cached prefix and generates one token, discarded.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int(self.n, "n")
@@ -312,6 +326,21 @@ class SamplingParams:
             raise InvalidRequestError(
                 "structured_outputs must be a GrammarSpec", param="structured_outputs"
             )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _normalise_token_ids(
+                self.allowed_token_ids, "allowed_token_ids"
+            )
+            if not self.allowed_token_ids:
+                raise InvalidRequestError(
+                    "allowed_token_ids must not be empty", param="allowed_token_ids"
+                )
+        self.bad_words = _normalise_stop(self.bad_words, "bad_words")
+        if self.pooling not in POOLING_TYPES:
+            raise InvalidRequestError(
+                f"pooling must be one of {', '.join(map(str, POOLING_TYPES))}, got "
+                f"{self.pooling!r}",
+                param="pooling",
+            )
 
     # ---------------------------------------------------------------------------------------
     # Derived views
@@ -355,12 +384,29 @@ class SamplingParams:
                     f"logit_bias names token {token}, outside the vocabulary of {vocab_size}",
                     param="logit_bias",
                 )
-        for token in self.stop_token_ids:
-            if token >= vocab_size:
-                raise InvalidRequestError(
-                    f"stop_token_ids holds {token}, outside the vocabulary of {vocab_size}",
-                    param="stop_token_ids",
-                )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            for token in getattr(self, name) or ():
+                if token >= vocab_size:
+                    raise InvalidRequestError(
+                        f"{name} holds {token}, outside the vocabulary of {vocab_size}",
+                        param=name,
+                    )
+
+    @property
+    def needs_known_output(self) -> bool:
+        """True when sampling a step must see every earlier output token on the host (a
+        bad word of several tokens is banned by what the output ends with), so such a row is
+        never launched on the device token feed."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
+    def banned_tokens(self, output_token_ids: Sequence[int]) -> set[int]:
+        """The tokens `bad_words_token_ids` forbid after `output_token_ids`."""
+        banned = set()
+        for ids in self.bad_words_token_ids:
+            head = ids[:-1]
+            if not head or list(output_token_ids[len(output_token_ids) - len(head) :]) == head:
+                banned.add(ids[-1])
+        return banned
 
     # ---------------------------------------------------------------------------------------
     # The stop-token rule (the sampler masks by it, the scheduler stops by it)

@@ -5,9 +5,10 @@ Owner: sampling. `process_logits` is what `Sampler.sample` and `Sampler.verify` 
 (prompt + output tokens), then frequency/presence penalties (output tokens, plus a fed row's
 pending token read on the device), then logit_bias, then min_tokens masking (the ids of
 `SamplingParams.masked_stop_token_ids` at -inf while `SamplingParams.stop_tokens_allowed` is
-False for the row's step), then the grammar mask of rows with a `grammar` (structured output:
-`metrale.sampling.grammar.apply_grammar_masks`, a bitmask filled on the host and applied on
-the device). The tensor ops themselves are `logits_processors`'.
+False for the row's step) and bad words (`SamplingParams.banned_tokens`), then
+`allowed_token_ids` (every other logit at -inf), then the grammar mask of rows with a
+`grammar` (structured output: `metrale.sampling.grammar.apply_grammar_masks`, a bitmask filled
+on the host and applied on the device). The tensor ops themselves are `logits_processors`'.
 
 Invariants:
 - The input logits are never written: every stage is out of place.
@@ -76,11 +77,15 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
                     bias_rows.append(i)
                     bias_tokens.append(token)
                     bias_values.append(bias)
+        masked: set[int] = set()
         if not params.stop_tokens_allowed(row.step):
-            for token in sorted(params.masked_stop_token_ids(row.eos_token_ids)):
-                if 0 <= token < vocab:
-                    mask_rows.append(i)
-                    mask_ids.append(token)
+            masked.update(params.masked_stop_token_ids(row.eos_token_ids))
+        if params.bad_words_token_ids:
+            masked.update(params.banned_tokens(row.output_token_ids))
+        for token in sorted(masked):
+            if 0 <= token < vocab:
+                mask_rows.append(i)
+                mask_ids.append(token)
     if bias_rows:
         x = apply_logit_bias(
             x,
@@ -94,6 +99,9 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
             to_device(mask_rows, torch.int64, device),
             to_device(mask_ids, torch.int64, device),
         )
+    allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if allowed:
+        x = apply_to_rows(x, allowed, lambda sub: _keep_only(sub, [rows[i] for i in allowed]))
     grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
     if grammar_rows:
         from metrale.sampling.grammar import apply_grammar_masks
@@ -108,6 +116,18 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
             [rows[i].grammar_committed for i in grammar_rows],
         )
     return x
+
+
+def _keep_only(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Every logit of `x` at -inf except each row's `allowed_token_ids` (vLLM's field)."""
+    vocab = x.shape[1]
+    keep = torch.zeros(x.shape, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids = [t for t in row.params.allowed_token_ids or () if 0 <= t < vocab]
+        keep[i, ids] = True
+    if x.device.type == "cuda":
+        keep = keep.pin_memory().to(x.device, non_blocking=True)
+    return x.masked_fill(~keep, float("-inf"))
 
 
 def to_device(

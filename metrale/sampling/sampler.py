@@ -448,14 +448,17 @@ def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
-    """A greedy row whose logits nothing changes first (no penalty, bias or min_tokens mask)
-    and that wants no alternatives: its token is the argmax of the raw logits."""
+    """A greedy row whose logits nothing changes first (no penalty, bias, min_tokens mask,
+    bad word or allowed-token list) and that wants no alternatives: its token is the argmax
+    of the raw logits."""
     params = row.params
     return (
         params.is_greedy
         and row.grammar is None
         and not params.uses_penalties
         and not params.logit_bias
+        and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
         and params.stop_tokens_allowed(row.step)
         and not params.logprobs
     )

@@ -6,7 +6,8 @@ counts and `_chunk`; `Preemption` provides `_requeue_front`. Pure Python: it rea
 only through the `Model` interface.
 
 Invariants:
-- The swapped queue is served before the waiting queue, both FIFO, while fewer than
+- The swapped queue is served before the waiting queue, both in queue order (arrival, or
+  priority then arrival under `scheduling_policy="priority"`), while fewer than
   `max_num_seqs` run (and, on hybrid models, an SSM slot is free). Admission stops at the
   first sequence that does not fit (no head-of-line bypass); before giving up it reclaims
   prefix-cache blocks, never those of the prefix the sequence itself would reuse.
@@ -45,15 +46,14 @@ class Admission(SchedulerParts):
 
     if TYPE_CHECKING:  # provided by `Preemption`
 
-        @staticmethod
-        def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None: ...
+        def _requeue_front(self, queue: deque[SchedSequence], seq: SchedSequence) -> None: ...
 
     def _admission_need(self, seq: SchedSequence) -> tuple[int, int]:
         """(blocks to allocate, tokens the prefix cache would supply) to admit `seq`."""
         if seq.swap is not None:
             return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
-        if self.config.enable_prefix_caching and not seq.wants_prompt_logprobs:
+        if self.config.enable_prefix_caching and not seq.reads_whole_prompt:
             matched = self.model.prefix_match_len(seq.all_tokens, seq.prefix_namespace)
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
@@ -69,7 +69,7 @@ class Admission(SchedulerParts):
                 break  # e.g. its grammar is compiling: the queue behind it waits (FIFO)
             need, _ = self._admission_need(seq)
             if need > available:
-                tokens = [] if seq.wants_prompt_logprobs else seq.all_tokens
+                tokens = [] if seq.reads_whole_prompt else seq.all_tokens
                 target = need + self._reserved_blocks() + self._decode_need()
                 self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
                 available = self._available_blocks() - self._decode_need()
@@ -116,8 +116,11 @@ class Admission(SchedulerParts):
                 self.stats.swapped_in_blocks += record.num_blocks
                 self._drop_swap(seq)
                 return
-            if seq.wants_prompt_logprobs:
-                state.collect_prompt_logprobs = seq.params.prompt_logprobs
+            if seq.reads_whole_prompt:
+                if seq.wants_prompt_logprobs:
+                    state.collect_prompt_logprobs = seq.params.prompt_logprobs
+                if seq.wants_embedding:
+                    state.pooling = seq.params.pooling
                 return
             if self.config.enable_prefix_caching:
                 self.stats.prefix_queries += 1

@@ -79,6 +79,8 @@ class SchedulerConfig:
     #: Largest prefill chunk one sequence gets per step (None: the token budget).
     max_prefill_chunk: int | None = None
     preemption_mode: str = "recompute"
+    #: "fcfs" or "priority" (see `Preemption._queue_key`).
+    scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 0
     enable_prefix_caching: bool = True
     max_queue: int = 4096
@@ -160,7 +162,7 @@ class Scheduler(Admission, Preemption):
         seq.arrival = self._arrivals
         self._arrivals += 1
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self._requeue_front(self.waiting, seq)
         self.by_id[seq.seq_id] = seq
 
     def has_unfinished(self) -> bool:
@@ -387,6 +389,8 @@ class Scheduler(Admission, Preemption):
         out: list[Committed] = []
         for work in plan.prefill:
             state = work.seq.state
+            if work.is_last and state is not None and state.embedding is not None:
+                work.seq.embedding, state.embedding = state.embedding, None
             if (
                 work.is_last
                 and state is not None

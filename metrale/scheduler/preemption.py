@@ -8,12 +8,13 @@ it reaches the model only through the `Model` interface.
 Invariants:
 - When decode rows need more blocks than are free, prefix-cache blocks are reclaimed first,
   then every draft is dropped, then victims are preempted: fewest generated tokens, latest
-  arrival on ties; sequences resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are
+  arrival on ties (under the "priority" policy: the lowest priority, latest arrival); sequences resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are
   immune unless all are. A lone sequence that still does not fit ends with "error".
 - A recompute preemption offers the sequence's written KV to the prefix cache and releases it
   exactly once; a swap saves it to host memory (within `swap_space_bytes`, else it falls back
   to recompute, counted) and releases it without caching. Either way the sequence goes back
-  to its queue in arrival order, so older preempted sequences resume first.
+  to its queue in queue order (`_queue_key`: arrival, or priority then arrival), so older
+  preempted sequences resume first.
 - A sequence that wants prompt logprobs is never swapped (its scores are recomputed).
 """
 
@@ -61,6 +62,8 @@ class Preemption(SchedulerParts):
             )
 
         candidates = [s for s in self.running if not immune(s)] or list(self.running)
+        if self.config.scheduling_policy == "priority":  # the lowest priority, latest arrival
+            return max(candidates, key=lambda s: (s.priority, s.arrival))
         return min(candidates, key=lambda s: (len(s.output_token_ids), -s.arrival))
 
     def _preempt(self, seq: SchedSequence) -> None:
@@ -82,7 +85,7 @@ class Preemption(SchedulerParts):
     def _try_swap_out(self, seq: SchedSequence) -> bool:
         state = seq.state
         assert state is not None
-        if seq.wants_prompt_logprobs:
+        if seq.reads_whole_prompt:
             return False
         buffer = io.BytesIO()
         self.model.save_sequence_state(state, buffer)
@@ -105,11 +108,21 @@ class Preemption(SchedulerParts):
         self._requeue_front(self.swapped, seq)
         return True
 
-    @staticmethod
-    def _requeue_front(queue: deque[SchedSequence], seq: SchedSequence) -> None:
-        """Insert keeping arrival order, so older preempted sequences resume first."""
+    def _queue_key(self, seq: SchedSequence) -> tuple[int, int]:
+        """A queue's order: arrival, or (priority, arrival) under the "priority" policy."""
+        if self.config.scheduling_policy == "priority":
+            return seq.priority, seq.arrival
+        return 0, seq.arrival
+
+    def _requeue_front(self, queue: deque[SchedSequence], seq: SchedSequence) -> None:
+        """Insert in queue order (`_queue_key`), so older preempted sequences resume first
+        (and, under the "priority" policy, higher priorities before them)."""
+        key = self._queue_key(seq)
+        if not queue or self._queue_key(queue[-1]) <= key:
+            queue.append(seq)
+            return
         for i, other in enumerate(queue):
-            if other.arrival > seq.arrival:
+            if self._queue_key(other) > key:
                 queue.insert(i, seq)
                 return
         queue.append(seq)

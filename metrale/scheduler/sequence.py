@@ -102,6 +102,8 @@ class SchedSequence:
     #: Absolute monotonic deadline, or None.
     deadline: float | None = None
     arrival: int = 0
+    #: The request's priority (lower is served first under the "priority" policy).
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     state: SequenceState | None = None
@@ -115,6 +117,8 @@ class SchedSequence:
     num_cached_tokens: int = 0
     #: Prompt logprobs, kept here once complete (they survive preemption).
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    #: The prompt's pooled final hidden state (`params.pooling`), once its prefill ended.
+    embedding: list[float] | None = None
     #: Whether this request may speculate (the per-request opt-out sets False).
     speculative: bool = True
     #: Tenant of the cross-request draft lookup; None keeps it out of every shared index.
@@ -161,6 +165,16 @@ class SchedSequence:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def wants_embedding(self) -> bool:
+        return self.params.pooling is not None and self.embedding is None
+
+    @property
+    def reads_whole_prompt(self) -> bool:
+        """Whether prefill must compute every prompt position (prompt logprobs or an
+        embedding still wanted): no cached prefix is reused, no swap keeps it."""
+        return self.wants_prompt_logprobs or self.wants_embedding
 
     @property
     def is_finished(self) -> bool:

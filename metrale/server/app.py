@@ -2,8 +2,10 @@
 or `EngineProcess`).
 
 Owner: server. Routes: `GET /health`, `GET /metrics`, `GET /openapi.json` (the request bodies'
-schemas), `GET /v1/models[/{id}]`,
-`POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`.
+schemas) and `GET /docs` (FastAPI's page over it), `GET /version`, `GET /v1/models[/{id}]`,
+`POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/messages`,
+`POST /v1/messages/count_tokens`, `POST /v1/embeddings`, `POST /v1/responses` (and `GET` / `DELETE` of a stored one),
+`POST /tokenize`, `POST /detokenize`.
 
 Invariants:
 - Middleware order, outermost first: request metrics (status of every answer, in-flight
@@ -31,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metrale.engine.async_engine import EngineHandle
 from metrale.errors import InvalidRequestError, MetraleError
+from metrale.sampling.params import MAX_LOGPROBS
 from metrale.server.auth import ApiKeyMiddleware, api_keys
 from metrale.server.errors import (
     PayloadTooLargeError,
@@ -40,7 +43,10 @@ from metrale.server.errors import (
 )
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
+from metrale.server.routes import embeddings as embeddings_routes
 from metrale.server.routes import openai as openai_routes
+from metrale.server.routes import responses as responses_routes
+from metrale.server.routes import utility as utility_routes
 from metrale.server.state import MAX_BODY_BYTES, ServerState, server_state
 from metrale.server.streaming import ClientDisconnected
 
@@ -126,12 +132,15 @@ def create_app(
     engine: EngineHandle,
     *,
     api_key: str | Sequence[str] | None = None,
-    served_model_name: str | None = None,
+    served_model_name: str | Sequence[str] | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    strict_request_fields: bool = False,
+    max_logprobs: int = MAX_LOGPROBS,
+    pooling: str = "last",
 ) -> FastAPI:
     """The app over `engine`. `api_key`: one key or several (each its own tenant);
     `prefix_cache_isolation`: "none" or "api-key" (a prefix cache per key; needs a key)."""
@@ -147,12 +156,14 @@ def create_app(
             "--prefix-cache-isolation api-key needs at least one --api-key",
             param="prefix_cache_isolation",
         )
-    model_name = served_model_name or engine.info.served_model_name
+    names = [served_model_name] if isinstance(served_model_name, str) else served_model_name
+    model_name = names[0] if names else engine.info.served_model_name
     metrics = ServerMetrics(engine, model_name)
     state = ServerState(
         engine=engine,
         tokenizer=engine.tokenizer,
         model_name=model_name,
+        model_aliases=tuple(names[1:]) if names else (),
         max_model_len=engine.info.max_model_len,
         metrics=metrics,
         api_key=keys[0] if keys else None,
@@ -161,6 +172,9 @@ def create_app(
         max_prompt_tokens=max_prompt_tokens,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        strict_request_fields=strict_request_fields,
+        max_logprobs=max_logprobs,
+        pooling=pooling,
     )
 
     @asynccontextmanager
@@ -173,7 +187,7 @@ def create_app(
         title="metrale",
         summary="OpenAI- and Anthropic-compatible LLM server",
         lifespan=lifespan,
-        docs_url=None,
+        docs_url="/docs",
         redoc_url=None,
         openapi_url="/openapi.json",
     )
@@ -215,6 +229,9 @@ def create_app(
 
     app.include_router(openai_routes.router)
     app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
+    app.include_router(embeddings_routes.router)
+    app.include_router(utility_routes.router)
 
     app.add_middleware(_CatchAllMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=keys)

@@ -27,9 +27,9 @@ from metrale.engine.engine import DEFAULT_TENANT
 from metrale.errors import AuthenticationError
 from metrale.server.errors import error_response, is_anthropic_path
 
-#: Paths that never need the key: liveness probes, Prometheus scrapes and the API schema (no
-#: request data).
-OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+#: Paths that never need the key: liveness probes, Prometheus scrapes, the server's version and
+#: the API schema and its page (no request data, nothing of the model's).
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs"})
 #: The ASGI scope key (an extension key) holding the API key a request authenticated with.
 AUTHENTICATED_KEY = "metrale.api_key"
 #: Hex digits of sha256(key) that name a key's tenant (64 bits: no collisions in practice).

@@ -15,6 +15,8 @@ Invariants:
 - The engine handle is a `SupervisedEngine`: a dead engine fails its in-flight requests at
   once and, unless `--no-restart-engine-on-failure`, is restarted without restarting the
   server.
+- vLLM's common serve flags are accepted with vLLM's meaning; one asking for a feature that
+  is not built (`--tensor-parallel-size 2`) is a start-up error naming the feature.
 - Importing this module is cheap (no FastAPI/uvicorn/torch until the command runs).
 """
 
@@ -32,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from metrale.errors import InvalidRequestError, MetraleError
+from metrale.sampling.params import MAX_LOGPROBS
 
 logger = logging.getLogger("metrale.server")
 
@@ -125,8 +128,91 @@ def add_serve_parser(subparsers: Any) -> None:
         help="split <think>...</think> into reasoning_content / thinking blocks: qwen3, "
         "deepseek_r1 (default: off; Anthropic requests with thinking enabled use qwen3's tags)",
     )
+    server.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) a request-body field no one defines, as OpenAI does; by default it "
+        "is ignored with a warning and counted in metrale_ignored_request_fields_total, as "
+        "vLLM does (default: off)",
+    )
+    server.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help=f"most logprobs (top alternatives) a request may ask for, at most {MAX_LOGPROBS} "
+        f"(default {MAX_LOGPROBS})",
+    )
+    server.add_argument(
+        "--pooling",
+        choices=("last", "mean"),
+        default="last",
+        help="how /v1/embeddings pools a prompt's final hidden states: the last token's or "
+        "the mean of all (L2-normalised; default: last)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default=None,
+        help="uvicorn's own log level (default: warning, or debug with --log-level DEBUG)",
+    )
+    _add_vllm_compat_flags(parser)
     add_engine_arguments(parser, positional_model=True)
     parser.set_defaults(handler=serve_from_args)
+
+
+def _add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's common serve flags, with vLLM's meaning where metrale has the feature."""
+    compat = parser.add_argument_group(
+        "vLLM compatibility", "vLLM's serve flags, accepted with the same meaning"
+    )
+    compat.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs to shard the model over; only 1 is built (default 1)",
+    )
+    compat.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="long prompts are prefilled in chunks of --max-num-batched-tokens; metrale always "
+        "does this (default on; --no-enable-chunked-prefill is refused)",
+    )
+    compat.add_argument(
+        "--disable-log-requests",
+        "--no-enable-log-requests",
+        action="store_true",
+        help="no per-request log lines; metrale logs none unless --log-level DEBUG (default: off)",
+    )
+    compat.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted and without effect: metrale never runs code from a checkpoint "
+        "(default: off)",
+    )
+
+
+def _check_vllm_compat_flags(args: argparse.Namespace) -> None:
+    if args.tensor_parallel_size != 1:
+        raise InvalidRequestError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
+            "built yet; only 1 is accepted",
+            param="tensor_parallel_size",
+        )
+    if not args.enable_chunked_prefill:
+        raise InvalidRequestError(
+            "--no-enable-chunked-prefill: metrale always chunks long prefills (by "
+            "--max-num-batched-tokens); an unchunked prefill mode is not built",
+            param="enable_chunked_prefill",
+        )
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: metrale never runs checkpoint code")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"--max-logprobs must be in 0..{MAX_LOGPROBS}, got {args.max_logprobs}",
+            param="max_logprobs",
+        )
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -157,8 +243,9 @@ def _url(sock: socket.socket) -> str:
 def serve_from_args(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise MetraleError("metrale serve needs the server extras: pip install 'metrale[server]'")
-    from metrale.engine_flags import engine_config_from_args
+    from metrale.engine_flags import engine_config_from_args, served_model_names
 
+    _check_vllm_compat_flags(args)
     config = engine_config_from_args(args)
     from metrale.server.auth import read_key_file
 
@@ -206,6 +293,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         restart_engine=args.restart_engine_on_failure,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        served_model_name=served_model_names(args) or None,
+        strict_request_fields=args.strict_request_fields,
+        max_logprobs=args.max_logprobs,
+        uvicorn_log_level=args.uvicorn_log_level,
+        pooling=args.pooling,
     )
 
 
@@ -223,6 +315,11 @@ def serve(
     restart_engine: bool = True,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    served_model_name: list[str] | None = None,
+    strict_request_fields: bool = False,
+    max_logprobs: int = MAX_LOGPROBS,
+    uvicorn_log_level: str | None = None,
+    pooling: str = "last",
 ) -> int:
     import uvicorn
 
@@ -257,13 +354,18 @@ def serve(
         prefix_cache_isolation=prefix_cache_isolation,
         tool_call_parser=tool_call_parser,
         reasoning_parser=reasoning_parser,
+        served_model_name=served_model_name,
+        strict_request_fields=strict_request_fields,
+        max_logprobs=max_logprobs,
+        pooling=pooling,
     )
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(
             app,
             log_config=None,
-            log_level=log_level.lower() if log_level == "DEBUG" else "warning",
+            log_level=uvicorn_log_level
+            or (log_level.lower() if log_level == "DEBUG" else "warning"),
             access_log=log_level == "DEBUG",
             timeout_graceful_shutdown=max(1, int(shutdown_grace + 2)),
             timeout_keep_alive=5,
@@ -271,7 +373,7 @@ def serve(
         ),
         drainer,
     )
-    if log_level != "DEBUG":
+    if log_level != "DEBUG" and uvicorn_log_level is None:
         for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
             logging.getLogger(name).setLevel(logging.WARNING)
 

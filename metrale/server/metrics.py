@@ -47,6 +47,12 @@ KNOWN_ENDPOINTS = frozenset(
         "/v1/completions",
         "/v1/chat/completions",
         "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses",
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/version",
     }
 )
 
@@ -273,6 +279,12 @@ class ServerMetrics:
         )  # fmt: skip
         for stage in ABORT_STAGES:
             self.client_aborts.labels(stage)
+        self.ignored_fields = Counter(
+            "metrale_ignored_request_fields",
+            "request-body fields no one defines, ignored (vLLM's policy; refused instead "
+            "under --strict-request-fields), by endpoint",
+            ["endpoint"], registry=r,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._cached_total = 0

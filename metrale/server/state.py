@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,15 +30,18 @@ from starlette.requests import ClientDisconnect, Request
 
 from metrale.engine.async_engine import EngineHandle, RequestStream
 from metrale.engine.engine import DEFAULT_TENANT
-from metrale.errors import ContextLengthError, MetraleError, NotFoundError
+from metrale.errors import ContextLengthError, InvalidRequestError, MetraleError, NotFoundError
 from metrale.sampling.defaults import SamplingDefaults
-from metrale.sampling.params import SamplingParams
+from metrale.sampling.params import MAX_LOGPROBS, SamplingParams
 from metrale.server.auth import authenticated_key, lookup_tenant
 from metrale.server.errors import PayloadTooLargeError, safe_text
-from metrale.server.metrics import ServerMetrics
-from metrale.server.protocol.common import decode_json
+from metrale.server.metrics import ServerMetrics, endpoint_label
+from metrale.server.protocol.common import ModelT, decode_json, parse_body
+from metrale.server.protocol.responses import ResponseStore
 from metrale.server.streaming import ClientDisconnected
 from metrale.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 #: Largest request body accepted (bytes); larger ones get 413.
 MAX_BODY_BYTES = 32 * 2**20
@@ -64,6 +68,17 @@ class ServerState:
     #: off); see `metrale.server.chat_output`.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    #: `--strict-request-fields`: refuse (400) a body field no one defines instead of
+    #: ignoring it with a warning and a count.
+    strict_request_fields: bool = False
+    #: `--max-logprobs`: most top alternatives a request may ask for per position.
+    max_logprobs: int = MAX_LOGPROBS
+    #: `--pooling`: how `/v1/embeddings` pools a prompt's final hidden states.
+    pooling: str = "last"
+    #: Stored `/v1/responses` answers (`store`), in this process only.
+    responses: ResponseStore = field(default_factory=ResponseStore)
+    #: Every name requests may use for the served model (`model_name` first).
+    model_aliases: tuple[str, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
     _max_token_chars: int | None = field(default=None, repr=False)
 
@@ -107,9 +122,24 @@ class ServerState:
         """The served model's generation-config sampling defaults (read by the engine)."""
         return self.engine.info.sampling_defaults
 
+    def parse(self, body_type: type[ModelT], raw: object, path: str) -> ModelT:
+        """`raw` parsed as `body_type` under the server's request-field policy (see
+        `metrale.server.protocol.common`): unknown fields are logged and counted, or refused
+        under `--strict-request-fields`."""
+
+        def ignore(names: list[str]) -> None:
+            logger.warning(
+                "%s: ignoring request fields no one defines: %s",
+                path,
+                ", ".join(safe_text(n, 64) for n in names),
+            )
+            self.metrics.ignored_fields.labels(endpoint_label(path)).inc(len(names))
+
+        return parse_body(body_type, raw, None if self.strict_request_fields else ignore)
+
     def check_model(self, model: str | None) -> None:
         """Refuse a request for a model this server does not serve (404, param "model")."""
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.model_aliases:
             raise NotFoundError(
                 f"the model '{safe_text(model, 256)}' does not exist; this server serves "
                 f"'{self.model_name}'",
@@ -126,11 +156,25 @@ class ServerState:
         speculative: bool = True,
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
         `speculative` (the request's opt-out) and `lookup_tenant` (see
         `metrale.server.auth.lookup_tenant`) reach `Engine.add_request` for every prompt."""
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} asks for {count} alternatives; this server returns at most "
+                    f"{self.max_logprobs} (--max-logprobs)",
+                    param=name,
+                )
+        if priority != 0 and self.engine.info.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "priority needs the server started with --scheduling-policy priority",
+                param="priority",
+            )
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
@@ -138,6 +182,7 @@ class ServerState:
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
+                    priority=priority,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

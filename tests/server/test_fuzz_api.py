@@ -156,11 +156,18 @@ def closed(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
+#: Every route that reads a JSON body.
+BODY_ROUTES = [
+    "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+    "/tokenize", "/detokenize", "/v1/responses", "/v1/embeddings",
+]  # fmt: skip
+
+
 def test_openapi_describes_every_generation_body(app: Any) -> None:
-    assert set(body_schemas(app)) == {"/v1/completions", "/v1/chat/completions", "/v1/messages"}
+    assert set(body_schemas(app)) == set(BODY_ROUTES)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", BODY_ROUTES)
 def test_fuzzed_bodies_never_get_a_5xx(app: Any, path: str) -> None:
     schema = body_schemas(app)[path]
     bodies = st.one_of(from_schema(closed(schema)), from_schema(schema))

@@ -24,7 +24,14 @@ def test_serve_help_groups_by_topic_with_defaults() -> None:
     serve = _subparser("serve")
     text = serve.format_help()
     titles = [g.title for g in serve._action_groups if g._group_actions]
-    assert titles[1:] == ["server", "model", "memory", "scheduling", "speculation"], titles
+    assert titles[1:] == [
+        "server",
+        "vLLM compatibility",
+        "model",
+        "memory",
+        "scheduling",
+        "speculation",
+    ], titles
     assert "lora:" not in text and f"{DEFAULT_TOPIC}:" not in text  # empty sections hidden
     for group in serve._action_groups:
         for action in group._group_actions:

@@ -23,7 +23,7 @@ ROOT = "__init__"  # `from metrale import X` for a name that is no unit: the pac
 #: Bottom to top. The order is the one the code keeps today; units in one tier are independent.
 TIERS: list[set[str]] = [
     # `progress`: the start-up reporter the loader and the factory are handed (no imports).
-    {"errors", "progress"},
+    {"errors", "progress", "version"},
     # Leaves: typed errors only (kernels: none at all).
     {"kernels", "cache", "tokenizer", "spec", "model_config"},
     # Building blocks over the leaves; `config` reads the speculative config (`spec`).
@@ -35,6 +35,8 @@ TIERS: list[set[str]] = [
     {"engine"},
     {"server", "bench", "top"},
     {"cli", ROOT},
+    # `python -m metrale`: runs `cli`.
+    {"__main__"},
 ]
 RANK = {unit: rank for rank, tier in enumerate(TIERS) for unit in tier}
 

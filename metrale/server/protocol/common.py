@@ -4,9 +4,11 @@ Owner: server. `parse_body` validates a JSON body against a pydantic v2 model an
 failure into an `InvalidRequestError` whose `param` names the offending field.
 
 Invariants:
-- A field the server does not know is refused with a 400 naming it (OpenAI answers unknown
-  arguments the same way); fields that would change the result and are not supported yet
-  (images, `functions`, ...) are refused by name, never silently ignored.
+- A field the server does not know is, by default, ignored as vLLM ignores it: `parse_body`
+  hands its name to the caller's `on_unknown` (which logs a warning and counts it). Under
+  `--strict-request-fields` (`on_unknown` None) it is refused with a 400 naming it, as OpenAI
+  answers unknown arguments. Fields that would change the result and are not supported yet
+  are refused by name in either mode, never silently ignored.
 - Fields listed as `IGNORED` are accepted and have no effect (they do not change the output:
   `user`, `metadata`, ...).
 - Every generation body (completions, chat, messages) takes `SpeculationFields`: `speculative`
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -51,11 +54,9 @@ class RequestModel(BaseModel):
     #: Accepted and without effect on the output.
     IGNORED: ClassVar[frozenset[str]] = frozenset()
 
-    def check_extra_fields(self) -> None:
-        for name in self.model_extra or {}:
-            if name in self.IGNORED:
-                continue
-            raise InvalidRequestError(f"unrecognized request argument: {name}", param=name)
+    def unknown_fields(self) -> list[str]:
+        """Fields of the body that no one defines (neither declared nor `IGNORED`)."""
+        return [name for name in self.model_extra or {} if name not in self.IGNORED]
 
 
 class SpeculationFields(RequestModel):
@@ -206,7 +207,13 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return "".join(parts) or None
 
 
-def parse_body(model: type[ModelT], body: Any) -> ModelT:
+def parse_body(
+    model: type[ModelT],
+    body: Any,
+    on_unknown: Callable[[list[str]], None] | None = None,
+) -> ModelT:
+    """`body` validated as `model`. Unknown fields go to `on_unknown`; without one, the first
+    is refused with a 400 naming it (the strict policy)."""
     if not isinstance(body, dict):
         raise InvalidRequestError(
             f"the request body must be a JSON object, got {type(body).__name__}"
@@ -222,5 +229,11 @@ def parse_body(model: type[ModelT], body: Any) -> ModelT:
         raise InvalidRequestError(
             f"invalid value for '{param}': {msg}" if param else msg, param=param
         ) from None
-    parsed.check_extra_fields()
+    unknown = parsed.unknown_fields()
+    if unknown:
+        if on_unknown is None:
+            raise InvalidRequestError(
+                f"unrecognized request argument: {unknown[0]}", param=unknown[0]
+            )
+        on_unknown(unknown)
     return parsed

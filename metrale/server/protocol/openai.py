@@ -10,10 +10,11 @@ Invariants:
   (None) among `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` takes the
   model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
 - Fields that would change the result but are not supported (functions, audio, image /
-  audio / file content parts, `suffix`, `best_of` != n) are refused with a 400 naming the
-  field. Output constraints (`response_format`, `structured_outputs`, `guided_*`) become
-  `SamplingParams.structured_outputs` (`metrale.server.structured`); tools, tool choice and
-  reasoning are the chat route's `ChatOutputPlan` (`metrale.server.chat_output`).
+  audio / file content parts, `best_of` != n, a `suffix` on a model without fill-in-the-middle
+  tokens) are refused with a 400 naming the field. Output constraints (`response_format`,
+  `structured_outputs`, `guided_*`) become `SamplingParams.structured_outputs`
+  (`metrale.server.structured`); tools, tool choice and reasoning are the chat route's
+  `ChatOutputPlan` (`metrale.server.chat_output`).
 - `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
 - Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
   reported as "length"); "abort" only if the engine ended a request on its own.
@@ -81,6 +82,30 @@ class SamplingFields(SpeculationFields):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    #: vLLM's: the answer carries `prompt_token_ids` and each choice's `token_ids`.
+    return_token_ids: bool | None = None
+    #: vLLM's: logprob entries name tokens as "token_id:<id>" (exact for any byte split).
+    return_tokens_as_token_ids: bool | None = None
+    #: vLLM's: keep only the prompt's last k tokens (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    add_special_tokens: bool | None = None
+    #: vLLM's: lower is served first under `--scheduling-policy priority`.
+    priority: int = 0
+
+    def truncate(self, ids: list[int], max_model_len: int) -> list[int]:
+        """`ids` cut to their last `truncate_prompt_tokens` (vLLM's rule)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == 0:
+            raise InvalidRequestError(
+                "truncate_prompt_tokens must be -1 or at least 1", param="truncate_prompt_tokens"
+            )
+        keep = max_model_len - 1 if k == -1 else k
+        return ids[-keep:] if len(ids) > keep else ids
 
     @property
     def include_usage(self) -> bool:
@@ -124,6 +149,8 @@ class SamplingFields(SpeculationFields):
                 "include_stop_str_in_output", self.include_stop_str_in_output
             ),
             structured_outputs=request_grammar(self),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
 
 
@@ -138,8 +165,16 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def check_supported(self) -> None:
-        if self.suffix:
-            raise unsupported("suffix", "insertion (fill-in-the-middle) is not implemented")
+        if self.suffix and self.echo:
+            raise unsupported("suffix", "echo with a suffix is not implemented")
+        if self.suffix and not (
+            isinstance(self.prompt, str)
+            or (isinstance(self.prompt, list) and all(isinstance(p, str) for p in self.prompt))
+        ):
+            raise InvalidRequestError(
+                "a suffix (fill-in-the-middle) needs a text prompt, not token ids",
+                param="suffix",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported("best_of", f"best_of must equal n ({self.n}) when given")
         if self.prompt is None:
@@ -185,6 +220,13 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: Any = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    #: vLLM's: the prompt ends inside the final assistant message, which the model continues.
+    continue_final_message: bool = False
+    #: vLLM's: the answer's content starts with the final message's when that is the
+    #: assistant's (what `continue_final_message` continues).
+    echo: bool = False
+    #: vLLM's per-request template: a template name the tokenizer has, or Jinja source.
+    chat_template: str | None = None
 
     def check_supported(self) -> None:
         for name, what in _REFUSED_CHAT_FIELDS.items():
@@ -219,8 +261,11 @@ class ChatCompletionRequest(SamplingFields):
 # ----------------------------------------------------------------------------- prompts
 
 
-def completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
-    """`prompt` (a string, strings, token ids, or lists of token ids) as (text, ids) pairs."""
+def completion_prompts(
+    prompt: Any, tokenizer: Tokenizer, add_special_tokens: bool = True
+) -> list[tuple[str | None, list[int]]]:
+    """`prompt` (a string, strings, token ids, or lists of token ids) as (text, ids) pairs;
+    text is encoded with `add_special_tokens` (vLLM's field, true by default)."""
 
     def bad(why: str) -> InvalidRequestError:
         return InvalidRequestError(f"prompt {why}", param="prompt")
@@ -229,13 +274,13 @@ def completion_prompts(prompt: Any, tokenizer: Tokenizer) -> list[tuple[str | No
         return isinstance(t, int) and not isinstance(t, bool)
 
     if isinstance(prompt, str):
-        return [(prompt, tokenizer.encode(prompt))]
+        return [(prompt, tokenizer.encode(prompt, add_special_tokens))]
     if not isinstance(prompt, list) or not prompt:
         raise bad("must be a string, a list of strings, token ids or lists of token ids")
     if all(is_token(t) for t in prompt):
         return [(None, list(prompt))]
     if all(isinstance(p, str) for p in prompt):
-        return [(p, tokenizer.encode(p)) for p in prompt]
+        return [(p, tokenizer.encode(p, add_special_tokens)) for p in prompt]
     if all(isinstance(p, list) and p and all(is_token(t) for t in p) for p in prompt):
         return [(None, list(p)) for p in prompt]
     raise bad("must be a string, a list of strings, token ids or non-empty lists of token ids")
@@ -352,10 +397,38 @@ def token_bytes(tokenizer: Tokenizer, token_id: int, piece: str) -> list[int]:
     return list(piece.encode("utf-8"))
 
 
-def _piece(tokenizer: Tokenizer, token_id: int, entry: Logprob) -> str:
+def _piece(tokenizer: Tokenizer, token_id: int, entry: Logprob, as_id: bool = False) -> str:
+    """How a logprob entry names its token: its text, or "token_id:<id>" with vLLM's
+    `return_tokens_as_token_ids`."""
+    if as_id:
+        return f"token_id:{token_id}"
     if entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def prompt_logprobs_json(
+    tokenizer: Tokenizer,
+    positions: Sequence[PositionLogprobs | None] | None,
+    as_ids: bool = False,
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token (the first has none: null), a map from
+    each reported token id to its `logprob`, `rank` and `decoded_token`."""
+    if positions is None:
+        return None
+    return [
+        None
+        if position is None
+        else {
+            str(tid): {
+                "logprob": finite(lp.logprob),
+                "rank": lp.rank,
+                "decoded_token": _piece(tokenizer, tid, lp, as_ids),
+            }
+            for tid, lp in position.items()
+        }
+        for position in positions
+    ]
 
 
 def _ranked(position: PositionLogprobs, count: int) -> list[tuple[int, Logprob]]:
@@ -372,11 +445,12 @@ def chat_logprobs_content(
     token_ids: Sequence[int],
     positions: Sequence[PositionLogprobs],
     top_count: int,
+    as_ids: bool = False,
 ) -> list[dict[str, Any]]:
     content = []
     for token_id, position in zip(token_ids, positions):
         entry = position.get(token_id) or Logprob(MIN_LOGPROB)
-        piece = _piece(tokenizer, token_id, entry)
+        piece = _piece(tokenizer, token_id, entry, as_ids)
         content.append(
             {
                 "token": piece,
@@ -384,7 +458,7 @@ def chat_logprobs_content(
                 "bytes": token_bytes(tokenizer, token_id, piece),
                 "top_logprobs": [
                     {
-                        "token": (alt := _piece(tokenizer, tid, lp)),
+                        "token": (alt := _piece(tokenizer, tid, lp, as_ids)),
                         "logprob": finite(lp.logprob),
                         "bytes": token_bytes(tokenizer, tid, alt),
                     }
@@ -398,10 +472,13 @@ def chat_logprobs_content(
 class CompletionLogprobs:
     """Builds the legacy completions `logprobs` block (four parallel arrays) incrementally."""
 
-    def __init__(self, tokenizer: Tokenizer, top_count: int, text_offset: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, top_count: int, text_offset: int = 0, as_ids: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.top_count = top_count
         self.offset = text_offset
+        self.as_ids = as_ids
 
     def block(
         self,
@@ -414,16 +491,16 @@ class CompletionLogprobs:
         text_offset: list[int] = []
         for token_id, position in zip(token_ids, positions):
             if position is None:  # the first prompt token has no score
-                piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                piece = _piece(self.tokenizer, token_id, Logprob(MIN_LOGPROB), self.as_ids)
                 token_logprobs.append(None)
                 top_logprobs.append(None)
             else:
                 entry = position.get(token_id) or Logprob(MIN_LOGPROB)
-                piece = _piece(self.tokenizer, token_id, entry)
+                piece = _piece(self.tokenizer, token_id, entry, self.as_ids)
                 token_logprobs.append(finite(entry.logprob))
                 top: dict[str, float] = {}
                 for tid, lp in _ranked(position, self.top_count):
-                    top.setdefault(_piece(self.tokenizer, tid, lp), finite(lp.logprob))
+                    top.setdefault(_piece(self.tokenizer, tid, lp, self.as_ids), finite(lp.logprob))
                 top.setdefault(piece, finite(entry.logprob))
                 top_logprobs.append(top)
             tokens.append(piece)

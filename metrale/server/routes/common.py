@@ -29,9 +29,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from metrale.engine.handle import RequestStream
+from metrale.errors import InvalidRequestError
 from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
-from metrale.server.protocol.common import RequestModel, parse_body
+from metrale.server.protocol.common import RequestModel
 from metrale.server.protocol.openai import completion_prompts
 from metrale.server.state import (
     ServerState,
@@ -56,6 +57,8 @@ class GenerationBody(Protocol):
 
 
 BodyT = TypeVar("BodyT", bound=RequestModel)
+#: Cuts a prompt's ids to what `truncate_prompt_tokens` keeps (given the context length).
+Truncate = Callable[[list[int], int], list[int]]
 R = TypeVar("R")
 #: Prompts of at least this many characters are templated and tokenized on a worker thread.
 OFFLOAD_MIN_CHARS = 8192
@@ -106,24 +109,49 @@ class Generation(Generic[BodyT]):
     tracker: RequestTracker
     body: BodyT
 
-    async def completion_prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
-        """A completions `prompt` as (text, token ids) pairs, checked against the limits."""
+    async def completion_prompts(
+        self, prompt: Any, add_special_tokens: bool = True, truncate: Truncate | None = None
+    ) -> list[tuple[str | None, list[int]]]:
+        """A completions `prompt` as (text, token ids) pairs, checked against the limits
+        (after `truncate`, vLLM's `truncate_prompt_tokens`, cut the ids: a cut prompt keeps
+        no text)."""
         state = self.state
         chars = _text_chars(prompt)
-        state.check_prompt_chars(chars, "prompt")
-        prompts = await off_loop(chars, completion_prompts, prompt, state.tokenizer)
+        if truncate is None:
+            state.check_prompt_chars(chars, "prompt")
+        prompts = await off_loop(
+            chars, completion_prompts, prompt, state.tokenizer, add_special_tokens
+        )
+        if truncate is not None:
+            cut = [(t, truncate(ids, state.max_model_len)) for t, ids in prompts]
+            prompts = [
+                (t if len(c) == len(ids) else None, c) for (t, ids), (_, c) in zip(prompts, cut)
+            ]
         for _, ids in prompts:
             state.check_prompt_tokens(len(ids), "prompt")
         return prompts
 
     async def chat_prompt(
-        self, messages: list[dict[str, Any]], param: str = "messages", **template_kwargs: Any
-    ) -> tuple[str, list[int]]:
-        """`render_chat` of `messages`, checked against the limits (see the invariants)."""
+        self,
+        messages: list[dict[str, Any]],
+        param: str = "messages",
+        *,
+        add_special_tokens: bool = False,
+        truncate: Truncate | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[str | None, list[int]]:
+        """`render_chat` of `messages`, checked against the limits (see the invariants);
+        `add_special_tokens` and `truncate` are vLLM's fields (a cut prompt keeps no text)."""
         state = self.state
         chars = sum(len(m["content"]) for m in messages)
-        state.check_prompt_chars(chars, param)
+        if truncate is None:
+            state.check_prompt_chars(chars, param)
         text, ids = await off_loop(chars, render_chat, state.tokenizer, messages, **template_kwargs)
+        if add_special_tokens:
+            ids = state.tokenizer.encode(text, add_special_tokens=True)
+        if truncate is not None:
+            cut = truncate(ids, state.max_model_len)
+            text, ids = (text if len(cut) == len(ids) else None), cut
         state.check_prompt_tokens(len(ids), param)
         return text, ids
 
@@ -145,6 +173,7 @@ class Generation(Generic[BodyT]):
             speculative=body.speculative,
             lookup_tenant=request_tenant(self.request, body.tenant),
             cache_namespace=cache_namespace(self.request, body.cache_salt),
+            priority=getattr(body, "priority", 0),
         )
 
 
@@ -157,16 +186,55 @@ async def open_generation(request: Request, body_type: type[BodyT]) -> Generatio
     except ClientDisconnected:
         tracker.client_left("body")
         raise
-    body = parse_body(body_type, raw)
+    body = state.parse(body_type, raw, request.url.path)
     checked: GenerationBody = body  # type: ignore[assignment]
     checked.check_supported()
     state.check_model(checked.model)
     return Generation(request, state, tracker, body)
 
 
+#: Stands in for the final assistant message while its turn's closing is cut off.
+_CONTINUE_MARK = "\u27e6metrale:continue\u27e7"
+
+
 def render_chat(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], **template_kwargs: Any
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    """The chat template's text for `messages` and its token ids."""
-    text = tokenizer.apply_chat_template(messages, **template_kwargs)
+    """The chat template's text for `messages` and its token ids.
+
+    `continue_final_message` (vLLM's): the prompt ends inside the final assistant message,
+    right after its text (the template's end-of-turn markup is cut), so the model continues
+    that message; it excludes `add_generation_prompt`."""
+    if not continue_final_message:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    if add_generation_prompt:
+        raise InvalidRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true (set "
+            "add_generation_prompt to false)",
+            param="continue_final_message",
+        )
+    if not messages or messages[-1]["role"] != "assistant":
+        raise InvalidRequestError(
+            "continue_final_message needs the last message to be an assistant turn",
+            param="messages",
+        )
+    final = messages[-1]["content"]
+    marked = [*messages[:-1], {**messages[-1], "content": _CONTINUE_MARK}]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=False, **template_kwargs)
+    cut = text.rfind(_CONTINUE_MARK)
+    if cut < 0:
+        raise InvalidRequestError(
+            "the chat template does not write the final assistant message's content, so it "
+            "cannot be continued",
+            param="continue_final_message",
+        )
+    text = text[:cut] + final
     return text, tokenizer.encode(text, add_special_tokens=False)

@@ -48,6 +48,7 @@ from metrale.server.protocol.openai import (
     chat_messages,
     finish_reason,
     merge_completion_logprobs,
+    prompt_logprobs_json,
     usage,
 )
 from metrale.server.routes.common import open_generation, request_body
@@ -59,6 +60,7 @@ from metrale.server.streaming import (
     sse,
     until_disconnected,
 )
+from metrale.tokenizer.fim import fim_prompt
 
 SYSTEM_FINGERPRINT = "fp_metrale"
 
@@ -68,9 +70,9 @@ router = APIRouter()
 # ----------------------------------------------------------------------------- models
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "metrale",
@@ -82,15 +84,17 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(server_state(request))]})
+    state = server_state(request)
+    names = (state.model_name, *state.model_aliases)
+    return JSONResponse({"object": "list", "data": [_model_card(state, n) for n in names]})
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(request: Request, model_id: str) -> JSONResponse:
     state = server_state(request)
-    if model_id != state.model_name:
+    if model_id != state.model_name and model_id not in state.model_aliases:
         raise NotFoundError(f"the model '{safe_text(model_id, 256)}' does not exist", param="model")
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, model_id))
 
 
 # ------------------------------------------------------------------ shared machinery
@@ -215,13 +219,23 @@ async def _collect(request: Request, job: _Job) -> None:
 async def create_completion(request: Request) -> Response:
     gen = await open_generation(request, CompletionRequest)
     state, req = gen.state, gen.body
-    prompts = await gen.completion_prompts(req.prompt)
+    prompt = req.prompt
+    if req.suffix:  # fill-in-the-middle, in the model's own FIM layout
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        prompt = [fim_prompt(state.tokenizer, p, req.suffix) for p in texts]
+    prompts = await gen.completion_prompts(
+        prompt,
+        add_special_tokens=req.add_special_tokens is not False,
+        truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
+    )
     echo = bool(req.echo)
     echo_only = echo and req.max_tokens == 0
     params = req.sampling_params(
         max_tokens=1 if echo_only else req.max_tokens,
         logprobs=req.logprobs,
-        prompt_logprobs=req.logprobs if echo else None,
+        prompt_logprobs=req.prompt_logprobs
+        if req.prompt_logprobs is not None
+        else (req.logprobs if echo else None),
         defaults=state.sampling_defaults,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -253,7 +267,21 @@ class _CompletionView:
     def _logprobs(self) -> CompletionLogprobs | None:
         if self.req.logprobs is None:
             return None
-        return CompletionLogprobs(self.tokenizer, self.req.logprobs)
+        return CompletionLogprobs(
+            self.tokenizer, self.req.logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
+        )
+
+    def _extras(self, prompt: int, output: RequestOutput, first: bool) -> dict[str, Any]:
+        """vLLM's extension fields of a choice (or of its first chunk): `prompt_logprobs`,
+        `prompt_token_ids` (with `return_token_ids`)."""
+        extras: dict[str, Any] = {}
+        if first and self.req.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = prompt_logprobs_json(
+                self.tokenizer, output.prompt_logprobs, bool(self.req.return_tokens_as_token_ids)
+            )
+        if first and self.req.return_token_ids:
+            extras["prompt_token_ids"] = self.job.prompts[prompt][1]
+        return extras
 
     def _echo_block(self, builder: CompletionLogprobs, prompt: int, output: RequestOutput) -> Any:
         ids = self.job.prompts[prompt][1]
@@ -291,14 +319,16 @@ class _CompletionView:
                     )
             if not self.echo_only:
                 text += choice.text
-            choices.append(
-                {
-                    "index": index,
-                    "text": text,
-                    "logprobs": block,
-                    "finish_reason": self._finish(choice),
-                }
-            )
+            entry = {
+                "index": index,
+                "text": text,
+                "logprobs": block,
+                "finish_reason": self._finish(choice),
+                **self._extras(prompt, output, first=True),
+            }
+            if self.req.return_token_ids:
+                entry["token_ids"] = [] if self.echo_only else choice.token_ids
+            choices.append(entry)
         choices.sort(key=lambda c: c["index"])
         body = self._envelope(choices)
         body["usage"] = self.job.usage(count_completion=not self.echo_only)
@@ -346,11 +376,14 @@ class _CompletionView:
                 reason = self._finish(choice)
                 if not text and reason is None:
                     continue  # nothing visible yet (held back for a possible stop string)
+                entry = {"index": index, "text": text, "logprobs": block, "finish_reason": reason}
+                entry.update(self._extras(prompt, output, index not in sent_text))
+                if self.req.return_token_ids:
+                    start_k = sent_tokens.get(index, 0)
+                    entry["token_ids"] = [] if self.echo_only else choice.token_ids[start_k:]
                 sent_text[index] = len(choice.text)
                 sent_tokens[index] = len(choice.token_ids)
-                chunk = self._envelope(
-                    [{"index": index, "text": text, "logprobs": block, "finish_reason": reason}]
-                )
+                chunk = self._envelope([entry])
                 if reason is not None:
                     done.add(index)
                     last = job.all_finished() and len(done) == len(job.finals) * job.n
@@ -367,22 +400,32 @@ async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
     plan = openai_plan(req, state.tokenizer, state.tool_call_parser, state.reasoning_parser)
+    messages = chat_messages(req.messages)
+    template: dict[str, Any] = {**plan.template_args(), **(req.chat_template_kwargs or {})}
+    if req.chat_template is not None:
+        template["chat_template"] = req.chat_template
     text, ids = await gen.chat_prompt(
-        chat_messages(req.messages),
+        messages,
         add_generation_prompt=req.add_generation_prompt,
-        **{**plan.template_args(), **(req.chat_template_kwargs or {})},
+        continue_final_message=req.continue_final_message,
+        add_special_tokens=bool(req.add_special_tokens),
+        truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
+        **template,
     )
     params = plan.apply(
         req.sampling_params(
             max_tokens=req.resolved_max_tokens,
             logprobs=req.logprob_count,
+            prompt_logprobs=req.prompt_logprobs,
             defaults=state.sampling_defaults,
         )
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
     job = _Job(state, request_id, streams, [(text, ids)], params.n, gen.tracker)
-    view = _ChatView(job, req, plan, text)
+    # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
+    echoed = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+    view = _ChatView(job, req, plan, text, echoed)
     if req.stream:
         return EventStreamResponse(
             view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
@@ -393,14 +436,21 @@ async def create_chat_completion(request: Request) -> Response:
 
 class _ChatView:
     def __init__(
-        self, job: _Job, req: ChatCompletionRequest, plan: ChatOutputPlan, prompt: str
+        self,
+        job: _Job,
+        req: ChatCompletionRequest,
+        plan: ChatOutputPlan,
+        prompt: str,
+        echoed: str = "",
     ) -> None:
         self.job = job
         self.req = req
         self.plan = plan
         self.prompt = prompt
+        self.echoed = echoed
         self.tokenizer = job.state.tokenizer
         self.top = req.top_logprobs or 0
+        self.as_ids = bool(req.return_tokens_as_token_ids)
 
     def _logprobs(self, choice: CompletionOutput, start: int = 0) -> dict[str, Any] | None:
         if not self.req.logprobs:
@@ -411,9 +461,21 @@ class _ChatView:
                 choice.token_ids[start:],
                 (choice.logprobs or [])[start:],
                 self.top,
+                self.as_ids,
             ),
             "refusal": None,
         }
+
+    def _extras(self) -> dict[str, Any]:
+        """vLLM's extension fields of the answer (or of the first chunk)."""
+        extras: dict[str, Any] = {}
+        if self.req.prompt_logprobs is not None:
+            final = self.job.finals[0]
+            positions = final.prompt_logprobs if final is not None else None
+            extras["prompt_logprobs"] = prompt_logprobs_json(self.tokenizer, positions, self.as_ids)
+        if self.req.return_token_ids:
+            extras["prompt_token_ids"] = self.job.prompts[0][1]
+        return extras
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -429,9 +491,10 @@ class _ChatView:
         """The choice's message (reasoning, content and tool calls split by the plan) and
         whether it called tools."""
         parts = self.plan.parts(choice.text, self.prompt)
+        content = self.echoed + parts.content
         message: dict[str, Any] = {
             "role": "assistant",
-            "content": parts.content if parts.content or not parts.tool_calls else None,
+            "content": content if content or not parts.tool_calls else None,
             "refusal": None,
         }
         if self.plan.reasoning is not None:
@@ -448,16 +511,18 @@ class _ChatView:
         choices = []
         for index, _, _, choice in self.job.choices():
             message, called = self._message(choice)
-            choices.append(
-                {
-                    "index": index,
-                    "message": message,
-                    "logprobs": self._logprobs(choice),
-                    "finish_reason": self._finish_reason(choice, called),
-                }
-            )
+            entry = {
+                "index": index,
+                "message": message,
+                "logprobs": self._logprobs(choice),
+                "finish_reason": self._finish_reason(choice, called),
+            }
+            if self.req.return_token_ids:
+                entry["token_ids"] = choice.token_ids
+            choices.append(entry)
         body = self._envelope("chat.completion", choices)
         body["usage"] = self.job.usage()
+        body.update(self._extras())
         return body
 
     def _chunk(self, index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -481,9 +546,18 @@ class _ChatView:
         splitters = {index: self.plan.splitter(self.prompt) for index in range(job.n)}
         calls: dict[int, int] = {}  # tool calls sent per choice
         for index in range(job.n):
-            yield sse(self._chunk(index, {"role": "assistant", "content": ""}))
+            chunk = self._chunk(index, {"role": "assistant", "content": self.echoed})
+            if index == 0 and self.req.return_token_ids:
+                chunk["prompt_token_ids"] = job.prompts[0][1]
+            yield sse(chunk)
+        scored = self.req.prompt_logprobs is None
         async for prompt, output in merged:
             job.record(prompt, output)
+            if not scored:  # the prompt's logprobs, once the prompt is processed
+                scored = True
+                chunk = self._chunk(0, {})
+                chunk["prompt_logprobs"] = self._extras()["prompt_logprobs"]
+                yield sse(chunk)
             for choice in output.outputs:
                 index = choice.index
                 if index in done:
@@ -499,9 +573,11 @@ class _ChatView:
                     deltas.append({"tool_calls": [call.openai(calls.get(index, 0))]})
                     calls[index] = calls.get(index, 0) + 1
                 for delta in deltas:
-                    logprobs = self._logprobs(choice, start_k)
+                    more: dict[str, Any] = {"logprobs": self._logprobs(choice, start_k)}
+                    if self.req.return_token_ids:
+                        more["token_ids"] = choice.token_ids[start_k:]
                     sent_tokens[index] = start_k = len(choice.token_ids)
-                    yield sse(self._chunk(index, delta, logprobs=logprobs))
+                    yield sse(self._chunk(index, delta, **more))
                 if choice.finished:
                     done.add(index)
                     extra: dict[str, Any] = {
@@ -510,6 +586,8 @@ class _ChatView:
                     trailing = self._logprobs(choice, sent_tokens.get(index, 0))
                     if trailing and trailing["content"]:
                         extra["logprobs"] = trailing
+                    if self.req.return_token_ids:
+                        extra["token_ids"] = choice.token_ids[sent_tokens.get(index, 0) :]
                     chunk = self._chunk(index, {}, **extra)
                     if len(done) == job.n and not self.req.include_usage:
                         chunk["usage"] = job.usage()
