@@ -27,7 +27,11 @@ from metrale.errors import InvalidRequestError
 from metrale.sampling.params import SamplingParams
 from metrale.sampling.structured import GrammarSpec
 from metrale.server.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
-from metrale.server.structured import anthropic_output_format, request_grammar
+from metrale.server.structured import (
+    anthropic_output_format,
+    request_grammar,
+    responses_text_format,
+)
 from metrale.server.tools import (
     ToolCall,
     ToolCallStream,
@@ -39,10 +43,19 @@ from metrale.server.tools import (
     get_parser,
     normalize_tool_choice,
     normalize_tools,
+    responses_tool_choice,
+    responses_tools,
 )
 from metrale.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["ChatOutputPlan", "ChoiceParts", "ChoiceSplitter", "anthropic_plan", "openai_plan"]
+__all__ = [
+    "ChatOutputPlan",
+    "ChoiceParts",
+    "ChoiceSplitter",
+    "anthropic_plan",
+    "openai_plan",
+    "responses_plan",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +178,22 @@ def openai_plan(
     choice = normalize_tool_choice(getattr(req, "tool_choice", None), tools, parallel)
     grammar = request_grammar(req)
     return _finish_plan(tools, choice, parser, reasoning, grammar, {}, "response_format")
+
+
+def responses_plan(
+    req: Any,
+    tokenizer: Tokenizer,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
+) -> ChatOutputPlan:
+    """The plan of a Responses body (`tools`, `tool_choice`, `parallel_tool_calls`,
+    `text.format`)."""
+    parser, reasoning = _server_parsers(tool_call_parser, reasoning_parser, tokenizer)
+    extra = getattr(req, "model_extra", None) or {}
+    tools = responses_tools(req.tools)
+    choice = responses_tool_choice(req.tool_choice, tools, extra.get("parallel_tool_calls"))
+    grammar = responses_text_format(req.text)
+    return _finish_plan(tools, choice, parser, reasoning, grammar, {}, "text.format")
 
 
 def anthropic_plan(

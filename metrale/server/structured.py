@@ -21,7 +21,7 @@ from typing import Any
 from metrale.errors import InvalidRequestError
 from metrale.sampling.structured import GrammarSpec
 
-__all__ = ["anthropic_output_format", "request_grammar"]
+__all__ = ["anthropic_output_format", "request_grammar", "responses_text_format"]
 
 
 def _response_format(value: Any) -> GrammarSpec | None:
@@ -152,3 +152,26 @@ def anthropic_output_format(output_config: Any) -> GrammarSpec | None:
     if "schema" not in fmt:
         raise InvalidRequestError(f"{param}.schema is required", param=param)
     return GrammarSpec.json_schema(fmt["schema"], param)
+
+
+def responses_text_format(text: Any) -> GrammarSpec | None:
+    """Responses `text.format`: `text`, `json_object`, or `{"type": "json_schema", "name",
+    "schema", "strict"}`."""
+    param = "text.format"
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise InvalidRequestError(f"{param} must be an object", param=param)
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_object", "", param)
+    if kind == "json_schema":
+        if "schema" not in fmt:
+            raise InvalidRequestError(f"{param}.schema is required", param=param)
+        return GrammarSpec.json_schema(fmt["schema"], param)
+    raise InvalidRequestError(
+        f"{param}.type must be text, json_object or json_schema; got {kind!r}", param=param
+    )

@@ -55,6 +55,10 @@ __all__ = [
     "normalize_tool_choice",
     "normalize_tools",
     "openai_tool_messages",
+    "responses_function_item",
+    "responses_input_item",
+    "responses_tool_choice",
+    "responses_tools",
 ]
 
 #: Most consecutive whitespace characters a constrained call's arguments may hold (unbounded
@@ -564,3 +568,58 @@ def _marker_prefix(text: str, parser: ToolParser) -> int:
     if isinstance(parser, Llama3JsonParser) and not text.strip():
         return len(text)  # a call may still open with "{"
     return 0
+
+
+# ------------------------------------------------------------------- Responses API shapes
+
+
+def responses_tools(tools: Any) -> list[dict[str, Any]]:
+    """Responses `tools` (flat: `{"type": "function", "name", "description", "parameters"}`)
+    in the chat shape; other tool types (web search, file search, ...) are refused by name."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list", param="tools")
+    nested = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise unsupported(f"tools[{i}]", f"only function tools are implemented, got {kind!r}")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        nested.append({"type": "function", "function": function})
+    return normalize_tools(nested)
+
+
+def responses_tool_choice(choice: Any, tools: list[dict[str, Any]], parallel: Any) -> ToolChoice:
+    """Responses `tool_choice`: "auto", "none", "required" or `{"type": "function", "name"}`."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    return normalize_tool_choice(choice, tools, parallel)
+
+
+def responses_input_item(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `function_call` input item as an assistant message with that tool call, a
+    `function_call_output` as a tool message."""
+    kind = item.get("type")
+    if kind == "function_call":
+        call = {
+            "id": item.get("call_id"),
+            "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")},
+        }
+        return {"role": "assistant", "content": "", "tool_calls": [template_call(call, where)]}
+    output = item.get("output", "")
+    if not isinstance(output, str):
+        output = json.dumps(output, ensure_ascii=False)
+    return {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
+
+
+def responses_function_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+    """A tool call as a Responses `function_call` output item."""
+    return {
+        "type": "function_call",
+        "id": f"fc_{call.id[5:]}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }

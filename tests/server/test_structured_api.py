@@ -360,3 +360,51 @@ def test_parser_read_from_the_template(template: str, family: str) -> None:
         assert again.usage.prompt_tokens > 0
     finally:
         proc.close()
+
+
+def test_responses_function_tools_and_text_format(client: OpenAI, model: str) -> None:
+    tool = {"type": "function", **WEATHER["function"]}
+    request = {
+        "model": model,
+        "input": "What is the weather in Kyiv?",
+        "tools": [tool],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 0,
+        "max_output_tokens": 96,
+    }
+    response = client.responses.create(**request)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    arguments = json.loads(call.arguments)
+    assert set(arguments) == {"city", "unit"}
+    with client.responses.stream(**request) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.done" in events
+    (streamed,) = [item for item in final.output if item.type == "function_call"]
+    assert json.loads(streamed.arguments) == arguments
+    # The call's output goes back as an input item; the model answers in text.
+    follow = client.responses.create(
+        model=model,
+        input=[
+            {"role": "user", "content": "What is the weather in Kyiv?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name,
+             "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5 C, rain"},
+        ],
+        tools=[tool],
+        tool_choice="none",
+        max_output_tokens=8,
+    )  # fmt: skip
+    assert follow.output[0].type == "message"
+    assert follow.usage.input_tokens > response.usage.input_tokens
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        confidence: int = Field(ge=0, le=100)
+
+    parsed = client.responses.parse(
+        model=model, input="Yes or no?", text_format=Verdict, max_output_tokens=40
+    )
+    assert isinstance(parsed.output_parsed, Verdict)
