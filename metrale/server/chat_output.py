@@ -171,6 +171,13 @@ def openai_plan(
 ) -> ChatOutputPlan:
     """The plan of an OpenAI chat body (`tools`, `tool_choice`, `parallel_tool_calls`,
     `response_format`, vLLM's constraint fields, `chat_template_kwargs.enable_thinking`)."""
+    template = getattr(req, "chat_template", None)  # a per-request template names the family
+    if (
+        template is not None
+        and not tool_call_parser
+        and template not in tokenizer.chat_template_names
+    ):
+        tool_call_parser = detect_parser(template).name
     parser, reasoning = _server_parsers(tool_call_parser, reasoning_parser, tokenizer)
     extra = getattr(req, "model_extra", None) or {}
     tools = normalize_tools(getattr(req, "tools", None))
