@@ -208,10 +208,12 @@ def anthropic_plan(
     tokenizer: Tokenizer,
     tool_call_parser: str | None = None,
     reasoning_parser: str | None = None,
+    generating: bool = True,
 ) -> ChatOutputPlan:
     """The plan of an Anthropic messages body (`tools`, `tool_choice`, `thinking`,
     `output_config.format`). Enabled `thinking` turns on `enable_thinking` in the template
-    and the reasoning split (the server's parser, else the `<think>` tags)."""
+    and the reasoning split (the server's parser, else the `<think>` tags). `generating`
+    False (`count_tokens`): the budget is not checked against `max_tokens`."""
     parser, reasoning = _server_parsers(tool_call_parser, reasoning_parser, tokenizer)
     tools = anthropic_tools(req.tools)
     choice = anthropic_tool_choice(req.tool_choice, tools)
@@ -222,6 +224,12 @@ def anthropic_plan(
         kwargs["enable_thinking"] = True
         reasoning = reasoning or get_reasoning_parser("qwen3")
         budget = int(thinking["budget_tokens"])
+        if generating and budget >= req.max_tokens:
+            raise InvalidRequestError(
+                f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                f"({req.max_tokens})",
+                param="thinking.budget_tokens",
+            )
     elif thinking is not None and thinking.get("type") == "disabled":
         kwargs["enable_thinking"] = False
         reasoning = None

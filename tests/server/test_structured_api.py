@@ -164,6 +164,8 @@ def test_anthropic_tool_use_round_trip(server: ServerProcess) -> None:
     }
     first = claude.messages.create(messages=messages, **request)
     assert first.stop_reason == "tool_use"
+    counted = claude.messages.count_tokens(model="tiny-code", messages=messages, tools=[tool])
+    assert counted.input_tokens == first.usage.input_tokens + first.usage.cache_read_input_tokens
     use = first.content[-1]
     assert use.type == "tool_use" and use.name == "get_weather"
     assert set(use.input) == {"city", "unit"}
@@ -210,6 +212,10 @@ def test_anthropic_output_format_and_thinking_budget(server: ServerProcess) -> N
         "thinking": {"type": "enabled", "budget_tokens": 8},
     }
     thought = claude.messages.create(**request)
+    counted = claude.messages.count_tokens(
+        model="tiny-code", messages=request["messages"], thinking=request["thinking"]
+    )
+    assert counted.input_tokens > 0
     assert [b.type for b in thought.content][:1] == ["thinking"]
     assert thought.usage.output_tokens <= 30
     with claude.messages.stream(**request) as stream:

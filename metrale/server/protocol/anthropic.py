@@ -85,12 +85,6 @@ class MessagesRequest(SpeculationFields):
                 raise InvalidRequestError(
                     "thinking.budget_tokens must be a positive integer", param="thinking"
                 )
-            if kind == "enabled" and budget >= self.max_tokens:
-                raise InvalidRequestError(
-                    f"thinking.budget_tokens ({budget}) must be less than max_tokens "
-                    f"({self.max_tokens})",
-                    param="thinking.budget_tokens",
-                )
         if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
             raise InvalidRequestError(
                 f"temperature must be in [0, 1], got {self.temperature}", param="temperature"
