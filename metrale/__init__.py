@@ -18,10 +18,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from metrale.engine.engine import Engine
     from metrale.engine.llm import LLM
     from metrale.engine.request import CompletionOutput, Logprob, RequestOutput
+    from metrale.engine.translate import BeamSearchParams
     from metrale.sampling.params import SamplingParams
 
 _EXPORTS = {
     "LLM": "metrale.engine.llm",
+    "BeamSearchParams": "metrale.engine.translate",
     "CompletionOutput": "metrale.engine.request",
     "Engine": "metrale.engine.engine",
     "EngineConfig": "metrale.config",
@@ -32,6 +34,7 @@ _EXPORTS = {
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "Engine",
     "EngineConfig",

@@ -1,4 +1,4 @@
-"""The `metrale` command: `generate`, `serve`, `top`, `bench`.
+"""The `metrale` command: `generate`, `translate`, `serve`, `top`, `bench`.
 
 Owner: cli. Engine flags are derived from `EngineConfig`'s fields in one place,
 `metrale.engine_flags` (`add_engine_arguments` / `engine_config_from_args`, re-exported here),
@@ -72,6 +72,81 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _early_stopping(value: str) -> bool | str:
+    choices = {"true": True, "false": False, "never": "never"}
+    if value.lower() not in choices:
+        raise argparse.ArgumentTypeError(f"must be true, false or never, got {value!r}")
+    return choices[value.lower()]
+
+
+def _translate(args: argparse.Namespace) -> int:
+    from metrale.engine.translate import Translator
+    from metrale.model_engine.beam import BeamParams
+
+    translator = Translator(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
+    )
+    params = BeamParams(
+        num_beams=args.num_beams,
+        n=args.n,
+        length_penalty=args.length_penalty,
+        early_stopping=args.early_stopping,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        no_repeat_ngram_size=args.no_repeat_ngram_size,
+    )
+    outputs = translator.translate(args.text, args.src, args.tgt, params)
+    for out in outputs:
+        for choice in out.outputs:
+            sys.stdout.write(choice.text + "\n")
+            logging.getLogger("metrale").info(
+                "%d tokens, score %.4f, finish_reason=%s",
+                len(choice.token_ids),
+                choice.cumulative_logprob,
+                choice.finish_reason,
+            )
+    return 0
+
+
+def _add_translate_parser(sub: argparse._SubParsersAction) -> None:
+    tr = sub.add_parser("translate", help="translate text with an M2M100/NLLB checkpoint")
+    add_log_level(tr)
+    tr.add_argument("text", nargs="+", help="the text(s) to translate, one output line each")
+    tr.add_argument("--model", required=True, help="M2M100/NLLB checkpoint directory (required)")
+    tr.add_argument("--src", required=True, help="source language code, e.g. eng_Latn (required)")
+    tr.add_argument("--tgt", required=True, help="target language code, e.g. fra_Latn (required)")
+    tr.add_argument("--num-beams", type=int, default=4, help="beam width (default: 4)")
+    tr.add_argument("--n", type=int, default=1, help="hypotheses printed per text (default: 1)")
+    tr.add_argument(
+        "--length-penalty", type=float, default=1.0, help="score = logprob / len**lp (default: 1)"
+    )
+    tr.add_argument(
+        "--early-stopping",
+        type=_early_stopping,
+        default=False,
+        help="true, false or never, as in transformers (default: false)",
+    )
+    tr.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    tr.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS (default: 0)")
+    tr.add_argument("--no-repeat-ngram-size", type=int, default=0, help="0: off (default: 0)")
+    tr.add_argument("--device", default="auto", help="cpu, cuda or auto (default: auto)")
+    tr.add_argument("--dtype", default="auto", help="auto: float32 on cpu (default: auto)")
+    tr.add_argument(
+        "--max-model-len", type=int, default=None, help="decoder tokens at most (default: 256)"
+    )
+    tr.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="decoder KV blocks (default: 1 GiB of them, at most 4096)",
+    )
+    tr.set_defaults(handler=_translate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="metrale", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -100,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(gen)
     gen.set_defaults(handler=_generate)
+    _add_translate_parser(sub)
 
     try:
         from metrale.server.launch import add_serve_parser

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import offline, plot, serve, spec, spec_cost, structured, ttft
+    from metrale.bench import offline, plot, serve, spec, spec_cost, structured, translate, ttft
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -32,6 +32,8 @@ def add_bench_parser(sub: Any) -> None:
          structured.add_arguments, structured.run, "WARNING"),
         ("serve", "concurrency ladder against an OpenAI-compatible URL", serve.add_arguments,
          serve.run, None),
+        ("translate", "M2M100/NLLB beam-search sentences/s vs CTranslate2", translate.add_arguments,
+         translate.run, "WARNING"),
         ("plot", "PNG charts of benchmark records (serve ladder, roofline, history)",
          plot.add_arguments, plot.run, "WARNING"),
     ]  # fmt: skip

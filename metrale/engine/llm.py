@@ -1,4 +1,5 @@
-"""`LLM`: the offline API users know from vLLM: `generate`, `chat`, `embed`.
+"""`LLM`: the offline API users know from vLLM: `generate`, `chat`, `embed`, `beam_search`;
+and `translate` for M2M100/NLLB checkpoints (served by a `Translator`, not the engine).
 
 Owner: engine.
 
@@ -20,8 +21,17 @@ from typing import Any
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.engine.request import RequestOutput
+from metrale.engine.translate import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    Translator,
+    beam_search,
+    is_encoder_decoder_dir,
+)
 from metrale.errors import InvalidRequestError
+from metrale.model_engine.beam import BeamParams
 from metrale.sampling.params import SamplingParams
+from metrale.tokenizer.sentencepiece_vocab import SentencePieceVocab
 from metrale.tokenizer.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int] | Mapping[str, Any]
@@ -36,17 +46,81 @@ class LLM:
         if unknown:
             raise InvalidRequestError(f"unknown LLM option(s): {', '.join(sorted(unknown))}")
         self.config = EngineConfig(model=model, **kwargs)
-        self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk, proposer=proposer)
         self._ids = itertools.count()
+        #: The M2M100/NLLB checkpoint's translator; None for decoder-only models.
+        self.translator: Translator | None = None
+        if model is not None and is_encoder_decoder_dir(model):
+            c = self.config
+            self.translator = Translator(
+                model,
+                device=c.device,
+                dtype=c.dtype,
+                max_model_len=c.max_model_len,
+                num_kv_blocks=c.num_kv_blocks,
+                block_size=c.block_size,
+            )
+            return
+        self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk, proposer=proposer)
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | SentencePieceVocab:
+        if self.translator is not None:
+            return self.translator.tokenizer
         return self.engine.tokenizer
+
+    def translate(
+        self,
+        texts: str | Sequence[str | Sequence[int]],
+        *,
+        src_lang: str,
+        tgt_lang: str,
+        num_beams: int = 4,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        max_tokens: int = 128,
+        min_tokens: int = 0,
+        no_repeat_ngram_size: int = 0,
+        n: int = 1,
+    ) -> list[RequestOutput]:
+        """Translate each text (or source token ids) by beam search; each output's choices
+        are its best `n` hypotheses, best first (`cumulative_logprob` holds the beam score,
+        `sum logprob / length ** length_penalty`)."""
+        if self.translator is None:
+            raise InvalidRequestError(
+                "translate needs an M2M100/NLLB checkpoint; this model is decoder-only",
+                param="model",
+            )
+        items = [texts] if isinstance(texts, str) else list(texts)
+        params = BeamParams(
+            num_beams=num_beams,
+            n=n,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+        )
+        return self.translator.translate(items, src_lang, tgt_lang, params)
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's best beams (`params.n`, default all
+        `beam_width`), best first, as transformers' `generate(num_beams=...)` ranks them."""
+        if self.translator is not None:
+            raise InvalidRequestError(
+                "beam_search serves decoder-only models; use translate", param="model"
+            )
+        if self.engine.has_unfinished():
+            raise InvalidRequestError("beam_search needs an idle engine (requests are running)")
+        return beam_search(
+            self.engine.model, self.engine.tokenizer, _as_prompt_list(prompts), params
+        )
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` / `chat` use without `sampling_params`: `SamplingParams()` with the
         model's generation-config defaults (temperature, top_p, top_k, min_p,
         repetition_penalty) applied; change it with `.replace(...)`."""
-        return self.engine.default_sampling_params()
+        return self._require_engine().default_sampling_params()
 
     def generate(
         self,
@@ -78,7 +152,7 @@ class LLM:
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
         params = _params_list(sampling_params, len(conversations), self.get_default_sampling_params)
-        tok = self.engine.tokenizer
+        tok = self._require_engine().tokenizer
         prompts = []
         for conv in conversations:
             text = tok.apply_chat_template(
@@ -89,10 +163,17 @@ class LLM:
             prompts.append(((text, tok.encode(text, add_special_tokens=False)), None))
         return self._run([(p, sp) for (p, _), sp in zip(prompts, params)])
 
+    def _require_engine(self) -> Engine:
+        if self.translator is not None:
+            raise InvalidRequestError(
+                "this is an M2M100/NLLB translation model: use LLM.translate", param="model"
+            )
+        return self.engine
+
     def _run(
         self, work: list[tuple[tuple[str | None, list[int] | None], SamplingParams]]
     ) -> list[RequestOutput]:
-        engine = self.engine
+        engine = self._require_engine()
         ids = [f"llm-{next(self._ids)}" for _ in work]
         # Validate all first: prompt ids and token budgets, without queueing anything.
         for (text, token_ids), sp in work:

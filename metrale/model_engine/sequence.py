@@ -115,7 +115,8 @@ class BeamReq:
     num_beams: int = 1
     max_new: int = 0
     length_penalty: float = 1.0
-    early_stopping: bool = False
+    #: True, False or "never" (transformers' meanings; `metrale.model_engine.beam`).
+    early_stopping: bool | str = False
 
 
 @dataclass
@@ -264,8 +265,8 @@ class SequenceState:
     num_beams: int = 1
     #: NLLB length penalty: a hypothesis scores `sum_logprob / len**length_penalty`.
     length_penalty: float = 1.0
-    #: NLLB: True stops once `num_beams` hypotheses finished.
-    early_stopping: bool = False
+    #: NLLB: True stops once `num_beams` hypotheses finished ("never": transformers' meaning).
+    early_stopping: bool | str = False
 
     @classmethod
     def host_only(cls, slot_idx: int) -> SequenceState:

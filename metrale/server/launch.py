@@ -17,6 +17,8 @@ Invariants:
   server.
 - vLLM's common serve flags are accepted with vLLM's meaning; one asking for a feature that
   is not built (`--tensor-parallel-size 2`) is a start-up error naming the feature.
+- An M2M100/NLLB checkpoint is served by `metrale.server.translation` (beam search on a
+  driver thread of this process), with the same address, auth and summary line rules.
 - Importing this module is cheap (no FastAPI/uvicorn/torch until the command runs).
 """
 
@@ -30,6 +32,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -154,6 +157,18 @@ def add_serve_parser(subparsers: Any) -> None:
         choices=("critical", "error", "warning", "info", "debug", "trace"),
         default=None,
         help="uvicorn's own log level (default: warning, or debug with --log-level DEBUG)",
+    )
+    server.add_argument(
+        "--src-lang",
+        default=None,
+        help="M2M100/NLLB checkpoints: source language code of requests without src_lang "
+        "(default: none, src_lang required)",
+    )
+    server.add_argument(
+        "--tgt-lang",
+        default=None,
+        help="M2M100/NLLB checkpoints: target language code of requests without tgt_lang "
+        "(default: none, tgt_lang required)",
     )
     _add_vllm_compat_flags(parser)
     add_engine_arguments(parser, positional_model=True)
@@ -298,6 +313,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         max_logprobs=args.max_logprobs,
         uvicorn_log_level=args.uvicorn_log_level,
         pooling=args.pooling,
+        src_lang=args.src_lang,
+        tgt_lang=args.tgt_lang,
     )
 
 
@@ -320,6 +337,8 @@ def serve(
     max_logprobs: int = MAX_LOGPROBS,
     uvicorn_log_level: str | None = None,
     pooling: str = "last",
+    src_lang: str | None = None,
+    tgt_lang: str | None = None,
 ) -> int:
     import uvicorn
 
@@ -327,9 +346,12 @@ def serve(
     from metrale.engine.engine import resolve_model_dir
     from metrale.engine.engine_process import EngineProcess
     from metrale.engine.supervisor import SupervisedEngine
+    from metrale.models.m2m100 import is_encoder_decoder_dir
     from metrale.server.app import create_app
 
     model_dir = resolve_model_dir(config.model)
+    if is_encoder_decoder_dir(model_dir):
+        return _serve_translation(config, host, port, api_key, log_level, src_lang, tgt_lang)
     logger.info(
         "loading model %s (device %s, dtype %s, engine %s) ...",
         model_dir,
@@ -401,6 +423,64 @@ def serve(
         engine.shutdown()
         sock.close()
     logger.info("server stopped")
+    return 0
+
+
+def _serve_translation(
+    config: Any,
+    host: str,
+    port: int,
+    api_key: str | list[str] | None,
+    log_level: str,
+    src_lang: str | None,
+    tgt_lang: str | None,
+) -> int:
+    """Serve an M2M100/NLLB checkpoint (`metrale.server.translation`): beam search on a
+    driver thread of this process; the engine's flags that apply are device, dtype,
+    max_model_len, num_kv_blocks and block_size."""
+    import uvicorn
+
+    from metrale.engine.translate import TranslationService, Translator
+    from metrale.server.translation import create_translation_app
+
+    translator = Translator(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=config.block_size,
+        src_lang=src_lang,
+        tgt_lang=tgt_lang,
+    )
+    for code, param in ((src_lang, "src_lang"), (tgt_lang, "tgt_lang")):
+        if code is not None:
+            translator.lang_id(code, param)  # a bad deployment default fails at start-up
+    name = config.served_model_name or Path(config.model).name
+    app = create_translation_app(TranslationService(translator), model_name=name, api_key=api_key)
+    sock = _bind(host, port)
+    logger.info(
+        "serving translation model %s on %s %s | decoder KV %d blocks x %d | %s",
+        name,
+        translator.model.device_name(),
+        translator.model.dtype_name(),
+        translator.model.num_total_blocks(),
+        translator.model.block_size,
+        _url(sock),
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            log_level=log_level.lower() if log_level == "DEBUG" else "warning",
+            access_log=log_level == "DEBUG",
+            lifespan="on",
+        )
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
 
 

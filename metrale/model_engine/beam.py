@@ -1,0 +1,527 @@
+"""Beam search over a paged-KV model: `BeamSearchDriver`, `BeamParams`, `BeamRequest`.
+
+Owner: model-engine (below the engine, so a model's `generate_beam_batch` can use it). One
+driver serves encoder-decoder translation (`EncoderDecoderModel`) and
+decoder-only beam search (`TransformerModel` through `DecoderOnlyBeamBackend`); both reach the
+model only through `BeamBackend`.
+
+The search is transformers' `generate(num_beams=K)` step for step, per request: log-softmax
+of the float32 logits, the request's processors (forced prefix, `min_tokens`,
+`no_repeat_ngram_size`), the top `2K` continuations of the `K * vocab` accumulated scores, the
+`K` best unfinished ones run on, finished ones (EOS or the length limit) among the first `K`
+enter the request's `K` best finished hypotheses with `score / length ** length_penalty`, and
+`early_stopping` (True, False, "never") decides when the request is done, with the same
+heuristic. The bookkeeping runs as the same float32 torch operations on the same shapes, so
+ties break as there.
+
+Sharing: a *physical* sequence (`SequenceState`) holds the KV of a beam's tokens but the
+last, which it feeds in the next decoder forward. Beams with the same history share one
+physical sequence (the K copies of the prompt at step 0); a beam that continues its parent
+takes the parent's sequence over, a second continuation forks it: a new `SequenceState`
+whose block table references the same blocks (`BlockPool.incref`). Before a forward writes
+into a shared partial last block, that block is copied (copy-on-write). A beam whose score is
+`-inf` can never be chosen again and holds no sequence. Every request's rows run in one
+decoder forward per step.
+
+Decoder-only prompts go through the model's prefix cache (`DecoderOnlyBeamBackend`): a
+prompt's full blocks are looked up, the rest prefilled, and the result indexed, so a repeated
+prompt prefills only its tail; the cache's own references keep its blocks from being written
+(a beam writing into a shared block copies it first).
+
+Invariants:
+- A request holds pool blocks only through the physical sequences of its live beams; when it
+  finishes, is aborted, or a step raises, every one of them is freed (a raising step frees
+  every request's and drops the waiting ones, then re-raises), so an idle driver holds no
+  block.
+- Outputs are the request's best `n` finished hypotheses, best first, each with its score
+  (transformers' `sequences_scores`) and tokens generated after the forced prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from metrale.cache.block_pool import BlockPool
+from metrale.cache.kv_cache import PagedKVCache
+from metrale.errors import InvalidRequestError
+from metrale.model_engine.traits import SequenceState
+
+logger = logging.getLogger(__name__)
+
+NEG = -1.0e9
+
+
+@dataclass(frozen=True)
+class BeamParams:
+    """A beam-search request's parameters (transformers' `generate` names in comments)."""
+
+    num_beams: int = 4
+    #: Hypotheses returned (`num_return_sequences`), at most `num_beams`.
+    n: int = 1
+    length_penalty: float = 1.0
+    #: True, False or "never", with transformers' meaning.
+    early_stopping: bool | str = False
+    #: New tokens after the forced prefix (`max_new_tokens` minus the prefix).
+    max_tokens: int = 16
+    #: EOS is banned until this many tokens follow the forced prefix.
+    min_tokens: int = 0
+    no_repeat_ngram_size: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> InvalidRequestError:
+            return InvalidRequestError(f"{name} {msg}", param=name)
+
+        if not isinstance(self.num_beams, int) or self.num_beams < 1:
+            raise bad("num_beams", f"must be an integer >= 1, got {self.num_beams!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= self.num_beams:
+            raise bad("n", f"must be between 1 and num_beams ({self.num_beams}), got {self.n!r}")
+        if self.early_stopping not in (True, False, "never"):
+            raise bad(
+                "early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}"
+            )
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be between 0 and max_tokens, got {self.min_tokens!r}")
+        if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+            raise bad(
+                "no_repeat_ngram_size",
+                f"must be an integer >= 0, got {self.no_repeat_ngram_size!r}",
+            )
+        if (
+            not isinstance(self.length_penalty, (int, float))
+            or self.length_penalty != self.length_penalty
+        ):
+            raise bad("length_penalty", f"must be a number, got {self.length_penalty!r}")
+
+
+@dataclass
+class BeamRequest:
+    request_id: str
+    #: Decoder-only: the prompt. Encoder-decoder: the decoder's prompt (its start token).
+    prompt: list[int]
+    params: BeamParams
+    #: Encoder-decoder: the encoder's input ids; None for decoder-only models.
+    source: list[int] | None = None
+    #: Tokens forced as the first generated ones (the target language code); they score 0
+    #: and count toward the length as in transformers (`forced_bos_token_id`).
+    forced: list[int] = field(default_factory=list)
+
+
+@dataclass
+class BeamHypothesis:
+    #: Generated tokens after the forced prefix, the EOS that ended it included.
+    token_ids: list[int]
+    score: float
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class BeamOutput:
+    request_id: str
+    hypotheses: list[BeamHypothesis]
+    prompt_token_ids: list[int]
+    #: Decoder forwards this request took part in.
+    steps: int
+
+
+class BeamBackend(Protocol):
+    """What the driver needs of a model."""
+
+    block_pool: BlockPool
+    kv_cache: PagedKVCache
+    block_size: int
+
+    def beam_start(self, req: BeamRequest) -> SequenceState:
+        """A sequence that has processed `req.prompt[:-1]` (and, encoder-decoder, encoded the
+        source); the driver feeds `req.prompt[-1]` in the next step's forward."""
+        ...
+
+    def beam_fork(self, seq: SequenceState) -> SequenceState:
+        """A new sequence sharing `seq`'s blocks (one more reference each) and state."""
+        ...
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState]) -> torch.Tensor:
+        """One token per sequence; float32 logits `[rows, vocab]`."""
+        ...
+
+    def free_sequence(self, seq: SequenceState) -> None: ...
+
+    def vocab_size(self) -> int: ...
+
+
+def fork_state(seq: SequenceState, child: SequenceState) -> SequenceState:
+    """Make `child` (a fresh sequence) a copy of `seq`'s KV view; the caller increfs."""
+    child.tokens = list(seq.tokens)
+    child.block_table = list(seq.block_table)
+    child.seq_len = seq.seq_len
+    child.kv_valid_tokens = seq.kv_valid_tokens
+    child.prompt_len = seq.prompt_len
+    child.layer_states = list(seq.layer_states)
+    child.adapter_id = seq.adapter_id
+    child.src_lang_id, child.tgt_lang_id = seq.src_lang_id, seq.tgt_lang_id
+    child.num_beams, child.length_penalty = seq.num_beams, seq.length_penalty
+    child.early_stopping = seq.early_stopping
+    return child
+
+
+class _Phys:
+    """A physical sequence and the token it feeds next."""
+
+    __slots__ = ("pending", "seq")
+
+    def __init__(self, seq: SequenceState, pending: int) -> None:
+        self.seq = seq
+        self.pending = pending
+
+
+@dataclass
+class _Slot:
+    phys: _Phys | None  # None: the beam's score is -inf
+    gen: list[int]  # generated tokens, the forced prefix included
+
+
+class _State:
+    def __init__(self, req: BeamRequest, eos: tuple[int, ...], phys: _Phys) -> None:
+        p = req.params
+        self.req = req
+        self.k = p.num_beams
+        self.eos = eos
+        self.max_new = p.max_tokens + len(req.forced)
+        self.min_new = p.min_tokens + len(req.forced)
+        self.keep = max(2, 1 + len(eos)) * self.k
+        self.slots = [_Slot(phys, []) for _ in range(self.k)]
+        self.running = torch.zeros(self.k, dtype=torch.float32)
+        self.running[1:] = NEG
+        self.fin_scores = torch.full((self.k,), NEG, dtype=torch.float32)
+        self.fin_done = torch.zeros(self.k, dtype=torch.bool)
+        self.fin_tokens: list[list[int]] = [[] for _ in range(self.k)]
+        self.top_mask = torch.zeros(self.keep, dtype=torch.bool)
+        self.top_mask[: self.k] = True
+        self.heuristic = True
+        self.steps = 0
+
+    def physicals(self) -> list[_Phys]:
+        seen: dict[int, _Phys] = {}
+        for s in self.slots:
+            if s.phys is not None:
+                seen.setdefault(id(s.phys), s.phys)
+        return list(seen.values())
+
+
+class BeamSearchDriver:
+    """Runs beam-search requests to completion over one backend, batching every running
+    request's beams into one decoder forward per `step`."""
+
+    def __init__(self, backend: BeamBackend, eos_token_ids: Sequence[int]) -> None:
+        if not eos_token_ids:
+            raise ValueError("beam search needs at least one EOS token id")
+        self.backend = backend
+        self.eos = tuple(int(t) for t in eos_token_ids)
+        self._waiting: list[BeamRequest] = []
+        self._running: dict[str, _State] = {}
+        #: Blocks copied before a write into a shared partial block; forks made.
+        self.cow_copies = 0
+        self.forks = 0
+        self.forwards = 0
+
+    # ---------------------------------------------------------------- requests
+
+    def add_request(self, req: BeamRequest) -> None:
+        if not req.prompt:
+            raise InvalidRequestError(
+                "a beam-search prompt needs at least one token", param="prompt"
+            )
+        keep = max(2, 1 + len(self.eos)) * req.params.num_beams
+        if req.params.num_beams * self.backend.vocab_size() < keep:
+            raise InvalidRequestError(
+                f"num_beams {req.params.num_beams} needs a vocabulary of at least {keep // req.params.num_beams} tokens",
+                param="num_beams",
+            )
+        if req.request_id in self._running or any(
+            r.request_id == req.request_id for r in self._waiting
+        ):
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+        self._waiting.append(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        for i, r in enumerate(self._waiting):
+            if r.request_id == request_id:
+                del self._waiting[i]
+                return True
+        state = self._running.pop(request_id, None)
+        if state is None:
+            return False
+        self._release(state)
+        return True
+
+    def live_sequences(self) -> list[SequenceState]:
+        """The physical sequences the running requests hold (each once)."""
+        return [p.seq for st in self._running.values() for p in st.physicals()]
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def run(self, reqs: Sequence[BeamRequest]) -> list[BeamOutput]:
+        """Every request to completion; outputs in the order given."""
+        for r in reqs:
+            self.add_request(r)
+        done: dict[str, BeamOutput] = {}
+        try:
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+        except BaseException:
+            for r in reqs:
+                self.abort_request(r.request_id)
+            raise
+        return [done[r.request_id] for r in reqs]
+
+    # ---------------------------------------------------------------- stepping
+
+    def step(self) -> list[BeamOutput]:
+        """Admit waiting requests, run one decoder forward over every running beam, advance
+        each request; returns the requests that finished."""
+        try:
+            return self._step()
+        except BaseException:
+            for rid in list(self._running):
+                self.abort_request(rid)
+            self._waiting.clear()
+            raise
+
+    def _step(self) -> list[BeamOutput]:
+        backend = self.backend
+        while self._waiting:
+            req = self._waiting.pop(0)
+            seq = backend.beam_start(req)
+            self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+        if not self._running:
+            return []
+        states = list(self._running.values())
+        physicals = [p for st in states for p in st.physicals()]
+        for p in physicals:
+            self._copy_on_write(p.seq)
+        logits = backend.decode_batch([p.pending for p in physicals], [p.seq for p in physicals])
+        self.forwards += 1
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        row_of = {id(p): i for i, p in enumerate(physicals)}
+        finished = []
+        for st in states:
+            st.steps += 1
+            if self._advance(st, logprobs, row_of):
+                del self._running[st.req.request_id]
+                self._release(st)
+                finished.append(self._output(st))
+        return finished
+
+    def _copy_on_write(self, seq: SequenceState) -> None:
+        backend = self.backend
+        if seq.seq_len % backend.block_size == 0 or not seq.block_table:
+            return  # the next token opens a fresh block
+        last = seq.block_table[-1]
+        if backend.block_pool.ref_count(last) > 1:
+            private = backend.block_pool.allocate(1)[0]
+            backend.kv_cache.copy_block(last, private)
+            backend.block_pool.decref([last])
+            seq.block_table[-1] = private
+            self.cow_copies += 1
+
+    def _processed(self, st: _State, slot: _Slot, row: torch.Tensor) -> torch.Tensor:
+        """The slot's log-probs after its processors (a new tensor when changed)."""
+        gen = len(slot.gen)
+        if gen < len(st.req.forced):
+            out = torch.full_like(row, float("-inf"))
+            out[st.req.forced[gen]] = 0.0
+            return out
+        p = st.req.params
+        out = row
+        n = p.no_repeat_ngram_size
+        if n:
+            tokens = st.req.prompt + slot.gen
+            if len(tokens) + 1 >= n:
+                prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
+                banned = {
+                    tokens[i + n - 1]
+                    for i in range(len(tokens) - n + 1)
+                    if tuple(tokens[i : i + n - 1]) == prefix
+                }
+                if banned:
+                    out = out.clone()
+                    out[list(banned)] = float("-inf")
+        if gen < st.min_new:
+            out = out.clone() if out is row else out
+            out[list(st.eos)] = float("-inf")
+        return out
+
+    def _advance(self, st: _State, logprobs: torch.Tensor, row_of: dict[int, int]) -> bool:
+        """One beam step of one request; returns whether it is done."""
+        k, vocab = st.k, logprobs.shape[1]
+        dev = logprobs.device
+        if st.running.device != dev:  # the search state lives where the logits are
+            st.running, st.fin_scores = st.running.to(dev), st.fin_scores.to(dev)
+            st.fin_done, st.top_mask = st.fin_done.to(dev), st.top_mask.to(dev)
+        dead = None
+        rows = []
+        for slot in st.slots:
+            if slot.phys is None:
+                if dead is None:
+                    dead = torch.full((vocab,), float("-inf"), device=dev)
+                rows.append(dead)
+            else:
+                rows.append(self._processed(st, slot, logprobs[row_of[id(slot.phys)]]))
+        scores = torch.stack(rows) + st.running[:, None]
+        topk_scores, topk_idx = torch.topk(scores.reshape(-1), k=st.keep)
+        parents = (topk_idx // vocab).tolist()
+        tokens = (topk_idx % vocab).tolist()
+        gen_len = len(st.slots[0].gen)  # every beam has generated the same count
+        at_limit = gen_len + 1 >= st.max_new
+        hits = torch.tensor([at_limit or t in st.eos for t in tokens], dtype=torch.bool, device=dev)
+
+        # The K best unfinished continuations run on.
+        run_scores = topk_scores + hits.to(torch.float32) * NEG
+        next_idx = torch.topk(run_scores, k=k)[1]
+        new_running = run_scores[next_idx]
+
+        # Finished continuations among the first K enter the finished set.
+        did = hits & st.top_mask
+        fin = topk_scores / ((gen_len + 1) ** st.req.params.length_penalty)
+        full = bool(st.fin_done.all()) and st.req.params.early_stopping is True
+        fin = fin + torch.tensor(float(full), device=dev) * NEG
+        fin = fin + torch.tensor(float(not st.heuristic), device=dev) * NEG
+        fin = fin + (~did) * NEG
+        merged_scores = torch.cat((st.fin_scores, fin))
+        merged_done = torch.cat((st.fin_done, did))
+        pick = torch.topk(merged_scores, k=k)[1]
+        old_tokens = st.fin_tokens
+        picked = pick.tolist()
+        st.fin_tokens = [
+            old_tokens[i] if i < k else [*st.slots[parents[i - k]].gen, tokens[i - k]]
+            for i in picked
+        ]
+        st.fin_scores = merged_scores[pick]
+        st.fin_done = merged_done[pick]
+
+        # Rebuild the running beams and their physical sequences.
+        self._rebuild(
+            st,
+            [parents[i] for i in next_idx.tolist()],
+            [tokens[i] for i in next_idx.tolist()],
+            new_running,
+        )
+        st.running = new_running
+
+        # transformers' stopping rules, after its cur_len += 1.
+        p = st.req.params
+        gen_len += 1
+        if p.early_stopping == "never" and p.length_penalty > 0.0:
+            best_len = st.max_new
+        else:
+            best_len = gen_len
+        best_possible = st.running[:1] / (best_len**p.length_penalty)
+        worst = torch.where(st.fin_done, torch.min(st.fin_scores), torch.tensor(NEG, device=dev))
+        st.heuristic = st.heuristic and bool(torch.any(best_possible > worst))
+        all_done = bool(st.fin_done.all()) and p.early_stopping is True
+        return (not st.heuristic) or all_done or bool(hits.all())
+
+    def _rebuild(
+        self, st: _State, parents: list[int], tokens: list[int], scores: torch.Tensor
+    ) -> None:
+        backend = self.backend
+        old = st.slots
+        children: dict[tuple[int, int], _Phys] = {}
+        taken: set[int] = set()  # parent physicals already continued by a child
+        new_slots = []
+        alive = (scores != float("-inf")).tolist()
+        for j, (pi, tok) in enumerate(zip(parents, tokens)):
+            parent = old[pi]
+            gen = [*parent.gen, tok]
+            if parent.phys is None or not alive[j]:
+                new_slots.append(_Slot(None, gen))
+                continue
+            key = (id(parent.phys), tok)
+            phys = children.get(key)
+            if phys is None:
+                if id(parent.phys) not in taken:
+                    taken.add(id(parent.phys))
+                    phys = _Phys(parent.phys.seq, tok)
+                else:
+                    seq = backend.beam_fork(parent.phys.seq)
+                    self.forks += 1
+                    phys = _Phys(seq, tok)
+                children[key] = phys
+            new_slots.append(_Slot(phys, gen))
+        # Parents no child continued are freed.
+        for p in {id(s.phys): s.phys for s in old if s.phys is not None}.values():
+            if id(p) not in taken:
+                backend.free_sequence(p.seq)
+        st.slots = new_slots
+
+    def _release(self, st: _State) -> None:
+        for p in st.physicals():
+            self.backend.free_sequence(p.seq)
+        st.slots = [_Slot(None, s.gen) for s in st.slots]
+
+    def _output(self, st: _State) -> BeamOutput:
+        nf = len(st.req.forced)
+        hyps = []
+        scores = st.fin_scores.tolist()
+        for i in range(st.req.params.n):
+            toks = st.fin_tokens[i]
+            reason = "stop" if toks and toks[-1] in self.eos else "length"
+            hyps.append(BeamHypothesis(list(toks[nf:]), float(scores[i]), reason))
+        return BeamOutput(st.req.request_id, hyps, list(st.req.source or st.req.prompt), st.steps)
+
+
+class DecoderOnlyBeamBackend:
+    """`BeamBackend` over a decoder-only `TransformerModel` (its pool, its forwards)."""
+
+    def __init__(self, model: Any) -> None:
+        if model.has_ssm_layers():
+            raise InvalidRequestError(
+                "beam search is not supported on models with recurrent (SSM) layers: a beam "
+                "fork would need a copy of the recurrent state"
+            )
+        self.model = model
+        #: Request id -> its prompt tokens whose KV came from the prefix cache.
+        self.reused_prompt_tokens: dict[str, int] = {}
+        self.block_pool = model.block_pool
+        self.kv_cache = model.kv_cache
+        self.block_size = model.block_size
+
+    def beam_start(self, req: BeamRequest) -> SequenceState:
+        """Prefill the prompt but its last token, reusing (and then extending) the model's
+        prefix cache: a prompt seen before costs only its unmatched tail."""
+        model = self.model
+        seq = model.alloc_sequence()
+        head = req.prompt[:-1]
+        try:
+            reused = model.lookup_prefix(seq, head) if head else 0
+            if len(head) > reused:
+                model.prefill_chunk(head, seq, reused, len(head) - reused, True)
+            model.cache_sequence(seq)
+        except BaseException:
+            model.free_sequence(seq)
+            raise
+        self.reused_prompt_tokens[req.request_id] = reused
+        seq.prompt_len = len(req.prompt)
+        return seq
+
+    def beam_fork(self, seq: SequenceState) -> SequenceState:
+        child = fork_state(seq, self.model.alloc_sequence())
+        self.block_pool.incref(child.block_table)
+        return child
+
+    def decode_batch(self, tokens: Sequence[int], seqs: Sequence[SequenceState]) -> torch.Tensor:
+        return self.model.decode_batch(tokens, seqs)
+
+    def free_sequence(self, seq: SequenceState) -> None:
+        self.model.free_sequence(seq)
+
+    def vocab_size(self) -> int:
+        return int(self.model.vocab_size())

@@ -1,0 +1,400 @@
+"""The M2M100 / NLLB encoder-decoder (`M2M100ForConditionalGeneration`): configuration,
+module and checkpoint loading.
+
+Owner: models. `metrale.model_engine.encdec_model.EncoderDecoderModel` drives it: it runs
+`encode` once per request, `cross_kv` once per request, and `decode` over the rows of every
+running sequence, with the decoder's self-attention KV in a paged cache.
+
+Invariants:
+- Parameter names equal transformers' (`model.encoder.layers.N.self_attn.q_proj.weight`,
+  `model.shared.weight`, ...). The encoder and decoder token embeddings are the shared matrix;
+  logits use it too unless `tie_word_embeddings` is false (then `lm_head.weight`).
+- Token embeddings are multiplied by `sqrt(d_model)` exactly when `scale_embedding` is set;
+  positions are the fairseq sinusoidal table (offset 2, the padding row zero) added to them;
+  every layer is pre-norm and both stacks end in their `layer_norm`, as in the checkpoint.
+- Positions: a token equal to `pad_token_id` takes the padding row (zeros); the encoder numbers
+  the other tokens `pad + 1, pad + 2, ...` in order, the decoder its token at index `i`
+  `pad + 1 + i` (transformers' numbering for one token per step).
+- `decode` reads cross-attention K/V only from the per-row `CrossKv` it is given and the
+  self-attention K/V only through the metadata's slots and block tables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metrale.errors import CheckpointError
+from metrale.kernels import KernelOps
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.models.loader import checkpoint_files, iter_tensors
+
+logger = logging.getLogger(__name__)
+
+#: `model_type` values served by this module.
+ENCDEC_MODEL_TYPES = frozenset({"m2m_100", "nllb"})
+ARCHITECTURE = "M2M100ForConditionalGeneration"
+
+_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass(frozen=True)
+class M2M100Config:
+    vocab_size: int
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    encoder_attention_heads: int
+    decoder_attention_heads: int
+    encoder_ffn_dim: int
+    decoder_ffn_dim: int
+    activation_function: str
+    scale_embedding: bool
+    pad_token_id: int
+    eos_token_id: int
+    bos_token_id: int
+    decoder_start_token_id: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    raw: dict[str, Any]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> M2M100Config:
+        model_type = raw.get("model_type")
+        if model_type not in ENCDEC_MODEL_TYPES:
+            raise CheckpointError(f"model_type {model_type!r} is not an M2M100/NLLB model")
+        if raw.get("activation_function", "relu") not in _ACTIVATIONS:
+            raise CheckpointError(
+                f"activation_function {raw.get('activation_function')!r} is not supported "
+                f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
+            )
+        for key in ("vocab_size", "d_model", "encoder_layers", "decoder_layers"):
+            if key not in raw:
+                raise CheckpointError(f"config.json of an M2M100 model lacks {key!r}")
+        heads_e = int(raw.get("encoder_attention_heads", 16))
+        heads_d = int(raw.get("decoder_attention_heads", 16))
+        d = int(raw["d_model"])
+        if d % heads_e or d % heads_d:
+            raise CheckpointError(f"d_model {d} is not divisible by the attention head counts")
+        eos = raw.get("eos_token_id", 2)
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            d_model=d,
+            encoder_layers=int(raw["encoder_layers"]),
+            decoder_layers=int(raw["decoder_layers"]),
+            encoder_attention_heads=heads_e,
+            decoder_attention_heads=heads_d,
+            encoder_ffn_dim=int(raw.get("encoder_ffn_dim", 4 * d)),
+            decoder_ffn_dim=int(raw.get("decoder_ffn_dim", 4 * d)),
+            activation_function=str(raw.get("activation_function", "relu")),
+            scale_embedding=bool(raw.get("scale_embedding", False)),
+            pad_token_id=int(raw.get("pad_token_id", 1)),
+            eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
+            bos_token_id=int(raw.get("bos_token_id", 0)),
+            decoder_start_token_id=int(raw.get("decoder_start_token_id", 2)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 1024)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            raw=raw,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> M2M100Config:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: cannot read config.json ({exc})") from exc
+        return cls.from_dict(raw)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.decoder_attention_heads
+
+
+def is_encoder_decoder_dir(model_dir: str | Path) -> bool:
+    """Whether `model_dir`'s config.json names an M2M100/NLLB model."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text()).get("model_type") in ENCDEC_MODEL_TYPES
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def sinusoidal_table(num_embeddings: int, dim: int, padding_idx: int) -> torch.Tensor:
+    """The fairseq/tensor2tensor sinusoidal table, row `padding_idx` zero (float32)."""
+    half = dim // 2
+    step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.int64).float() * -step)
+    angles = torch.arange(num_embeddings, dtype=torch.int64).float().unsqueeze(1) * freqs[None]
+    table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1).view(num_embeddings, -1)
+    if dim % 2 == 1:
+        table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+    table[padding_idx, :] = 0
+    return table
+
+
+@dataclass
+class CrossKv:
+    """One request's cross-attention keys and values, per decoder layer `(k, v)` of
+    `[heads, source_len, head_dim]`; computed once, shared by every beam of the request."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    #: `[source_len]` bool, True where the source token is padding (masked), or None.
+    pad_mask: torch.Tensor | None
+
+
+class _Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = d // heads
+        self.scaling = self.head_dim**-0.5
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """`[T, d]` -> `[heads, T, head_dim]`."""
+        return x.view(x.shape[0], self.heads, self.head_dim).transpose(0, 1)
+
+
+class _FeedForward(nn.Module):
+    def __init__(self, d: int, ffn: int, act: str) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, ffn)
+        self.fc2 = nn.Linear(ffn, d)
+        self.act = _ACTIVATIONS[act]
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: M2M100Config) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = _Attention(d, cfg.encoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = _ACTIVATIONS[cfg.activation_function]
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """`x` `[S, d]`; `key_mask` `[S]` True where a key may be attended (None: all)."""
+        a = self.self_attn
+        h = self.self_attn_layer_norm(x)
+        q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
+        mask = key_mask[None, None, :] if key_mask is not None else None
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=a.scaling
+        )[0]
+        x = x + a.out_proj(o.transpose(0, 1).reshape(x.shape))
+        h = self.final_layer_norm(x)
+        return x + self.fc2(self.act(self.fc1(h)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: M2M100Config, ops: KernelOps) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.self_attn = _Attention(d, cfg.decoder_attention_heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = _Attention(d, cfg.decoder_attention_heads)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.act = _ACTIVATIONS[cfg.activation_function]
+        self.ops = ops
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        layer: int,
+        groups: list[tuple[int, int, CrossKv]],
+    ) -> torch.Tensor:
+        a = self.self_attn
+        heads, dim = a.heads, a.head_dim
+        h = self.self_attn_layer_norm(x)
+        q = a.q_proj(h).view(-1, heads, dim)
+        k = a.k_proj(h).view(-1, heads, dim)
+        v = a.v_proj(h).view(-1, heads, dim)
+        self.ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
+        o = self.ops.paged_attention(q, kv[0], kv[1], meta, a.scaling)
+        x = x + a.out_proj(o.reshape(x.shape))
+        c = self.encoder_attn
+        h = self.encoder_attn_layer_norm(x)
+        q = c.q_proj(h).view(-1, heads, dim)
+        out = torch.empty_like(q)
+        for start, end, cross in groups:  # rows of one request attend its source together
+            ck, cv = cross.layers[layer]
+            mask = None if cross.pad_mask is None else ~cross.pad_mask[None, None, None, :]
+            o = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None],
+                ck[None],
+                cv[None],
+                attn_mask=mask,
+                scale=c.scaling,
+            )[0]
+            out[start:end] = o.transpose(0, 1)
+        x = x + c.out_proj(out.reshape(x.shape))
+        h = self.final_layer_norm(x)
+        return x + self.fc2(self.act(self.fc1(h)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module], d: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.layer_norm = nn.LayerNorm(d)
+
+
+class _Inner(nn.Module):
+    def __init__(self, cfg: M2M100Config, ops: KernelOps) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = _Stack([EncoderLayer(cfg) for _ in range(cfg.encoder_layers)], cfg.d_model)
+        self.decoder = _Stack(
+            [DecoderLayer(cfg, ops) for _ in range(cfg.decoder_layers)], cfg.d_model
+        )
+
+
+class M2M100ForConditionalGeneration(nn.Module):
+    """The encoder-decoder; see the module docstring for what each method reads."""
+
+    def __init__(self, cfg: M2M100Config, ops: KernelOps, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.model = _Inner(cfg, ops)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        rows = max(max_positions, cfg.max_position_embeddings) + cfg.pad_token_id + 3
+        self.register_buffer(
+            "positions", sinusoidal_table(rows, cfg.d_model, cfg.pad_token_id), persistent=False
+        )
+
+    @property
+    def kv_layer_count(self) -> int:
+        return self.config.decoder_layers
+
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if int(positions.max()) >= self.positions.shape[0]:
+            raise ValueError(
+                f"position {int(positions.max())} is past the model's table of "
+                f"{self.positions.shape[0]} positions"
+            )
+        tok = self.model.shared(ids) * self.embed_scale
+        return tok + self.positions.index_select(0, positions).to(tok.dtype)
+
+    @torch.inference_mode()
+    def encode(self, source: list[int]) -> torch.Tensor:
+        """The encoder's output `[S, d]` for one source sequence (after its final norm)."""
+        device = self.model.shared.weight.device
+        ids = torch.tensor(source, dtype=torch.int64, device=device)
+        pad = self.config.pad_token_id
+        keep = ids.ne(pad)
+        positions = (torch.cumsum(keep.int(), 0) * keep).long() + pad
+        key_mask = keep if not bool(keep.all()) else None
+        x = self._embed(ids, positions)
+        for layer in self.model.encoder.layers:
+            x = layer(x, key_mask)
+        return self.model.encoder.layer_norm(x)
+
+    @torch.inference_mode()
+    def cross_kv(self, encoded: torch.Tensor, source: list[int]) -> CrossKv:
+        """Every decoder layer's cross-attention K/V of one encoded source."""
+        layers = []
+        for layer in self.model.decoder.layers:
+            c = layer.encoder_attn
+            layers.append((c.split(c.k_proj(encoded)), c.split(c.v_proj(encoded))))
+        pads = torch.tensor(source, device=encoded.device).eq(self.config.pad_token_id)
+        return CrossKv(layers, pads if bool(pads.any()) else None)
+
+    def decoder_positions(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Positions of decoder tokens `ids` at sequence indices `index`."""
+        pad = self.config.pad_token_id
+        keep = ids.ne(pad).long()
+        return (index + 1) * keep + pad
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        groups: list[tuple[int, int, CrossKv]],
+    ) -> torch.Tensor:
+        """Decoder hidden rows after the final norm; `groups` lists `(first row, end row,
+        CrossKv)` covering every row once (the rows of one request are contiguous)."""
+        x = self._embed(input_ids, self.decoder_positions(input_ids, meta.positions))
+        for i, (layer, kv) in enumerate(zip(self.model.decoder.layers, kv_caches, strict=True)):
+            x = layer(x, meta, kv, i, groups)
+        return self.model.decoder.layer_norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = (
+            self.model.shared.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        )
+        return self.ops.linear(hidden, weight).float()
+
+    def load_checkpoint(self, model_dir: str | Path) -> int:
+        """Fill every parameter from the checkpoint's safetensors; returns the tensor count.
+        A missing tensor or a shape mismatch is a `CheckpointError` naming it."""
+        params = dict(self.named_parameters())
+        aliases = {
+            "model.encoder.embed_tokens.weight": "model.shared.weight",
+            "model.decoder.embed_tokens.weight": "model.shared.weight",
+        }
+        if self.config.tie_word_embeddings:
+            aliases["lm_head.weight"] = "model.shared.weight"
+        written: set[str] = set()
+        ignored: list[str] = []
+        count = 0
+        for name, tensor, path in iter_tensors(checkpoint_files(model_dir)):
+            if name.endswith("embed_positions.weights") or name.endswith(
+                "embed_positions._float_tensor"
+            ):
+                continue
+            target = name if name in params else aliases.get(name)
+            if target is None:
+                ignored.append(name)
+                continue
+            if target in written and target != name:
+                continue  # a tied copy of a tensor already loaded
+            param = params[target]
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise CheckpointError(
+                    f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config "
+                    f"implies {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            written.add(target)
+            count += 1
+        missing = sorted(set(params) - written)
+        if missing:
+            raise CheckpointError(
+                f"{model_dir}: checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}"
+            )
+        if ignored:
+            logger.info(
+                "ignored %d checkpoint tensor(s) unused by M2M100: %s", len(ignored), ignored[:5]
+            )
+        return count
