@@ -12,7 +12,17 @@ from typing import Any
 
 
 def add_bench_parser(sub: Any) -> None:
-    from metrale.bench import lora, offline, plot, serve, spec, spec_cost, translate, ttft
+    from metrale.bench import (
+        lora,
+        offline,
+        plot,
+        serve,
+        spec,
+        spec_cost,
+        structured,
+        translate,
+        ttft,
+    )
 
     bench = sub.add_parser("bench", help="run a benchmark instrument and write its record")
     inner = bench.add_subparsers(dest="instrument", required=True)
@@ -28,6 +38,8 @@ def add_bench_parser(sub: Any) -> None:
          spec.add_arguments, spec.run, "WARNING"),
         ("spec-cost", "verify step cost vs decode, projected/measured speedup",
          spec_cost.add_cost_arguments, spec_cost.run_cost, "INFO"),
+        ("structured", "grammar-constrained decode step cost vs unconstrained (tool-call schema)",
+         structured.add_arguments, structured.run, "WARNING"),
         ("serve", "concurrency ladder against an OpenAI-compatible URL", serve.add_arguments,
          serve.run, None),
         ("translate", "M2M100/NLLB beam-search sentences/s vs CTranslate2", translate.add_arguments,

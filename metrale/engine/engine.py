@@ -38,14 +38,28 @@ Invariants:
   model), else the request is refused; its draft-lookup tenant is the request's with the
   adapter appended, so adapters never share lookup state. An adapter is unloaded only while
   no unfinished request uses it (`unload_lora_adapter` refuses otherwise).
+- Structured output (`SamplingParams.structured_outputs`): `add_request` parses the grammar
+  (a spec xgrammar refuses is an `InvalidRequestError`, nothing queued) and its compile runs
+  on the grammar backend's worker thread (cached by spec,
+  `metrale.sampling.grammar.GrammarBackend`); the request's sequences wait, not `ready`,
+  until `step` finds it done (a compile that fails ends the request "error"). Each choice owns a
+  `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
+  preemption and prefix caching never advance it twice. A step after one that sampled a
+  grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`).
+  A constrained row's drafts are cut before the first token its grammar refuses
+  (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
+  speculation stays lossless. A choice whose grammar terminates finishes ("stop").
 - The engine is not thread-safe: `AsyncEngine` owns one from a single thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,8 +83,10 @@ from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
 from metrale.progress import LoadProgress, load_progress
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
+from metrale.sampling.grammar import GrammarBackend, GrammarState
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+from metrale.sampling.structured import GrammarSpec
 from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
@@ -184,6 +200,16 @@ class Engine:
         self.speculation = Speculation(config.speculative(), model, self.vocab_size, proposer)
         #: When the last step was read back (the gate's step intervals).
         self._last_read = 0.0
+        #: Structured output: the compiler (built on the first constrained request) and each
+        #: constrained sequence's matcher, by seq_id.
+        self._grammars: GrammarBackend | None = None
+        self._grammar_of: dict[str, GrammarState] = {}
+        #: Requests whose grammar is compiling (their sequences wait, not ready), by id.
+        self._compiling: dict[str, tuple[Future[Any], GrammarSpec]] = {}
+        #: Drafts cut because the grammar refuses them; steps read back because the step
+        #: before sampled a grammar row (metrics and tests).
+        self.grammar_drafts_cut = 0
+        self.grammar_drained_steps = 0
 
     # Speculation's counters (its proposer, gate and k: `self.speculation`).
     @property
@@ -199,6 +225,13 @@ class Engine:
         if self.model_dir != self.config.model:  # a repo id found in the Hugging Face cache
             return self.config.model
         return Path(self.model_dir).name
+
+    @property
+    def grammar_backend(self) -> GrammarBackend:
+        """The structured-output compiler over this model's vocabulary (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def default_sampling_params(self) -> SamplingParams:
         """`SamplingParams()` with the model's generation-config defaults applied."""
@@ -244,6 +277,12 @@ class Engine:
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
         if params.bad_words:
             params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
+        spec = params.structured_outputs
+        compiling: Future[Any] | None = None
+        if spec is not None:
+            compiling = self.grammar_backend.submit(spec)  # refuses before anything is queued
+            if compiling.done() and compiling.exception() is not None:
+                raise compiling.exception()  # type: ignore[misc]
         timeout = timeout if timeout is not None else self.config.request_timeout
         deadline = time.monotonic() + timeout if timeout else None
         n = params.n
@@ -266,6 +305,9 @@ class Engine:
             )
             for i in range(n)
         ]
+        if compiling is not None and not compiling.done():
+            for seq in seqs:
+                seq.ready = False  # admitted once its grammar is compiled (`_poll_compiles`)
         added: list[SchedSequence] = []
         try:
             for seq in seqs:
@@ -276,6 +318,11 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
             raise
         state = RequestState.create(request_id, text, ids, params, self.tokenizer, seqs)
+        if spec is not None and compiling is not None:
+            if compiling.done():
+                self._attach_grammars(seqs, spec, compiling.result())
+            else:
+                self._compiling[request_id] = (compiling, spec)
         state.final_only = final_only
         self.requests[request_id] = state
         for choice in state.choices:
@@ -357,12 +404,14 @@ class Engine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is (waiting, prefilling, decoding, swapped)."""
         state = self.requests.pop(request_id, None)
+        self._compiling.pop(request_id, None)
         if state is None:
             return None
         for choice in state.choices:
             self.scheduler.finish(choice.seq, "abort")
             choice.close("abort", None)
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._grammar_of.pop(choice.seq.seq_id, None)
             self.speculation.forget(choice.seq)
         return state.to_output()
 
@@ -387,12 +436,24 @@ class Engine:
         the forward runs."""
         touched: dict[str, RequestState] = {}
         started = time.perf_counter()
+        if self._compiling:
+            self._poll_compiles(touched)
         ready, self._pending = self._pending, []
         previous, self._inflight = self._inflight, None
         plan: StepPlan | None = None
         if previous is not None:
             if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
+            elif self._grammar_of and any(
+                s.seq_id in self._grammar_of for s in previous.plan.sampled
+            ):
+                if not self.grammar_drained_steps:
+                    logger.info(
+                        "structured output: a step after a grammar-constrained row is read "
+                        "back before the next is planned (its mask needs the token on the "
+                        "host); counted in grammar_drained_steps and drained_steps"
+                    )
+                self.grammar_drained_steps += 1
             elif any(s.params.needs_known_output for s in previous.plan.sampled):
                 pass  # a multi-token bad word is banned by the output's known end
             else:
@@ -403,7 +464,11 @@ class Engine:
                 previous = None
         if plan is None:
             self.speculation.propose(self.scheduler)
+            if self._grammar_of:
+                self._cut_drafts()
             plan = self.scheduler.schedule()
+            if plan.is_empty() and self._compiling:  # only compiles to wait for: not a spin
+                futures.wait([f for f, _ in self._compiling.values()], timeout=0.005)
             for seq in plan.finished:
                 self._close_choice(seq, touched)
         launched: SampledBatch | None = None
@@ -499,6 +564,7 @@ class Engine:
                 seed=s.seed,
                 eos_token_ids=s.eos_token_ids,
                 pending=pending,
+                grammar=self._grammar_of.get(s.seq_id),
             )
             for s in sampled
         ]
@@ -513,7 +579,60 @@ class Engine:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
         at EOS, stop tokens or their length); their outputs are built by `_emit`."""
         out = batch.to_host()
-        return _Pending(out, self.scheduler.commit(plan, out.token_ids, out.emitted))
+        committed = self.scheduler.commit(plan, out.token_ids, out.emitted)
+        if self._grammar_of:
+            committed = [self._advance_grammar(c) for c in committed]
+        return _Pending(out, committed)
+
+    def _attach_grammars(
+        self, seqs: Sequence[SchedSequence], spec: GrammarSpec, compiled: Any
+    ) -> None:
+        for seq in seqs:
+            self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
+            seq.ready = True
+
+    def _poll_compiles(self, touched: dict[str, RequestState]) -> None:
+        """Requests whose grammar finished compiling: their matchers, and admission; a
+        compile that failed ends its request with the error."""
+        for request_id, (future, spec) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[request_id]
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            error = future.exception()
+            if error is None:
+                self._attach_grammars([c.seq for c in state.choices], spec, future.result())
+                continue
+            state.error = str(error)
+            for choice in state.choices:
+                self.scheduler.finish(choice.seq, "error")
+                choice.close("error", None)
+            touched[request_id] = state
+
+    def _cut_drafts(self) -> None:
+        """Drafts of constrained rows end before the first token their grammar refuses (the
+        verifier would reject it; cutting saves its compute and KV)."""
+        for seq in self.scheduler.running:
+            grammar = self._grammar_of.get(seq.seq_id)
+            if grammar is not None and seq.spec_token_ids:
+                keep = grammar.valid_prefix(seq.output_token_ids, seq.spec_token_ids)
+                if keep < len(seq.spec_token_ids):
+                    self.grammar_drafts_cut += len(seq.spec_token_ids) - keep
+                    del seq.spec_token_ids[keep:]
+
+    def _advance_grammar(self, c: Committed) -> Committed:
+        """Advance a constrained sequence's matcher over its committed tokens; a grammar that
+        has terminated (a stop token accepted, e.g. under `ignore_eos`) ends the sequence."""
+        grammar = self._grammar_of.get(c.seq.seq_id)
+        if grammar is None:
+            return c
+        grammar.sync(c.seq.output_token_ids)
+        if grammar.terminated and not c.seq.is_finished:
+            self.scheduler.finish(c.seq, "stop")
+            return dataclasses.replace(c, finished=True)
+        return c
 
     def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
         """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
@@ -587,4 +706,5 @@ class Engine:
         self.requests.pop(request_id, None)
         for choice in state.choices:
             self._choice_of.pop(choice.seq.seq_id, None)
+            self._grammar_of.pop(choice.seq.seq_id, None)
             self.speculation.forget(choice.seq)

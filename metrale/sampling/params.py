@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metrale.errors import InvalidRequestError
+from metrale.sampling.structured import GrammarSpec
 
 #: Temperatures below this sample greedily (argmax), as in vLLM.
 GREEDY_TEMPERATURE = 1e-5
@@ -232,6 +233,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     #: Keep the matched stop string at the end of the output text.
     include_stop_str_in_output: bool = False
+    #: Constrain the output to a grammar (JSON schema, regex, choice, EBNF, tool calls); the
+    #: engine compiles it with xgrammar (`metrale.sampling.grammar`).
+    structured_outputs: GrammarSpec | None = None
     #: Only these token ids may be sampled (vLLM's `allowed_token_ids`); None: any.
     allowed_token_ids: list[int] | None = None
     #: Words never generated (vLLM's `bad_words`): the engine resolves each to its token ids
@@ -316,6 +320,12 @@ class SamplingParams:
         self.include_stop_str_in_output = _as_bool(
             self.include_stop_str_in_output, "include_stop_str_in_output"
         )
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, GrammarSpec
+        ):
+            raise InvalidRequestError(
+                "structured_outputs must be a GrammarSpec", param="structured_outputs"
+            )
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _normalise_token_ids(
                 self.allowed_token_ids, "allowed_token_ids"

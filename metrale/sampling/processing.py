@@ -6,7 +6,9 @@ Owner: sampling. `process_logits` is what `Sampler.sample` and `Sampler.verify` 
 pending token read on the device), then logit_bias, then min_tokens masking (the ids of
 `SamplingParams.masked_stop_token_ids` at -inf while `SamplingParams.stop_tokens_allowed` is
 False for the row's step) and bad words (`SamplingParams.banned_tokens`), then
-`allowed_token_ids` (every other logit at -inf). The tensor ops themselves are `logits_processors`'.
+`allowed_token_ids` (every other logit at -inf), then the grammar mask of rows with a
+`grammar` (structured output: `metrale.sampling.grammar.apply_grammar_masks`, a bitmask filled
+on the host and applied on the device). The tensor ops themselves are `logits_processors`'.
 
 Invariants:
 - The input logits are never written: every stage is out of place.
@@ -100,6 +102,19 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
     allowed = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
     if allowed:
         x = apply_to_rows(x, allowed, lambda sub: _keep_only(sub, [rows[i] for i in allowed]))
+    grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if grammar_rows:
+        from metrale.sampling.grammar import apply_grammar_masks
+
+        if any(rows[i].pending for i in grammar_rows):
+            raise MetraleError("a grammar row cannot have a pending token (it is never fed)")
+        x = apply_grammar_masks(
+            x,
+            grammar_rows,
+            [rows[i].grammar for i in grammar_rows],  # type: ignore[misc]
+            [rows[i].output_token_ids for i in grammar_rows],
+            [rows[i].grammar_committed for i in grammar_rows],
+        )
     return x
 
 

@@ -10,7 +10,9 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 1. repetition penalty (prompt + output tokens), then frequency/presence penalties (output
    tokens), then logit_bias, then min_tokens masking (EOS and stop_token_ids at -inf while
    fewer than `min_tokens` tokens were generated: `SamplingParams.stop_tokens_allowed`, the
-   rule the scheduler stops by) — for greedy rows too (`processing.process_logits`);
+   rule the scheduler stops by), then the grammar mask of structured-output rows (every
+   token the row's grammar forbids at -inf, `metrale.sampling.grammar`) — for greedy rows
+   too (`processing.process_logits`), so a greedy grammar row is a masked argmax;
 2. greedy rows (temperature < 1e-5): argmax of the processed logits (ties: lowest id);
 3. other rows: divide by temperature, top-k (every logit >= the k-th largest stays, ties
    included), softmax, min-p, top-p (a token stays while the float64 mass ranked above it,
@@ -79,6 +81,7 @@ from metrale.sampling.result import SampledBatch, SamplerOutput
 
 if TYPE_CHECKING:
     from metrale.kernels import KernelOps
+    from metrale.sampling.grammar import GrammarState
 
 __all__ = [
     "SampledBatch",
@@ -122,6 +125,13 @@ class SamplingRow:
     #: They count for the seeded draw's counter and for min_tokens; penalties read the token
     #: itself from `Sampler.sample`'s `pending_tokens` (on the device).
     pending: int = 0
+    #: The sequence's grammar matcher (structured output; `metrale.sampling.grammar`), synced
+    #: to `output_token_ids` and applied last in stage 1. Such a row is never fed (`pending`
+    #: is 0).
+    grammar: GrammarState | None = None
+    #: On a verify position of a grammar row: how many of `output_token_ids` are the
+    #: sequence's own (the rest are drafts); None otherwise.
+    grammar_committed: int | None = None
 
     @property
     def effective_seed(self) -> int | None:
@@ -444,6 +454,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (
         params.is_greedy
+        and row.grammar is None
         and not params.uses_penalties
         and not params.logit_bias
         and params.allowed_token_ids is None

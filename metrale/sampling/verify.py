@@ -197,6 +197,23 @@ def _expand(row: SamplingRow, draft: list[int]) -> list[SamplingRow]:
     as `pending` (step = row.step + j for min_tokens and the seeded counter) and shares the
     output list, so expanding costs no copy of the output."""
     params = row.params
+    if row.grammar is not None:
+        # The grammar mask at position j needs the drafts before it (the matcher is synced
+        # to each position's tokens in order), as penalties do.
+        output = list(row.output_token_ids)
+        return [
+            SamplingRow(
+                params=params,
+                output_token_ids=output + draft[:j],
+                prompt_token_ids=row.prompt_token_ids,
+                seed=row.seed,
+                eos_token_ids=row.eos_token_ids,
+                pending=row.pending,
+                grammar=row.grammar,
+                grammar_committed=len(output),
+            )
+            for j in range(len(draft) + 1)
+        ]
     if not params.uses_penalties:
         return [
             SamplingRow(

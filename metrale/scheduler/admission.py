@@ -94,6 +94,8 @@ class Admission(SchedulerParts):
             from_swap = bool(self.swapped)
             queue = self.swapped if from_swap else self.waiting
             seq = queue[0]
+            if not seq.ready:
+                break  # e.g. its grammar is compiling: the queue behind it waits (FIFO)
             need, _ = self._admission_need(seq)
             if need > available:
                 tokens = [] if seq.reads_whole_prompt else seq.all_tokens

@@ -147,6 +147,9 @@ class SchedSequence:
     #: The conversation this request continues (a client's `session_id` / `user`); None: the
     #: session is derived from the prompt's opening tokens (`session_hash`).
     session_id: str | None = None
+    #: False while something the engine needs before admission is not there yet (its
+    #: output grammar compiling): a waiting sequence is admitted only once ready.
+    ready: bool = True
 
     @property
     def prefix_namespace(self) -> int:

@@ -112,6 +112,25 @@ def add_serve_parser(subparsers: Any) -> None:
         help="run the engine on a thread of the server process instead of its own process "
         "(slower under many concurrent streams: both then share one GIL; default: off)",
     )
+    # Tool-call and reasoning parsers (the chat routes' output split).
+    chat = server
+    chat.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="the tool-call format: hermes (qwen), qwen3_coder, llama3_json, mistral "
+        "(default: read from the chat template, else hermes)",
+    )
+    chat.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted for vLLM compatibility: tool_choice 'auto' is always on (default: off, no effect)",
+    )
+    chat.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="split <think>...</think> into reasoning_content / thinking blocks: qwen3, "
+        "deepseek_r1 (default: off; Anthropic requests with thinking enabled use qwen3's tags)",
+    )
     server.add_argument(
         "--strict-request-fields",
         action="store_true",
@@ -274,6 +293,15 @@ def serve_from_args(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--shutdown-grace must be >= 0", param="shutdown_grace")
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise InvalidRequestError("--max-prompt-tokens must be >= 1", param="max_prompt_tokens")
+    from metrale.server.reasoning import get_reasoning_parser
+    from metrale.server.tools import get_parser
+
+    if args.tool_call_parser:
+        get_parser(args.tool_call_parser)  # an unknown name fails here, naming the choices
+    if args.reasoning_parser:
+        get_reasoning_parser(args.reasoning_parser)
+    if args.enable_auto_tool_choice:
+        logger.info("--enable-auto-tool-choice: accepted (tool_choice 'auto' is always on)")
     return serve(
         config,
         host=args.host,
@@ -285,6 +313,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         prefix_cache_isolation=args.prefix_cache_isolation,
         restart_engine=args.restart_engine_on_failure,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         served_model_name=served_model_names(args) or None,
         strict_request_fields=args.strict_request_fields,
         max_logprobs=args.max_logprobs,
@@ -308,6 +338,8 @@ def serve(
     max_prompt_tokens: int | None = None,
     prefix_cache_isolation: str = "none",
     restart_engine: bool = True,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
     served_model_name: list[str] | None = None,
     strict_request_fields: bool = False,
     max_logprobs: int = MAX_LOGPROBS,
@@ -351,6 +383,8 @@ def serve(
         api_key=api_key,
         max_prompt_tokens=max_prompt_tokens,
         prefix_cache_isolation=prefix_cache_isolation,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
         served_model_name=served_model_name,
         strict_request_fields=strict_request_fields,
         max_logprobs=max_logprobs,

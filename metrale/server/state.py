@@ -70,6 +70,10 @@ class ServerState:
     max_body_bytes: int = MAX_BODY_BYTES
     #: `--max-prompt-tokens`: most prompt tokens a request may send (None: the context's).
     max_prompt_tokens: int | None = None
+    #: `--tool-call-parser` (None: from the chat template) and `--reasoning-parser` (None:
+    #: off); see `metrale.server.chat_output`.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     #: `--strict-request-fields`: refuse (400) a body field no one defines instead of
     #: ignoring it with a warning and a count.
     strict_request_fields: bool = False

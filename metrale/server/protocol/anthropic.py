@@ -7,9 +7,11 @@ Invariants:
 - Sampling fields the request leaves unset take the model's generation-config defaults, else
   the engine's (`SamplingDefaults.pick`); the model's `min_p` and `repetition_penalty` always
   apply (the Messages API has no field for them).
-- Only text content is accepted; image, document, tool_use, tool_result and thinking blocks,
-  `tools`, `tool_choice`, enabled `thinking` and `output_config.format` are refused with a
-  400 naming the field. `output_config.effort` is accepted and has no effect (no reasoning).
+- Text, `tool_use` (assistant) and `tool_result` (user) blocks are accepted; earlier turns'
+  `thinking` blocks are dropped (templates do not replay reasoning); image and document
+  blocks and `mcp_servers` are refused with a 400 naming the field. `tools`, `tool_choice`,
+  `thinking` and `output_config.format` are the route's `ChatOutputPlan`
+  (`metrale.server.chat_output`). `output_config.effort` is accepted and has no effect.
 - A conversation must end with a user turn (assistant prefill is not implemented: refused).
 - `stop_reason`: "end_turn" (EOS), "stop_sequence" (with `stop_sequence` set), "max_tokens",
   and "timeout" for a request past its deadline.
@@ -66,16 +68,23 @@ class MessagesRequest(SpeculationFields):
     output_config: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
-        for name in ("tools", "tool_choice", "mcp_servers"):
-            value = getattr(self, name)
-            if value is not None and value != []:
-                raise unsupported(name, "tool use is not implemented")
-        if self.thinking is not None and not (
-            isinstance(self.thinking, dict) and self.thinking.get("type") == "disabled"
-        ):
-            raise unsupported("thinking", "extended thinking is not implemented")
-        if self.output_config and self.output_config.get("format") is not None:
-            raise unsupported("output_config.format", "structured outputs are not implemented")
+        if self.mcp_servers:
+            raise unsupported("mcp_servers", "MCP servers are not implemented")
+        if self.thinking is not None:
+            kind = self.thinking.get("type") if isinstance(self.thinking, dict) else None
+            if kind not in ("enabled", "disabled", "adaptive"):
+                raise InvalidRequestError(
+                    "thinking must be {'type': 'enabled', 'budget_tokens': N} or "
+                    "{'type': 'disabled'}",
+                    param="thinking",
+                )
+            budget = self.thinking.get("budget_tokens")
+            if kind == "enabled" and (
+                not isinstance(budget, int) or isinstance(budget, bool) or budget < 1
+            ):
+                raise InvalidRequestError(
+                    "thinking.budget_tokens must be a positive integer", param="thinking"
+                )
         if self.temperature is not None and not 0.0 <= self.temperature <= 1.0:
             raise InvalidRequestError(
                 f"temperature must be in [0, 1], got {self.temperature}", param="temperature"
@@ -108,7 +117,9 @@ def _text_blocks(content: Any, where: str) -> str:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
-        elif kind in ("image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking", "search_result", "server_tool_use"):  # fmt: skip
+        elif kind in ("thinking", "redacted_thinking"):
+            continue  # earlier turns' reasoning is not replayed
+        elif kind in ("image", "document", "tool_use", "tool_result", "search_result", "server_tool_use"):  # fmt: skip
             raise unsupported(at, f"'{kind}' content blocks are not implemented")
         else:
             raise InvalidRequestError(
@@ -137,15 +148,59 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
             )
         if "content" not in message:
             raise InvalidRequestError(f"{where}.content is required", param=f"{where}.content")
-        result.append(
-            {"role": role, "content": _text_blocks(message["content"], f"{where}.content")}
-        )
-    if result[-1]["role"] != "user":
+        result.extend(_turn(role, message["content"], f"{where}.content"))
+    if result[-1]["role"] not in ("user", "tool"):
         raise unsupported(
             f"messages[{len(req.messages) - 1}]",
             "a final assistant turn (prefill) is not implemented; end with a user message",
         )
     return result
+
+
+def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat-template messages: an assistant's `tool_use` blocks become
+    its `tool_calls`; a user's `tool_result` blocks become `tool` messages (before its
+    text, if any)."""
+    if not isinstance(content, list):
+        return [{"role": role, "content": _text_blocks(content, where)}]
+    plain = [b for b in content if not (isinstance(b, dict) and b.get("type") in _TOOL_BLOCKS)]
+    text = _text_blocks(plain, where)
+    messages: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            if not isinstance(block.get("name"), str):
+                raise InvalidRequestError(f"{at}.name is required", param=at)
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block["name"], "arguments": block.get("input") or {}},
+                }
+            )
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            body = _text_blocks(result, f"{at}.content") if result else ""
+            if block.get("is_error"):
+                body = f"Error: {body}"
+            messages.append(
+                {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body}
+            )
+        elif kind in _TOOL_BLOCKS:
+            raise InvalidRequestError(f"{at}: a {kind} block in a {role} turn", param=at)
+    if role == "assistant":
+        entry: dict[str, Any] = {"role": role, "content": text}
+        if calls:
+            entry["tool_calls"] = calls
+        return [entry]
+    if text or not messages:
+        messages.append({"role": role, "content": text})
+    return messages
+
+
+_TOOL_BLOCKS = ("tool_use", "tool_result")
 
 
 def stop_reason(choice: CompletionOutput) -> tuple[str | None, str | None]:

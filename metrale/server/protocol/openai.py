@@ -9,10 +9,12 @@ Invariants:
   chat `max_tokens` unset (up to the context). Except that a field the request leaves unset
   (None) among `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` takes the
   model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
-- Fields that would change the result but are not supported (tools, tool_choice,
-  response_format other than text, functions, audio, image / audio / file content parts,
-  `best_of` != n, a `suffix` on a model without fill-in-the-middle tokens) are refused with a
-  400 naming the field.
+- Fields that would change the result but are not supported (functions, audio, image /
+  audio / file content parts, `best_of` != n, a `suffix` on a model without fill-in-the-middle
+  tokens) are refused with a 400 naming the field. Output constraints (`response_format`,
+  `structured_outputs`, `guided_*`) become `SamplingParams.structured_outputs`
+  (`metrale.server.structured`); tools, tool choice and reasoning are the chat route's
+  `ChatOutputPlan` (`metrale.server.chat_output`).
 - `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
 - Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
   reported as "length"); "abort" only if the engine ended a request on its own.
@@ -33,6 +35,8 @@ from metrale.errors import InvalidRequestError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.protocol.common import SpeculationFields, unsupported
+from metrale.server.structured import request_grammar
+from metrale.server.tools import openai_tool_messages
 from metrale.tokenizer.tokenizer import Tokenizer
 
 #: How a -inf logprob is written (JSON has no infinity).
@@ -71,6 +75,13 @@ class SamplingFields(SpeculationFields):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Output constraints (OpenAI's response_format; vLLM's structured_outputs and guided_*).
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
@@ -137,6 +148,7 @@ class SamplingFields(SpeculationFields):
             include_stop_str_in_output=pick(
                 "include_stop_str_in_output", self.include_stop_str_in_output
             ),
+            structured_outputs=request_grammar(self),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
         )
@@ -170,7 +182,6 @@ class CompletionRequest(SamplingFields):
 
 
 _REFUSED_CHAT_FIELDS = {
-    "tools": "tool calling",
     "functions": "function calling",
     "function_call": "function calling",
     "audio": "audio output",
@@ -187,7 +198,6 @@ class ChatCompletionRequest(SamplingFields):
             "metadata",
             "store",
             "service_tier",
-            "parallel_tool_calls",
             "prompt_cache_key",
             "safety_identifier",
         }
@@ -200,9 +210,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: list[str] | None = None
     prediction: Any = None
@@ -223,12 +233,6 @@ class ChatCompletionRequest(SamplingFields):
             value = getattr(self, name)
             if value is not None and value != []:
                 raise unsupported(name, f"{what} is not implemented")
-        if self.tool_choice not in (None, "none"):
-            raise unsupported("tool_choice", "tool calling is not implemented")
-        if self.response_format is not None and not (
-            isinstance(self.response_format, dict) and self.response_format.get("type") == "text"
-        ):
-            raise unsupported("response_format", "only {'type': 'text'} is implemented")
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise unsupported("modalities", "only text output is implemented")
         reserved = {"messages", "add_generation_prompt", "tools", "chat_template"}
@@ -304,16 +308,16 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         role = message.get("role")
         if role == "developer":
             role = "system"
-        if role in ("tool", "function"):
-            raise unsupported(f"{where}.role", f"'{role}' messages need tool calling")
-        if role not in ("system", "user", "assistant"):
+        if role == "function":
+            raise unsupported(f"{where}.role", "'function' messages (use 'tool')")
+        if role not in ("system", "user", "assistant", "tool"):
             raise InvalidRequestError(
-                f"{where}.role must be one of system, developer, user, assistant; got {role!r}",
+                f"{where}.role must be one of system, developer, user, assistant, tool; "
+                f"got {role!r}",
                 param=f"{where}.role",
             )
-        for key in ("tool_calls", "function_call"):
-            if message.get(key):
-                raise unsupported(f"{where}.{key}", "tool calling is not implemented")
+        if message.get("function_call"):
+            raise unsupported(f"{where}.function_call", "use tool_calls")
         content = message.get("content")
         if content is None:
             if role != "assistant":
@@ -338,7 +342,9 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                 f"{where}.content must be a string or a list of text parts",
                 param=f"{where}.content",
             )
-        result.append({"role": role, "content": content})
+        result.append(
+            {"role": role, "content": content, **openai_tool_messages(message, role, where)}
+        )
     return result
 
 

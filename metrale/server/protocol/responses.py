@@ -7,9 +7,11 @@ stored ones (`store`) in this process.
 
 Invariants:
 - `input` is a string (one user message) or a list of items: messages (`role` user, system,
-  developer or assistant; content a string or `input_text` / `output_text` parts). Item
-  types the server cannot act on (images, files, tool calls before tool calling is built)
-  are refused with a 400 naming the item.
+  developer or assistant; content a string or `input_text` / `output_text` parts),
+  `function_call` (an assistant turn's tool call; consecutive ones are one turn) and
+  `function_call_output` (a tool message). Item types the server cannot act on (images,
+  files) are refused with a 400 naming the item. `tools` (function tools), `tool_choice` and
+  `text.format` are the route's `ChatOutputPlan` (`metrale.server.chat_output`).
 - `instructions` is a system message placed first; it is not carried over to a successor
   (OpenAI's rule: `previous_response_id` brings the turns, not the instructions).
 - `store` (default true, as OpenAI) keeps the response's conversation in `ResponseStore`:
@@ -33,6 +35,7 @@ from metrale.errors import InvalidRequestError, NotFoundError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
 from metrale.server.protocol.common import SpeculationFields, unsupported
+from metrale.server.tools import responses_input_item
 
 #: Most stored responses kept (the oldest are forgotten first).
 MAX_STORED = 1024
@@ -66,13 +69,7 @@ class ResponsesRequest(SpeculationFields):
     def check_supported(self) -> None:
         if self.background:
             raise unsupported("background", "background responses are not implemented")
-        if self.tools:
-            raise unsupported("tools", "tool calling is not implemented")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not implemented")
-        fmt = (self.text or {}).get("format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise unsupported("text.format", "structured output is not implemented")
+        # tools, tool_choice and text.format: `metrale.server.chat_output.responses_plan`.
 
     def sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
         pick = (defaults or SamplingDefaults()).pick
@@ -120,6 +117,19 @@ def input_messages(value: str | list[Any]) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise InvalidRequestError(f"{where} must be an object", param=where)
         kind = item.get("type", "message")
+        if kind in ("function_call", "function_call_output"):
+            message = responses_input_item(item, where)
+            last = messages[-1] if messages else None
+            if (
+                kind == "function_call"
+                and last is not None
+                and last.get("tool_calls")
+                and not last["content"]
+            ):
+                last["tool_calls"] += message["tool_calls"]  # parallel calls: one turn
+            else:
+                messages.append(message)
+            continue
         if kind != "message":
             raise unsupported(where, f"'{kind}' input items are not implemented")
         role = item.get("role")
@@ -225,7 +235,7 @@ def response_object(
         "reasoning": {"effort": None, "summary": None},
         "store": bool(req.store),
         "temperature": req.temperature if req.temperature is not None else 1.0,
-        "text": {"format": {"type": "text"}},
+        "text": req.text if req.text and req.text.get("format") else {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": req.tools or [],
         "top_p": req.top_p if req.top_p is not None else 1.0,

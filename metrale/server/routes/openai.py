@@ -16,6 +16,11 @@ Invariants:
 - Leaving early (disconnect, error, shutdown) aborts every engine request of the HTTP request.
 - Every engine request gets the body's `speculative` and the draft-lookup tenant of the
   request's API key and `tenant` field (`request_tenant`).
+- A chat request's tools, tool choice, reasoning split and output constraint are its
+  `ChatOutputPlan` (`metrale.server.chat_output`): the template gets the tools, the sampling
+  the grammar, and each choice's text is split into `reasoning_content`, `content` and
+  `tool_calls` (finish reason "tool_calls" when it called one); streamed, the deltas of each
+  concatenate to the non-streamed parts.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from starlette.responses import JSONResponse, Response
 from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
+from metrale.server.chat_output import ChatOutputPlan, openai_plan
 from metrale.server.errors import InternalServerError, error_body, safe_text
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.openai import (
@@ -410,8 +416,9 @@ class _CompletionView:
 async def create_chat_completion(request: Request) -> Response:
     gen = await open_generation(request, ChatCompletionRequest)
     state, req = gen.state, gen.body
+    plan = openai_plan(req, state.tokenizer, state.tool_call_parser, state.reasoning_parser)
     messages = chat_messages(req.messages)
-    template: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    template: dict[str, Any] = {**plan.template_args(), **(req.chat_template_kwargs or {})}
     if req.chat_template is not None:
         template["chat_template"] = req.chat_template
     text, ids = await gen.chat_prompt(
@@ -422,11 +429,13 @@ async def create_chat_completion(request: Request) -> Response:
         truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
         **template,
     )
-    params = req.sampling_params(
-        max_tokens=req.resolved_max_tokens,
-        logprobs=req.logprob_count,
-        prompt_logprobs=req.prompt_logprobs,
-        defaults=state.sampling_defaults,
+    params = plan.apply(
+        req.sampling_params(
+            max_tokens=req.resolved_max_tokens,
+            logprobs=req.logprob_count,
+            prompt_logprobs=req.prompt_logprobs,
+            defaults=state.sampling_defaults,
+        )
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
@@ -435,7 +444,7 @@ async def create_chat_completion(request: Request) -> Response:
     )
     # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
     echoed = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
-    view = _ChatView(job, req, echoed)
+    view = _ChatView(job, req, plan, text, echoed)
     if req.stream:
         return EventStreamResponse(
             view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
@@ -445,9 +454,18 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 class _ChatView:
-    def __init__(self, job: _Job, req: ChatCompletionRequest, echoed: str = "") -> None:
+    def __init__(
+        self,
+        job: _Job,
+        req: ChatCompletionRequest,
+        plan: ChatOutputPlan,
+        prompt: str,
+        echoed: str = "",
+    ) -> None:
         self.job = job
         self.req = req
+        self.plan = plan
+        self.prompt = prompt
         self.echoed = echoed
         self.tokenizer = job.state.tokenizer
         self.top = req.top_logprobs or 0
@@ -488,15 +506,35 @@ class _ChatView:
             "choices": choices,
         }
 
+    def _message(self, choice: CompletionOutput) -> tuple[dict[str, Any], bool]:
+        """The choice's message (reasoning, content and tool calls split by the plan) and
+        whether it called tools."""
+        parts = self.plan.parts(choice.text, self.prompt)
+        content = self.echoed + parts.content
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": content if content or not parts.tool_calls else None,
+            "refusal": None,
+        }
+        if self.plan.reasoning is not None:
+            message["reasoning_content"] = parts.reasoning
+        if parts.tool_calls:
+            message["tool_calls"] = [call.openai() for call in parts.tool_calls]
+        return message, bool(parts.tool_calls)
+
+    def _finish_reason(self, choice: CompletionOutput, called: bool) -> str | None:
+        reason = finish_reason(choice.finish_reason)
+        return "tool_calls" if called and reason == "stop" else reason
+
     def response(self) -> dict[str, Any]:
         choices = []
         for index, _, _, choice in self.job.choices():
-            message = {"role": "assistant", "content": self.echoed + choice.text, "refusal": None}
+            message, called = self._message(choice)
             entry = {
                 "index": index,
                 "message": message,
                 "logprobs": self._logprobs(choice),
-                "finish_reason": finish_reason(choice.finish_reason),
+                "finish_reason": self._finish_reason(choice, called),
             }
             if self.req.return_token_ids:
                 entry["token_ids"] = choice.token_ids
@@ -522,9 +560,10 @@ class _ChatView:
 
     async def _frames(self, merged: Outputs) -> AsyncIterator[str]:
         job = self.job
-        sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
+        splitters = {index: self.plan.splitter(self.prompt) for index in range(job.n)}
+        calls: dict[int, int] = {}  # tool calls sent per choice
         for index in range(job.n):
             chunk = self._chunk(index, {"role": "assistant", "content": self.echoed})
             if index == 0 and self.req.return_token_ids:
@@ -542,18 +581,27 @@ class _ChatView:
                 index = choice.index
                 if index in done:
                     continue
-                start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                delta = choice.text[start_t:]
-                if delta:
-                    sent_text[index] = len(choice.text)
-                    sent_tokens[index] = len(choice.token_ids)
+                start_k = sent_tokens.get(index, 0)
+                parts = splitters[index].feed(choice.text, final=choice.finished)
+                deltas: list[dict[str, Any]] = []
+                if parts.reasoning:
+                    deltas.append({"reasoning_content": parts.reasoning})
+                if parts.content:
+                    deltas.append({"content": parts.content})
+                for call in parts.tool_calls:
+                    deltas.append({"tool_calls": [call.openai(calls.get(index, 0))]})
+                    calls[index] = calls.get(index, 0) + 1
+                for delta in deltas:
                     more: dict[str, Any] = {"logprobs": self._logprobs(choice, start_k)}
                     if self.req.return_token_ids:
                         more["token_ids"] = choice.token_ids[start_k:]
-                    yield sse(self._chunk(index, {"content": delta}, **more))
+                    sent_tokens[index] = start_k = len(choice.token_ids)
+                    yield sse(self._chunk(index, delta, **more))
                 if choice.finished:
                     done.add(index)
-                    extra: dict[str, Any] = {"finish_reason": finish_reason(choice.finish_reason)}
+                    extra: dict[str, Any] = {
+                        "finish_reason": self._finish_reason(choice, index in calls)
+                    }
                     trailing = self._logprobs(choice, sent_tokens.get(index, 0))
                     if trailing and trailing["content"]:
                         extra["logprobs"] = trailing

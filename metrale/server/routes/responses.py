@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from metrale.engine.handle import RequestStream
 from metrale.engine.request import RequestOutput
 from metrale.errors import MetraleError
+from metrale.server.chat_output import ChatOutputPlan, ChoiceParts, responses_plan
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.responses import (
@@ -50,6 +51,7 @@ from metrale.server.streaming import (
     sse,
     until_disconnected,
 )
+from metrale.server.tools import ToolCall, responses_function_item
 
 router = APIRouter()
 
@@ -65,7 +67,11 @@ class _ResponseJob:
         prompt_tokens: int,
         tracker: RequestTracker,
         turns: list[dict[str, Any]],
+        plan: ChatOutputPlan,
+        prompt: str,
     ) -> None:
+        self.plan = plan
+        self.prompt = prompt
         self.state = state
         self.req = req
         self.stream = stream
@@ -111,10 +117,33 @@ class _ResponseJob:
             incomplete_reason=reason,
         )
 
-    def finished_object(self) -> dict[str, Any]:
-        body = self.object("completed", [message_item(self.item_id, self.text())])
+    def parts(self) -> ChoiceParts:
+        """The answer split by the plan: content and tool calls."""
+        return self.plan.parts(self.text(), self.prompt)
+
+    def output_items(self, parts: ChoiceParts) -> list[dict[str, Any]]:
+        """The message (when there is text, or nothing else), then one `function_call` item
+        per tool call: the order the stream announces them in."""
+        items = []
+        if parts.content or not parts.tool_calls:
+            items.append(message_item(self.item_id, parts.content))
+        return items + [responses_function_item(call) for call in parts.tool_calls]
+
+    def finished_object(self, parts: ChoiceParts | None = None) -> dict[str, Any]:
+        parts = parts if parts is not None else self.parts()
+        body = self.object("completed", self.output_items(parts))
         if self.req.store:
-            turns = [*self.turns, {"role": "assistant", "content": self.text()}]
+            turn: dict[str, Any] = {"role": "assistant", "content": parts.content}
+            if parts.tool_calls:
+                turn["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.input},
+                    }
+                    for call in parts.tool_calls
+                ]
+            turns = [*self.turns, turn]
             self.state.responses.put(self.response_id, StoredResponse(turns, body))
         return body
 
@@ -134,12 +163,15 @@ class _ResponseJob:
 async def create_response(request: Request) -> Response:
     gen = await open_generation(request, ResponsesRequest)
     state, req = gen.state, gen.body
+    plan = responses_plan(req, state.tokenizer, state.tool_call_parser, state.reasoning_parser)
     messages, turns = conversation(req, state.responses)
-    text, ids = await gen.chat_prompt(messages, "input", add_generation_prompt=True)
-    params = req.sampling_params(state.sampling_defaults)
+    text, ids = await gen.chat_prompt(
+        messages, "input", add_generation_prompt=True, **plan.template_args()
+    )
+    params = plan.apply(req.sampling_params(state.sampling_defaults))
     request_id = f"resp-{uuid.uuid4().hex}"
     (stream,) = await gen.add(request_id, [(text, ids)], params, prompt_param="input")
-    job = _ResponseJob(state, req, stream, len(ids), gen.tracker, turns)
+    job = _ResponseJob(state, req, stream, len(ids), gen.tracker, turns, plan, text)
     if req.stream:
         return EventStreamResponse(
             _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left
@@ -164,26 +196,69 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
         return frame
 
     where = {"item_id": job.item_id, "output_index": 0, "content_index": 0}
-    sent = 0
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    splitter = job.plan.splitter(job.prompt)
+    content = ""
+    opened = False  # the message item (index 0), opened at its first text
+    calls: list[ToolCall] = []
+
+    def open_message() -> list[str]:
+        nonlocal opened
+        opened = True
+        item = message_item(job.item_id, "", status="in_progress")
+        return [
+            event("response.output_item.added", output_index=0, item=item),
+            event("response.content_part.added", **where, part=part),
+        ]
+
+    def close_message() -> list[str]:
+        done = message_item(job.item_id, content)
+        return [
+            event("response.output_text.done", **where, text=content, logprobs=[]),
+            event("response.content_part.done", **where, part={**part, "text": content}),
+            event("response.output_item.done", output_index=0, item=done),
+        ]
+
     try:
         yield event("response.created", response=job.object("in_progress", []))
         yield event("response.in_progress", response=job.object("in_progress", []))
-        item = message_item(job.item_id, "", status="in_progress")
-        yield event("response.output_item.added", output_index=0, item=item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield event("response.content_part.added", **where, part=part)
         async for output in job.stream:
             job.record(output)
-            text = output.outputs[0].text
-            if len(text) > sent:
-                yield event("response.output_text.delta", **where, delta=text[sent:], logprobs=[])
-                sent = len(text)
-        text = job.text()
-        yield event("response.output_text.done", **where, text=text, logprobs=[])
-        yield event("response.content_part.done", **where, part={**part, "text": text})
-        done = message_item(job.item_id, text)
-        yield event("response.output_item.done", output_index=0, item=done)
-        final = job.finished_object()
+            choice = output.outputs[0]
+            parts = splitter.feed(choice.text, final=choice.finished)
+            frames: list[str] = []
+            if parts.content:
+                if not opened:
+                    frames += open_message()
+                content += parts.content
+                frames.append(
+                    event("response.output_text.delta", **where, delta=parts.content, logprobs=[])
+                )
+            for call in parts.tool_calls:
+                if not calls and opened:
+                    frames += close_message()
+                index = len(calls) + (1 if opened else 0)
+                calls.append(call)
+                item = responses_function_item(call, status="in_progress")
+                at = {"item_id": item["id"], "output_index": index}
+                frames += [
+                    event("response.output_item.added", output_index=index,
+                          item={**item, "arguments": ""}),
+                    event("response.function_call_arguments.delta", **at, delta=call.arguments),
+                    event("response.function_call_arguments.done", **at,
+                          arguments=call.arguments),
+                    event("response.output_item.done", output_index=index,
+                          item=responses_function_item(call)),
+                ]  # fmt: skip
+            for frame in frames:
+                yield frame
+        if not calls:
+            if not opened:
+                for frame in open_message():
+                    yield frame
+            for frame in close_message():
+                yield frame
+        final = job.finished_object(ChoiceParts(None, content, calls))
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield event(kind, response=final)
     except (MetraleError, Exception) as exc:

@@ -27,6 +27,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from metrale.errors import InvalidRequestError
+from metrale.server.chat_output import anthropic_plan
 from metrale.server.protocol.anthropic import MessagesRequest
 from metrale.server.protocol.anthropic import chat_messages as anthropic_messages
 from metrale.server.protocol.common import RequestModel
@@ -133,9 +134,13 @@ async def count_tokens(request: Request) -> JSONResponse:
     state, req = await _open(request, CountTokensRequest)
     req.check_supported()
     messages = anthropic_messages(req)
+    plan = anthropic_plan(
+        req, state.tokenizer, state.tool_call_parser, state.reasoning_parser, generating=False
+    )  # the tools and enable_thinking render into the prompt as on /v1/messages
     chars = sum(len(m["content"]) for m in messages)
     state.check_prompt_chars(chars, "messages")
     _, ids = await off_loop(
-        chars, render_chat, state.tokenizer, messages, add_generation_prompt=True
-    )
+        chars, render_chat, state.tokenizer, messages, add_generation_prompt=True,
+        **plan.template_args(),
+    )  # fmt: skip
     return JSONResponse({"input_tokens": len(ids)})

@@ -1,0 +1,317 @@
+"""`metrale bench structured`: what grammar-constrained decoding costs per step.
+
+Owner: bench.
+
+The engine's decode step (forward, sampler, read back, matcher advance) at batch C with
+every row constrained by the JSON schema of a realistic tool call (three tools, nested
+objects, enums, arrays, bounded strings and numbers), against the same step unconstrained;
+each at greedy and at temperature 0.7. Dummy weights of a config shape (e.g.
+`bench/configs/qwen3-8b`), so what the grammar allows, not what the model would pick, drives
+the matchers: a row whose grammar ends starts again on a fresh matcher (a new request with
+the same schema), so every step keeps C constrained rows. Also timed alone: the host's
+bitmask fill for the C rows (`GrammarState.fill_rows`), which on CUDA overlaps the forward.
+
+The tokenizer decides the grammar's cost: `--tokenizer DIR` (a real checkpoint's
+`tokenizer.json`, e.g. Qwen3's 151k byte-level BPE) is the realistic figure; without it a
+byte-level BPE is trained on the Python standard library up to the model's vocabulary (the
+size it reaches is recorded), since the synthetic word-level tokenizer of `--config-dir`
+runs has no JSON punctuation at all. Target (issue 17): overhead <= 5% at C=1 and C=64.
+
+Needs xgrammar on the machine (`pip install xgrammar`, or its wheel).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from metrale.bench.record import write_record
+from metrale.config import EngineConfig
+from metrale.engine.engine import Engine
+from metrale.sampling.grammar import GrammarState, bitmask_words
+from metrale.sampling.params import SamplingParams
+from metrale.sampling.sampler import SamplingRow
+from metrale.sampling.structured import GrammarSpec
+
+#: The tool-call schema: `{"name": ..., "arguments": {...}}` for one of three tools.
+TOOL_CALL_SCHEMA: dict[str, Any] = {
+    "anyOf": [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": "get_weather"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "location": {"type": "string", "maxLength": 64},
+                        "unit": {"enum": ["celsius", "fahrenheit"]},
+                        "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                        "include_hourly": {"type": "boolean"},
+                    },
+                    "required": ["location", "unit", "days"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": "search_flights"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                        "date": {"type": "string", "format": "date"},
+                        "passengers": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {
+                                    "type": {"enum": ["adult", "child", "infant"]},
+                                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                },
+                                "required": ["type"],
+                                "additionalProperties": False,
+                            },
+                            "minItems": 1,
+                            "maxItems": 9,
+                        },
+                        "cabin": {"enum": ["economy", "premium", "business", "first"]},
+                        "max_price": {"type": "number", "minimum": 0},
+                    },
+                    "required": ["origin", "destination", "date", "passengers"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": "create_event"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "title": {"type": "string", "maxLength": 120},
+                        "start": {"type": "string", "format": "date-time"},
+                        "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 1440},
+                        "attendees": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "email"},
+                            "maxItems": 20,
+                        },
+                        "reminder": {
+                            "type": "object",
+                            "properties": {
+                                "minutes_before": {"type": "integer", "minimum": 0},
+                                "method": {"enum": ["email", "popup"]},
+                            },
+                            "required": ["minutes_before", "method"],
+                            "additionalProperties": False,
+                        },
+                    },
+                    "required": ["title", "start"],
+                    "additionalProperties": False,
+                },
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        },
+    ]
+}
+
+
+def stdlib_tokenizer(vocab_size: int) -> Path:
+    """A byte-level BPE trained on the Python standard library (every `*.py` under it), up
+    to `vocab_size` tokens, written as a tokenizer directory; its EOS is `<|endoftext|>`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(str(p) for p in stdlib.rglob("*.py") if p.is_file())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def texts() -> Any:
+        for name in files:
+            try:
+                yield Path(name).read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue  # a few test files are not UTF-8
+
+    tok.train_from_iterator(texts(), trainer)
+    out = Path(tempfile.mkdtemp(prefix="metrale-bench-tokenizer-"))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"})
+    )
+    return out
+
+
+def step_cost(
+    engine: Engine, batch: int, constrained: bool, temperature: float, context: int, steps: int
+) -> dict[str, float]:
+    """Median and mean seconds of a decode step at `batch` rows (forward, sampler, read
+    back and, when `constrained`, the matchers' advance), and of the bitmask fill alone."""
+    model = engine.model
+    device = torch.device(str(getattr(model, "device", "cpu")))
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.vocab_size
+    seqs = []
+    for _ in range(batch):
+        seq = model.alloc_sequence()
+        prompt = torch.randint(8, min(vocab, 1000), (context,), generator=gen).tolist()
+        model.prefill_chunk(prompt, seq, 0, context, True)
+        seqs.append(seq)
+    spec = GrammarSpec.json_schema(TOOL_CALL_SCHEMA, "bench")
+    backend = engine.grammar_backend
+    params = SamplingParams(temperature=temperature, max_tokens=10**6, seed=7)
+    outputs: list[list[int]] = [[] for _ in range(batch)]
+    states = [backend.state(spec) for _ in range(batch)] if constrained else None
+    restarts = 0
+    tokens = [1] * batch
+    times: list[float] = []
+    fills: list[float] = []
+    host = torch.empty((batch, bitmask_words(vocab)), dtype=torch.int32)
+    for step in range(steps + 3):
+        start = time.perf_counter()
+        logits = model.decode_batch(tokens, seqs)
+        rows = [
+            SamplingRow(
+                params=params,
+                output_token_ids=outputs[i],
+                seed=7 + i,
+                eos_token_ids=engine.eos_token_ids,
+                grammar=states[i] if states is not None else None,
+            )
+            for i in range(batch)
+        ]
+        out = engine.sampler.sample(logits, rows).to_host()
+        tokens = out.token_ids
+        for i, token in enumerate(tokens):
+            outputs[i].append(token)
+        if states is not None:
+            for i, state in enumerate(states):
+                state.sync(outputs[i])
+                if not state.live:  # the call is complete: the next request starts
+                    states[i] = backend.state(spec)
+                    outputs[i] = []
+                    restarts += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= 3:
+            times.append(time.perf_counter() - start)
+            if states is not None:
+                begin = time.perf_counter()
+                GrammarState.fill_rows(host, states)
+                fills.append(time.perf_counter() - begin)
+    for seq in seqs:
+        model.free_sequence(seq)
+    result = {
+        "step_ms_median": statistics.median(times) * 1000,
+        "step_ms_mean": statistics.fmean(times) * 1000,
+    }
+    if fills and states is not None:
+        result["fill_ms_median"] = statistics.median(fills) * 1000
+        result["calls_completed"] = restarts
+        #: Rows whose grammar refused a sampled token (must stay 0: the mask works).
+        result["failed_rows"] = sum(state.failed for state in states)
+        result["tokens_in_open_calls"] = sum(len(o) for o in outputs)
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from metrale.bench.synthetic import prepare_model_dir
+
+    model_dir = prepare_model_dir(args.config_dir)
+    vocab = int(json.loads((Path(args.config_dir) / "config.json").read_text())["vocab_size"])
+    tokenizer = Path(args.tokenizer) if args.tokenizer else stdlib_tokenizer(vocab)
+    batches = [int(b) for b in args.batches.split(",")]
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    engine = Engine(
+        EngineConfig(
+            model=str(model_dir), tokenizer=str(tokenizer), device=args.device,
+            dtype=args.dtype, load_format="dummy", max_num_seqs=max(batches),
+            max_model_len=args.context + args.steps + 64,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+    )  # fmt: skip
+    tokenizer_size = engine.tokenizer.vocab_size
+    compile_start = time.perf_counter()
+    engine.grammar_backend.compile(GrammarSpec.json_schema(TOOL_CALL_SCHEMA, "bench"))
+    compile_ms = (time.perf_counter() - compile_start) * 1000
+    figures: dict[str, Any] = {"compile_ms": compile_ms, "tokenizer_vocab": tokenizer_size}
+    for temperature in temperatures:
+        for batch in batches:
+            plain = step_cost(engine, batch, False, temperature, args.context, args.steps)
+            grammar = step_cost(engine, batch, True, temperature, args.context, args.steps)
+            overhead = grammar["step_ms_median"] / plain["step_ms_median"] - 1
+            key = f"C{batch}_t{temperature:g}"
+            figures[key] = {
+                "unconstrained": plain,
+                "constrained": grammar,
+                "overhead_pct": overhead * 100,
+            }
+            print(
+                f"C={batch} temperature {temperature:g}: step {plain['step_ms_median']:.3f} ms "
+                f"unconstrained, {grammar['step_ms_median']:.3f} ms constrained "
+                f"({overhead * 100:+.1f}%), host fill {grammar['fill_ms_median']:.3f} ms",
+                file=sys.stderr,
+            )
+    path = write_record(
+        "structured",
+        model_shape=args.shape or Path(args.config_dir).name,
+        config={
+            "batches": batches,
+            "temperatures": temperatures,
+            "context": args.context,
+            "steps": args.steps,
+            "device": args.device,
+            "dtype": args.dtype,
+            "tokenizer": str(args.tokenizer or "byte-level BPE trained on the stdlib"),
+            "schema": "TOOL_CALL_SCHEMA (three tools) in metrale/bench/structured.py",
+        },
+        figures=figures,
+        device=args.device,
+        out_dir=args.out_dir,
+        notes="peer: the same engine's unconstrained decode step; target overhead <= 5%",
+    )
+    print(f"record: {path}")
+    return figures
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config-dir", default="bench/configs/qwen3-8b",
+                        help="a config shape (dummy weights; default: qwen3-8b)")  # fmt: skip
+    parser.add_argument("--tokenizer", default=None,
+                        help="a tokenizer directory (default: a BPE trained on the stdlib)")  # fmt: skip
+    parser.add_argument("--shape", default=None)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--temperatures", default="0,0.7")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--out-dir", default="bench/records")

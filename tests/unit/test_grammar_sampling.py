@@ -1,0 +1,169 @@
+"""The grammar stage of the sampler, on the bundled tokenizer and random logits: the mask is
+exactly xgrammar's (its own `apply_token_bitmask_inplace`), a greedy grammar row is the masked
+argmax, rows without a grammar get the tokens they get without one, matcher sync is idempotent
+and rolls back over diverged (rejected-draft) tokens, drafts are cut at the first refused one, a rejected token makes the row unsamplable (never the batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from metrale.engine.intake import BUNDLED_MODEL_DIR
+from metrale.errors import InvalidRequestError
+from metrale.sampling.grammar import GrammarBackend, apply_grammar_masks
+from metrale.sampling.params import SamplingParams
+from metrale.sampling.sampler import Sampler, SamplingRow
+from metrale.sampling.structured import GrammarSpec
+from metrale.tokenizer.tokenizer import Tokenizer
+
+VOCAB = 8192
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer: Tokenizer) -> GrammarBackend:
+    return GrammarBackend(tokenizer, VOCAB, tokenizer.eos_token_ids)
+
+
+SPEC = GrammarSpec.json_schema(
+    {"type": "object", "properties": {"k": {"enum": ["yes", "no"]}}, "required": ["k"]}, "x"
+)
+
+
+def test_mask_equals_xgrammars_own(backend: GrammarBackend, tokenizer: Tokenizer) -> None:
+    state = backend.state(SPEC)
+    prefix = tokenizer.encode('{"k": "', add_special_tokens=False)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    masked = apply_grammar_masks(logits, [1], [state], [prefix])
+    expected = logits[1:2].clone()
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    state.fill(bitmask, 0)
+    xgr.apply_token_bitmask_inplace(expected, bitmask)
+    torch.testing.assert_close(masked[1:2], expected, rtol=0, atol=0)
+    torch.testing.assert_close(masked[[0, 2]], logits[[0, 2]], rtol=0, atol=0)
+    allowed = torch.isfinite(masked[1]).nonzero().flatten().tolist()
+    assert allowed and all(
+        tokenizer.decode([t])
+        and ("yes".startswith(tokenizer.decode([t])) or "no".startswith(tokenizer.decode([t])))
+        for t in allowed
+    )
+
+
+def test_sampler_greedy_masked_argmax_and_neighbours(backend: GrammarBackend) -> None:
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=3)
+    rows = [SamplingRow(params=greedy), SamplingRow(params=seeded)]
+    plain = Sampler(seed=0)(logits[:2], rows).token_ids
+    grammar = backend.state(SPEC)
+    mixed_rows = [*rows, SamplingRow(params=greedy, grammar=grammar)]
+    mixed = Sampler(seed=0)(logits[:3], mixed_rows).token_ids
+    assert mixed[:2] == plain  # the constrained row changes nothing beside it
+    first = mixed[2]
+    allowed = apply_grammar_masks(logits[2:3], [0], [backend.state(SPEC)], [[]])
+    assert first == int(allowed.argmax()) and backend.info.decoded_vocab[first] == b"{"
+
+
+def test_sync_is_idempotent_and_replays_after_a_rollback(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode('{"k": "yes"}', add_special_tokens=False)
+    other = tokenizer.encode('{"k": "no"}', add_special_tokens=False)
+    shared = next(i for i, (a, b) in enumerate(zip(ids, other)) if a != b)
+    state = backend.state(SPEC)
+    state.sync(ids[:shared])
+    state.sync(ids[:shared])  # recompute preemption: the same output again
+    assert state.num_seen == shared and not state.failed and state.rollbacks == 0
+    # A verify: the drafts after the output are tried, then the commit replaces them.
+    state.sync(ids, committed=shared)
+    assert state.live and state.num_seen == len(ids)
+    state.sync(other)
+    assert state.rollbacks == len(ids) - shared and state.live and state.num_seen == len(other)
+    assert state.valid_prefix(other[:shared], other[shared:]) == len(other) - shared
+    assert state.num_seen == shared
+    # The JSON is complete after ids, so EOS (0) is allowed too, and nothing after it.
+    assert state.valid_prefix(ids[:shared], [*ids[shared:], 0, 7]) == len(ids) - shared + 1
+    state.sync([*ids, *sorted(tokenizer.eos_token_ids)[:1]])
+    assert state.terminated and not state.failed
+    bitmask = torch.zeros(1, (VOCAB + 31) // 32, dtype=torch.int32)
+    state.fill(bitmask, 0)  # after the end only the stop token
+    bits = [t for t in range(VOCAB) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert bits == sorted(backend.stop_token_ids)
+
+
+def test_rejected_token_makes_only_that_row_unsamplable(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    state = backend.state(SPEC)
+    output = tokenizer.encode("no json", add_special_tokens=False)
+    state.sync(output)
+    assert state.failed
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0, max_tokens=4)
+    out = Sampler(seed=0)(
+        logits, [SamplingRow(params=params), SamplingRow(params, output, grammar=state)]
+    )
+    assert out.unsamplable_rows == [1]
+    assert out.token_ids[0] == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize(
+    ("spec", "construct"),
+    [
+        (GrammarSpec.json_schema({"type": "strange"}, "response_format"), "strange"),
+        (GrammarSpec.text("regex", "a(b", "guided_regex"), "parenthesis is not closed"),
+        (GrammarSpec.text("grammar", 'root ::= "a" | b', "guided_grammar"), 'Rule "b"'),
+        (GrammarSpec("structural_tag", '{"type": "structural_tag"}', "response_format"), ""),
+    ],
+)
+def test_refusals_name_the_field_and_construct(
+    backend: GrammarBackend, spec: GrammarSpec, construct: str
+) -> None:
+    with pytest.raises(InvalidRequestError, match="not supported") as info:
+        backend.compile(spec)
+    assert info.value.param == spec.param and construct in info.value.message
+    assert "/project/" not in info.value.message  # xgrammar's C++ location is cut
+
+
+def test_spec_validation() -> None:
+    with pytest.raises(InvalidRequestError, match="choice needs"):
+        GrammarSpec.choice([], "guided_choice")
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        GrammarSpec.json_schema("{", "guided_json")
+    with pytest.raises(InvalidRequestError, match="must be an object"):
+        GrammarSpec.json_schema([1], "guided_json")
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+
+
+def test_special_tool_call_marker_is_one_allowed_token() -> None:
+    """Mistral's `[TOOL_CALLS]` is a special token: the tool-call grammar allows that token
+    (not only its spelling in plain-text pieces), and other special tokens stay out."""
+    from metrale.server.tools import ToolChoice, get_parser, normalize_tools
+
+    tokenizer = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    tokenizer.backend.add_special_tokens(["[TOOL_CALLS]"])
+    marker = tokenizer.token_to_id("[TOOL_CALLS]")
+    assert marker == VOCAB
+    backend = GrammarBackend(tokenizer, VOCAB + 1, tokenizer.eos_token_ids)
+    tools = normalize_tools([{"type": "function", "function": {"name": "f"}}])
+    state = backend.state(get_parser("mistral").grammar(tools, ToolChoice("required")))
+    logits = torch.zeros(1, VOCAB + 1)
+    allowed = torch.isfinite(apply_grammar_masks(logits, [0], [state], [[]])[0])
+    assert allowed[marker]
+    # Inside a free JSON string, the other special tokens are never allowed.
+    free = backend.state(GrammarSpec.json_schema({"type": "string"}, "x"))
+    inside = torch.isfinite(
+        apply_grammar_masks(logits, [0], [free], [tokenizer.encode('"', add_special_tokens=False)])[
+            0
+        ]
+    )
+    assert (
+        inside[tokenizer.token_to_id("Hello") or 70]
+        and not inside[tokenizer.token_to_id("<|im_start|>")]
+    )
