@@ -66,6 +66,10 @@ class EngineConfig:
     #: whatever ran beside a request, at a speed cost.
     batch_invariant: bool = False
     swap_space_gb: float = 4.0
+    #: Preemption swap past `swap_space_gb` goes to files here (None: falls back to recompute),
+    #: at most `swap_spill_gb`.
+    swap_spill_dir: str | None = None
+    swap_spill_gb: float = 0.0
     #: Host memory (GiB) keeping KV blocks the prefix cache evicts; 0: none (evicted is gone).
     kv_offload_host_gb: float = 0.0
     #: A directory keeping blocks the host tier evicts, across restarts; None: no disk tier.
@@ -156,6 +160,8 @@ class EngineConfig:
             raise bad("kv_offload_host_gb", "the KV offload tiers' sizes must be >= 0")
         if self.kv_offload_disk is not None and self.kv_offload_disk_gb <= 0:
             raise bad("kv_offload_disk_gb", "a disk tier (kv_offload_disk) needs a size > 0")
+        if self.swap_spill_dir is not None and self.swap_spill_gb <= 0:
+            raise bad("swap_spill_gb", "a swap spill directory (swap_spill_dir) needs a size > 0")
         if self.swap_space_gb < 0:
             raise bad("swap_space_gb", f"must be >= 0, got {self.swap_space_gb}")
         if self.request_timeout is not None and self.request_timeout < 0:

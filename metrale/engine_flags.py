@@ -44,6 +44,9 @@ FLAG_HELP = {
     "activations, KV, graphs)",
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
     "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
+    "swap_spill_dir": "directory where preemption swap goes past --swap-space-gb, instead of "
+    "falling back to recompute (default: none)",
+    "swap_spill_gb": "size of the swap spill directory in GiB",
     "kv_offload_host_gb": "host memory (GiB) that keeps KV blocks the prefix cache evicts, "
     "found again by later prompts (0: off)",
     "kv_offload_disk": "directory keeping blocks the host tier evicts, valid across restarts "
@@ -100,7 +103,8 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
-         "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb", "kv_offload_host_gb",
+         "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb", "swap_spill_dir",
+         "swap_spill_gb", "kv_offload_host_gb",
          "kv_offload_disk", "kv_offload_disk_gb"),
         "memory",
     ),

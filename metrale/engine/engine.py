@@ -175,6 +175,8 @@ class Engine:
                 preemption_mode=config.preemption_mode,
                 scheduling_policy=config.scheduling_policy,
                 swap_space_bytes=int(config.swap_space_gb * 2**30),
+                swap_spill_dir=config.swap_spill_dir,
+                swap_spill_bytes=int(config.swap_spill_gb * 2**30),
                 enable_prefix_caching=config.enable_prefix_caching,
                 max_queue=config.max_queue,
             ),

@@ -84,6 +84,10 @@ class SchedulerConfig:
     #: "fcfs" or "priority" (see `Preemption._queue_key`).
     scheduling_policy: str = "fcfs"
     swap_space_bytes: int = 0
+    #: A directory for swap records past `swap_space_bytes` (None: fall back to recompute),
+    #: holding at most `swap_spill_bytes`.
+    swap_spill_dir: str | None = None
+    swap_spill_bytes: int = 0
     enable_prefix_caching: bool = True
     max_queue: int = 4096
 
@@ -97,6 +101,8 @@ class SchedulerStats:
     swapped_out_blocks: int = 0
     swapped_in_blocks: int = 0
     swap_fallbacks: int = 0
+    #: Swap records written to disk because the host swap space was full.
+    swap_spills: int = 0
     timeouts: int = 0
     aborts: int = 0
     prefix_queries: int = 0
@@ -145,6 +151,7 @@ class Scheduler(Admission, Preemption):
         self.stats = SchedulerStats()
         self._arrivals = 0
         self._swap_bytes = 0
+        self._spill_bytes = 0
 
     # ------------------------------------------------------------------ intake
 
@@ -217,7 +224,11 @@ class Scheduler(Admission, Preemption):
 
     def _drop_swap(self, seq: SchedSequence) -> None:
         if seq.swap is not None:
-            self._swap_bytes -= seq.swap.nbytes
+            if seq.swap.on_disk:
+                self._spill_bytes -= seq.swap.nbytes
+            else:
+                self._swap_bytes -= seq.swap.nbytes
+            seq.swap.data.close()
             seq.swap = None
 
     # ---------------------------------------------------------------- planning

@@ -12,7 +12,8 @@ Invariants:
   immune unless all are. A lone sequence that still does not fit ends with "error".
 - A recompute preemption offers the sequence's written KV to the prefix cache and releases it
   exactly once; a swap saves it to host memory (within `swap_space_bytes`, else it falls back
-  to recompute, counted) and releases it without caching. Either way the sequence goes back
+  to a file in `swap_spill_dir` within `swap_spill_bytes`, counted in `swap_spills`, else to
+  recompute, counted) and releases it without caching. Either way the sequence goes back
   to its queue in queue order (`_queue_key`: arrival, or priority then arrival), so older
   preempted sequences resume first.
 - A sequence that wants prompt logprobs is never swapped (its scores are recomputed).
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import io
 import logging
+import tempfile
 from collections import deque
+from typing import IO, cast
 
 from metrale.scheduler.parts import SchedulerParts
 from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
@@ -87,19 +90,31 @@ class Preemption(SchedulerParts):
         assert state is not None
         if seq.reads_whole_prompt:
             return False
-        buffer = io.BytesIO()
+        buffer: IO[bytes] = io.BytesIO()
         self.model.save_sequence_state(state, buffer)
         nbytes = buffer.tell()
+        on_disk = False
         if self._swap_bytes + nbytes > self.config.swap_space_bytes:
-            self.stats.swap_fallbacks += 1
-            logger.warning(
-                "swap space full (%d of %d bytes); preempting %s for recompute instead",
-                self._swap_bytes, self.config.swap_space_bytes, seq.seq_id,
-            )  # fmt: skip
-            return False
+            spill = self.config.swap_spill_dir
+            if spill is None or self._spill_bytes + nbytes > self.config.swap_spill_bytes:
+                self.stats.swap_fallbacks += 1
+                logger.warning(
+                    "swap space full (%d of %d bytes%s); preempting %s for recompute instead",
+                    self._swap_bytes, self.config.swap_space_bytes,
+                    f", disk {self._spill_bytes} of {self.config.swap_spill_bytes}" if spill else "",
+                    seq.seq_id,
+                )  # fmt: skip
+                return False
+            # Past the host swap space: the record goes to a file (deleted when closed).
+            disk = tempfile.TemporaryFile(dir=spill, prefix="metrale-swap-")  # noqa: SIM115
+            disk.write(cast(io.BytesIO, buffer).getbuffer())
+            buffer, on_disk = disk, True
+            self._spill_bytes += nbytes
+            self.stats.swap_spills += 1
         buffer.seek(0)
-        seq.swap = SwapRecord(buffer, len(state.block_table), state.seq_len, nbytes)
-        self._swap_bytes += nbytes
+        seq.swap = SwapRecord(buffer, len(state.block_table), state.seq_len, nbytes, on_disk)
+        if not on_disk:
+            self._swap_bytes += nbytes
         self.stats.swapped_out_blocks += len(state.block_table)
         self.stats.preemptions_swap += 1
         self._release(seq, offer_to_cache=False)

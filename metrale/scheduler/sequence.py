@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import IO, overload
 
 from metrale.model_engine.traits import PromptTokenLogprob, SequenceState
 from metrale.sampling.params import SamplingParams
@@ -38,12 +37,14 @@ class Status(enum.Enum):
 
 @dataclass
 class SwapRecord:
-    """A swapped-out sequence's device state, kept in host memory."""
+    """A swapped-out sequence's device state, kept in host memory (or, past the swap space,
+    in a temporary file: `on_disk`)."""
 
-    data: io.BytesIO
+    data: IO[bytes]
     num_blocks: int
     seq_len: int
     nbytes: int
+    on_disk: bool = False
 
 
 class TokenView(Sequence[int]):

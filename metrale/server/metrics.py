@@ -178,6 +178,11 @@ class _EngineCollector(Collector):
         swapped.add_metric(["in"], stats.swapped_in_blocks)
         yield swapped
         yield counter(
+            "metrale_swap_spills",
+            "swap records written to --swap-spill-dir because the host swap space was full",
+            stats.swap_spills,
+        )
+        yield counter(
             "metrale_swap_fallbacks",
             "swap preemptions turned into recompute because swap space was full",
             stats.swap_fallbacks,

@@ -5,6 +5,10 @@ refused at once."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -61,6 +65,31 @@ def test_swap_space_exhaustion_falls_back_to_recompute_and_says_so() -> None:
     assert tight == ample
     stats = llm.engine.scheduler.stats
     assert stats.swap_fallbacks > 0 and stats.preemptions_recompute > 0
+    assert_no_leaks(llm.engine)
+
+
+def test_swap_past_the_swap_space_spills_to_disk(tmp_path: Path) -> None:
+    """Issue 19: with --swap-spill-dir, swap records past the host swap space go to files
+    (no recompute fallback), outputs are unchanged, and every file is gone at the end."""
+    seen: set[str] = set()
+    real = tempfile.TemporaryFile
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        f = real(*args, **kwargs)
+        seen.add(str(kwargs.get("dir")))
+        return f
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tempfile, "TemporaryFile", spy)
+        tight, llm = run(num_kv_blocks=20, preemption_mode="swap", swap_space_gb=1e-5,
+                         swap_spill_dir=str(tmp_path), swap_spill_gb=1.0)  # fmt: skip
+    ample, _ = run(num_kv_blocks=400)
+    assert tight == ample
+    stats = llm.engine.scheduler.stats
+    assert stats.swap_spills > 0 and stats.swap_fallbacks == 0
+    assert seen == {str(tmp_path)}
+    assert llm.engine.scheduler._spill_bytes == 0
+    assert list(tmp_path.iterdir()) == []  # temporary files: nothing left behind
     assert_no_leaks(llm.engine)
 
 
