@@ -160,3 +160,41 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
     if param is not None:
         assert error["param"] == param, error
     return error
+
+
+@contextlib.contextmanager
+def running_engine(checkpoint: Path, **config: Any) -> Iterator[Any]:
+    """An in-process `AsyncEngine` over `checkpoint` (CPU; `config` are `EngineConfig`
+    fields), started, and shut down on exit."""
+    from metrale.config import EngineConfig
+    from metrale.engine.async_engine import AsyncEngine
+    from metrale.engine.engine import Engine
+
+    handle = AsyncEngine(Engine(EngineConfig(model=str(checkpoint), device="cpu", **config)))
+    handle.start()
+    try:
+        yield handle
+    finally:
+        handle.shutdown()
+
+
+def with_sdk(app: Any, fn: Any) -> Any:
+    """`await fn(client)` with the official `openai` SDK's async client talking to `app`
+    in-process (over the ASGI transport of the HTTP library the SDK is built on)."""
+    import asyncio
+
+    import openai
+
+    try:  # newer SDKs take an httpx2 client
+        import httpx2 as http_lib  # type: ignore[import-not-found]
+    except ImportError:
+        http_lib = httpx
+
+    async def go() -> Any:
+        http = http_lib.AsyncClient(transport=http_lib.ASGITransport(app=app), base_url="http://t")
+        client = openai.AsyncOpenAI(
+            base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
+        )
+        return await fn(client)
+
+    return asyncio.run(go())

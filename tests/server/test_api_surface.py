@@ -21,27 +21,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import metrale
 from metrale.cli import build_parser
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.errors import InvalidRequestError
 from metrale.server.app import create_app
 from metrale.server.launch import _check_vllm_compat_flags
+from tests.server.helpers import running_engine
 
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(checkpoint), device="cpu", num_kv_blocks=128, enable_prefix_caching=False
-    )
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=128, enable_prefix_caching=False) as handle:
         yield handle
-    finally:
-        handle.shutdown()
 
 
 def call(app: Any, method: str, path: str, body: Any = None, **headers: str) -> httpx.Response:

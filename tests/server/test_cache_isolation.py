@@ -13,28 +13,20 @@ from typing import Any
 import httpx
 import pytest
 
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.errors import InvalidRequestError
 from metrale.scheduler.sequence import prefix_namespace
 from metrale.server.app import create_app
 from metrale.server.auth import read_key_file
+from tests.server.helpers import running_engine
 
 PROMPT = "def fibonacci(n):\n    " + "# compute the n-th number of the sequence\n    " * 6
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(checkpoint), device="cpu", num_kv_blocks=128, enable_prefix_caching=True
-    )
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=128, enable_prefix_caching=True) as handle:
         yield handle
-    finally:
-        handle.shutdown()
 
 
 def cached(app: Any, key: str | None, path: str = "/v1/completions", **extra: Any) -> int:

@@ -18,21 +18,15 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.server.app import create_app
+from tests.server.helpers import running_engine
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=64)
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=64) as handle:
         yield handle
-    finally:
-        handle.shutdown()
 
 
 async def call(app: Any, path: str, chunks: list[bytes], leave_after_frames: int) -> list[dict]:

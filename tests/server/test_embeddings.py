@@ -5,7 +5,6 @@ prefix cache state or transport (engine thread or engine process) ran them; the 
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,7 @@ from metrale.engine.async_engine import AsyncEngine
 from metrale.engine.engine import Engine
 from metrale.engine.engine_process import EngineProcess
 from metrale.server.app import create_app
-
-try:  # newer SDKs take an httpx2 client
-    import httpx2 as http_lib  # type: ignore[import-not-found]
-except ImportError:
-    import httpx as http_lib
+from tests.server.helpers import with_sdk
 
 TEXTS = [
     "def add(a, b):\n    return a + b",
@@ -64,17 +59,6 @@ def test_llm_embed_matches_transformers(checkpoint: Path, pooling: str) -> None:
     assert model.num_free_blocks() + model.cache_only_blocks() == model.num_total_blocks()
 
 
-def sdk(app: Any, fn: Any) -> Any:
-    async def go() -> Any:
-        http = http_lib.AsyncClient(transport=http_lib.ASGITransport(app=app), base_url="http://t")
-        client = openai.AsyncOpenAI(
-            base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
-        )
-        return await fn(client)
-
-    return asyncio.run(go())
-
-
 @pytest.mark.parametrize("transport", ["thread", "process"])
 def test_embeddings_route_through_the_sdk(checkpoint: Path, transport: str) -> None:
     config = EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=64)
@@ -93,7 +77,7 @@ def test_embeddings_route_through_the_sdk(checkpoint: Path, transport: str) -> N
                 await client.embeddings.create(model=name, input="x", dimensions=3)
             return b64, floats, err.value
 
-        b64, floats, refused = sdk(app, calls)
+        b64, floats, refused = with_sdk(app, calls)
     finally:
         handle.shutdown()
     tokenizer = handle.tokenizer

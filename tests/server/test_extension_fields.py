@@ -18,10 +18,9 @@ import httpx
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.server.app import create_app
+from tests.server.helpers import running_engine
 
 PROMPT = "def fibonacci(n):\n    "
 USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -29,15 +28,8 @@ USER = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(checkpoint), device="cpu", num_kv_blocks=128, enable_prefix_caching=False
-    )
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=128, enable_prefix_caching=False) as handle:
         yield handle
-    finally:
-        handle.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -19,26 +19,20 @@ import httpx
 import pytest
 
 import metrale.server.state as state_module
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.errors import NotFoundError
 from metrale.server.app import create_app
 from metrale.server.errors import error_response
 from metrale.server.routes.common import OFFLOAD_MIN_CHARS
+from tests.server.helpers import running_engine
 
 USER = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(model=str(checkpoint), device="cpu", num_kv_blocks=64)
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=64) as handle:
         yield handle
-    finally:
-        handle.shutdown()
 
 
 def client(app: Any) -> httpx.AsyncClient:

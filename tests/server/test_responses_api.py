@@ -7,7 +7,6 @@ In-process: the app over the SDK's own ASGI-capable HTTP client, on one `AsyncEn
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,39 +15,15 @@ import openai
 import pytest
 
 from metrale import LLM, SamplingParams
-from metrale.config import EngineConfig
 from metrale.engine.async_engine import AsyncEngine
-from metrale.engine.engine import Engine
 from metrale.server.app import create_app
-
-try:  # newer SDKs take an httpx2 client
-    import httpx2 as http_lib  # type: ignore[import-not-found]
-except ImportError:
-    import httpx as http_lib
+from tests.server.helpers import running_engine, with_sdk
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint: Path) -> Iterator[AsyncEngine]:
-    config = EngineConfig(
-        model=str(checkpoint), device="cpu", num_kv_blocks=128, enable_prefix_caching=False
-    )
-    handle = AsyncEngine(Engine(config))
-    handle.start()
-    try:
+    with running_engine(checkpoint, num_kv_blocks=128, enable_prefix_caching=False) as handle:
         yield handle
-    finally:
-        handle.shutdown()
-
-
-def run(app: Any, fn: Any) -> Any:
-    async def go() -> Any:
-        http = http_lib.AsyncClient(transport=http_lib.ASGITransport(app=app), base_url="http://t")
-        client = openai.AsyncOpenAI(
-            base_url="http://t/v1", api_key="x", http_client=http, max_retries=0
-        )
-        return await fn(client)
-
-    return asyncio.run(go())
 
 
 def chat_reference(reference: LLM, messages: list[dict[str, str]], n: int) -> str:
@@ -67,7 +42,7 @@ def test_create_and_stream(engine: AsyncEngine, reference: LLM) -> None:
         events = [e async for e in await client.responses.create(**args, stream=True)]
         return blocking, events
 
-    blocking, events = run(app, both)
+    blocking, events = with_sdk(app, both)
     expected = chat_reference(
         reference,
         [{"role": "system", "content": args["instructions"]},
@@ -114,7 +89,7 @@ def test_store_previous_response_retrieve_delete(engine: AsyncEngine, reference:
             await client.responses.create(model=name, input="x", previous_response_id=first.id)
         return first, second, fetched
 
-    first, second, fetched = run(app, chain)
+    first, second, fetched = with_sdk(app, chain)
     assert fetched.output_text == first.output_text
     turns = [{"role": "user", "content": first_q},
              {"role": "assistant", "content": first.output_text},
@@ -138,4 +113,4 @@ def test_refusals_name_the_field(engine: AsyncEngine) -> None:
             params.append(err.value.body.get("param") if isinstance(err.value.body, dict) else None)  # type: ignore[union-attr]
         return params
 
-    assert run(app, bad) == ["input[0]", "background", "input"]
+    assert with_sdk(app, bad) == ["input[0]", "background", "input"]
