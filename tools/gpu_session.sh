@@ -7,6 +7,7 @@
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
+#        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
@@ -19,7 +20,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The device copy of the tree has no .git: records take the commit from here (pass it in).
 export METRALE_COMMIT=${METRALE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+if [ -d .whl ] && ! python3 -c "import fastapi, uvicorn, xgrammar" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -41,6 +42,19 @@ for part in $PARTS; do
     timeout 560 python3 -m pytest tests/gpu tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py -m gpu -q -p no:cacheprovider --timeout 300 \
       >"$OUT/gpu_all_tests.log" 2>&1
     echo "rc=$?"; tail -8 "$OUT/gpu_all_tests.log"
+    ;;
+  structured)
+    stamp structured output: grammar overhead per step, qwen3-8b shape, C=1 and C=64
+    timeout 400 python3 -m metrale.cli bench structured --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --device cuda --batches 1,64 --out-dir "$OUT" >"$OUT/structured.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/structured.log"
+    ;;
+  lora)
+    stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model
+    timeout 500 python3 -m metrale.cli bench lora --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --device cuda --adapters 8 --rank 16 --concurrency 64 \
+      --out-dir "$OUT" >"$OUT/lora.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/lora.log"
     ;;
   kerneltests)
     stamp kernel tests
