@@ -79,6 +79,14 @@ class EngineConfig:
     #: `{"method": "ngram", "num_speculative_tokens": 4}` (see `metrale.spec.config`);
     #: None: off.
     speculative_config: str | dict[str, Any] | None = None
+    #: Vision models: most images in one request, and per image its encoded bytes and decoded
+    #: pixels (width x height); over a limit is a 400 naming it.
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 4096 * 4096
+    #: Comma-separated host names the server may fetch http(s) image URLs from (a host and
+    #: its subdomains); None: remote URLs are refused, only data: URLs are read.
+    allowed_media_domains: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +103,9 @@ class EngineConfig:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if (

@@ -49,6 +49,12 @@ FLAG_HELP = {
     "carry the first (default: the checkpoint directory's name)",
     "chat_template": "a Jinja chat template file or string (default: the tokenizer's)",
     "enforce_eager": "no CUDA graphs: every forward runs eagerly",
+    "max_images_per_request": "vision models: most images in one request",
+    "max_image_bytes": "vision models: most encoded bytes of one image",
+    "max_image_pixels": "vision models: most decoded pixels (width x height) of one image",
+    "allowed_media_domains": "vision models: comma-separated hosts the server may fetch "
+    "http(s) image URLs from (and their subdomains); without it only data: URLs are read "
+    "(default: none)",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "preemption_mode": "recompute | swap",
@@ -72,6 +78,7 @@ TOPICS: dict[str, str] = {
     "scheduling": "batching, admission, preemption, deadlines and step execution",
     "speculation": "speculative decoding",
     "lora": "LoRA adapters",
+    "vision": "image input (vision-language models)",
     "engine": "other engine settings",
 }
 DEFAULT_TOPIC = "engine"
@@ -93,6 +100,10 @@ FLAG_TOPICS: dict[str, str] = {
         "scheduling",
     ),
     "speculative_config": "speculation",
+    **dict.fromkeys(
+        ("max_images_per_request", "max_image_bytes", "max_image_pixels", "allowed_media_domains"),
+        "vision",
+    ),
 }  # fmt: skip
 
 

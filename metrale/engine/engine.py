@@ -44,6 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,6 +60,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
 from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import RequestOutput
 from metrale.engine.speculation import Speculation
+from metrale.engine.vision import check_vision, vision_prompts_for
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
@@ -131,6 +133,8 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer.from_dir(
             config.tokenizer or self.model_dir, chat_template=config.chat_template
         )
+        #: Images -> prompt tokens and `VisionInputs`; None for a text-only model.
+        self.vision = vision_prompts_for(config, self.model_dir, model)
         limit = model.max_context_len()
         #: The context limit every request is checked against (`check_prompt`).
         self.max_model_len = int(limit if limit is not None else config.max_model_len or 0)
@@ -215,6 +219,7 @@ class Engine:
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        vision: Any = None,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -224,13 +229,16 @@ class Engine:
         partitions the cross-request draft lookup (None: this request neither feeds nor
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
         prefix-cache blocks apart from every other namespace's; `priority` orders the queues
-        under `scheduling_policy="priority"` (lower first)."""
+        under `scheduling_policy="priority"` (lower first); `vision` (a `VisionInputs` from
+        `self.vision.build`) carries the prompt's images."""
         params = params or self.default_sampling_params()
         if request_id in self.requests:
             raise InvalidRequestError(
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
+        if vision is not None:
+            check_vision(vision, ids, self.vision is not None)
         if params.bad_words:
             params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
         timeout = timeout if timeout is not None else self.config.request_timeout
@@ -251,6 +259,7 @@ class Engine:
                 lookup_tenant=lookup_tenant,
                 cache_namespace=cache_namespace,
                 priority=priority,
+                vision=vision,
             )
             for i in range(n)
         ]

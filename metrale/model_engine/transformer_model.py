@@ -20,6 +20,8 @@ Invariants:
 - With the MTP head drafting (`mtp=True`), every eager forward keeps its rows' hidden states
   for the head (`MtpDrafting`, `mtp.py`); the KV cache holds the head's layers after the main
   model's, and the main model only ever sees its own.
+- Vision models: a forward whose rows carry images gets M-RoPE positions and the encoder rows
+  of the image pad tokens it covers (`VisionForwards`, `vision.py`, with its invariants).
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
@@ -61,6 +63,7 @@ from metrale.model_engine.traits import (
     blocks_needed,
 )
 from metrale.model_engine.verify import VerifyForwards
+from metrale.model_engine.vision import VisionForwards
 from metrale.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -68,7 +71,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TransformerModel", "blocks_needed"]
 
 
-class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
+class TransformerModel(VisionForwards, PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
     def __init__(
         self,
         module: torch.nn.Module,
@@ -91,6 +94,7 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
                 f"{module.kv_layer_count} (+{head_layers} for its MTP head)"
             )
         self.mtp_enabled = mtp
+        self._vision_setup()
         self.mtp_graphs = {}
         self.mtp_proposes = {"graphed": 0, "eager": 0}
         self.ssm_pool = ssm_pool
@@ -398,7 +402,12 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
         """`feed`: (previous step's token ids on the device, source row of each decode row);
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
-        if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
+        if (
+            runner is not None
+            and num_decode == len(rows)
+            and runner.can_run(num_decode)
+            and not self._vision_decode_delta(rows)
+        ):
             spans = [(i, 1) for i in range(len(rows))]
             return self._forward_graphed(runner, rows, feed), spans
         self.eager_forwards += 1
@@ -407,8 +416,10 @@ class TransformerModel(PagedKvLifecycle, VerifyForwards, MtpDrafting, Model):
             tokens, from_rows = feed
             index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
-        args = (batch.input_ids, batch.meta.positions, batch.meta, self.main_kv_layers)
-        kwargs = {} if self.ssm_pool is None else {"ssm_states": self.ssm_pool.layers}
+        positions, kwargs = self._vision_batch(rows, batch.meta.positions)
+        args = (batch.input_ids, positions, batch.meta, self.main_kv_layers)
+        if self.ssm_pool is not None:
+            kwargs["ssm_states"] = self.ssm_pool.layers
         if self.mtp_enabled:
             hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
             self._keep_mtp_rows(rows, for_head, owned=True)

@@ -54,7 +54,7 @@ class Admission(SchedulerParts):
             return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
         if self.config.enable_prefix_caching and not seq.reads_whole_prompt:
-            matched = self.model.prefix_match_len(seq.all_tokens, seq.prefix_namespace)
+            matched = self.model.prefix_match_len(seq.prefix_tokens(), seq.prefix_namespace)
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
@@ -67,7 +67,7 @@ class Admission(SchedulerParts):
             seq = queue[0]
             need, _ = self._admission_need(seq)
             if need > available:
-                tokens = [] if seq.reads_whole_prompt else seq.all_tokens
+                tokens = [] if seq.reads_whole_prompt else seq.prefix_tokens()
                 target = need + self._reserved_blocks() + self._decode_need()
                 self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
                 available = self._available_blocks() - self._decode_need()
@@ -101,6 +101,7 @@ class Admission(SchedulerParts):
         state.adapter_id = seq.prefix_namespace
         state.prompt_len = seq.prompt_len
         state.lookup_tenant = tenant_key(seq.lookup_tenant)
+        state.vision = seq.vision
         seq.state = state
         seq.status = Status.RUNNING
         try:

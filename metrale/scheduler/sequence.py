@@ -23,7 +23,7 @@ import hashlib
 import io
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, overload
 
 from metrale.model_engine.traits import PromptTokenLogprob, SequenceState
 from metrale.sampling.params import SamplingParams
@@ -127,6 +127,14 @@ class SchedSequence:
     #: sequences of different namespaces never share prefix-cache blocks; None: the
     #: adapter's shared one.
     cache_namespace: str | None = None
+    #: The prompt's images (`model_engine.vision.VisionInputs`, opaque here); None for text.
+    vision: Any = None
+
+    def prefix_tokens(self) -> list[int]:
+        """`all_tokens` as the prefix cache keys them: image pad tokens carry their image's
+        hash (`vision.key_tokens`), so different images never share blocks."""
+        tokens = self.all_tokens
+        return tokens if self.vision is None else self.vision.key_tokens(tokens)
 
     @property
     def prefix_namespace(self) -> int:

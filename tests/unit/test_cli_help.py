@@ -31,6 +31,7 @@ def test_serve_help_groups_by_topic_with_defaults() -> None:
         "memory",
         "scheduling",
         "speculation",
+        "vision",
     ], titles
     assert "lora:" not in text and f"{DEFAULT_TOPIC}:" not in text  # empty sections hidden
     for group in serve._action_groups:

@@ -1,0 +1,96 @@
+"""Qwen2.5-VL against transformers on a tiny random checkpoint, float32 CPU: the image
+processor, the vision tower, and greedy tokens through `LLM.chat` with 0, 1 and 2 images of
+different sizes, whole and with prefill chunks cutting through the images.
+
+Owner: tests (models).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from metrale import LLM, SamplingParams
+from metrale.models.vision_processor import QwenVLImageProcessor
+from tests.helpers.engine_checks import assert_no_leaks
+from tests.helpers.vision import (
+    IMAGE_PAD,
+    build_qwen25_vl,
+    chat,
+    hf_greedy,
+    hf_processor,
+    pil_image,
+)
+
+IMAGES = [(40, 28, 1), (23, 61, 2)]  # (width, height, seed): 20 and 24 tokens
+MAX_NEW = 10
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def path() -> Path:
+    return build_qwen25_vl()
+
+
+def test_processor_matches_transformers(path: Path) -> None:
+    ours = QwenVLImageProcessor.from_checkpoint(path)
+    # as is, resized down (over max_pixels), resized up (under min_pixels), odd sizes
+    sizes = [(40, 28, 1), (100, 90, 3), (5, 7, 4), (23, 61, 2)]
+    images = [pil_image(*s) for s in sizes]
+    ref = hf_processor()(images, return_tensors="np")
+    got = [ours.process(im) for im in images]
+    assert [g[1] for g in got] == [tuple(r) for r in ref["image_grid_thw"].tolist()]
+    np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), ref["pixel_values"])
+
+
+def test_vision_tower_matches_transformers(path: Path) -> None:
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16)
+    module = llm.engine.model.module
+    proc = QwenVLImageProcessor.from_checkpoint(path)
+    done = [proc.process(pil_image(*s)) for s in [(40, 28, 1), (100, 90, 3), (23, 61, 2)]]
+    pixels = torch.from_numpy(np.concatenate([d[0] for d in done]))
+    grids = [d[1] for d in done]
+    from tests.helpers.vision import _hf_model
+
+    with torch.no_grad():
+        ref = _hf_model(path).model.get_image_features(pixels, torch.tensor(grids)).pooler_output
+        together = module.encode_images(pixels, grids)
+        alone = module.encode_images(torch.from_numpy(done[1][0]), [grids[1]])
+    for r, g in zip(ref, together, strict=True):
+        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(alone[0], together[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_chat_greedy_matches_transformers(path: Path, chunk: int | None) -> None:
+    """0, 1 and 2 images in one batch; with `chunk` 8 every image is cut by chunk edges."""
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_prefill_chunk=chunk)
+    convs = [chat("def f(x):", IMAGES[:n]) for n in range(3)]
+    outs = llm.chat(convs, greedy())
+    for n, out in enumerate(outs):
+        ids = out.prompt_token_ids
+        assert sum(t == IMAGE_PAD for t in ids) == [0, 20, 44][n]
+        assert out.outputs[0].token_ids == hf_greedy(path, ids, IMAGES[:n], MAX_NEW), n
+    # Two distinct images (prompts 1 and 2 share the first): each encoded once; with chunks
+    # every image cut by a chunk edge is read again from the encoder cache.
+    stats = llm.engine.model.vision_stats
+    assert stats["images_encoded"] == 2
+    if chunk:
+        assert stats["encoder_cache_hits"] >= 3
+    assert_no_leaks(llm.engine)
+
+
+def test_images_change_the_answer(path: Path) -> None:
+    """The parity above cannot pass by ignoring the pixels: another image of the same size
+    (same prompt tokens) gives other tokens here, as in transformers."""
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64)
+    a, b = llm.chat([chat("def f(x):", [(40, 28, 1)]), chat("def f(x):", [(40, 28, 7)])], greedy())
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+    assert b.outputs[0].token_ids == hf_greedy(path, b.prompt_token_ids, [(40, 28, 7)], MAX_NEW)
