@@ -73,6 +73,7 @@ class EngineHandle(Protocol):
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        vision: Any = None,
     ) -> RequestStream: ...
 
 
@@ -186,6 +187,8 @@ class AddArgs:
     lookup_tenant: str | None
     cache_namespace: str | None = None
     priority: int = 0
+    #: The prompt's images (`model_engine.vision.VisionInputs`, numpy arrays: picklable).
+    vision: Any = None
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -202,7 +205,7 @@ class AddArgs:
             prompt_token_ids=self.prompt_token_ids, timeout=self.timeout,
             adapter_id=self.adapter_id, speculative=self.speculative,
             lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
-            priority=self.priority,
+            priority=self.priority, vision=self.vision,
         )  # fmt: skip
 
 
@@ -283,6 +286,7 @@ class HandleBase(ABC, Generic[E]):
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        vision: Any = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -293,7 +297,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant, cache_namespace, priority,
+            lookup_tenant, cache_namespace, priority, vision,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.scheduler.core import SchedulerStats
@@ -120,6 +120,9 @@ class EngineInfo:
     sampling_defaults: SamplingDefaults
     #: `EngineConfig.scheduling_policy` ("fcfs" or "priority").
     scheduling_policy: str = "fcfs"
+    #: The engine's `VisionPrompts` (images -> prompt tokens; no model inside, picklable);
+    #: None for a text-only model.
+    vision: Any = None
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -134,4 +137,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         kv_block_size=model.kv_block_size() or 0,
         sampling_defaults=engine.sampling_defaults,
         scheduling_policy=engine.config.scheduling_policy,
+        vision=engine.vision,
     )

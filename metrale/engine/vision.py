@@ -138,9 +138,14 @@ class VisionPrompts:
         config: VisionConfig,
         limits: VisionLimits | None = None,
         max_pixels: int | None = None,
+        allowed_media_domains: Sequence[str] = (),
     ) -> None:
         self.config = config
         self.limits = limits or VisionLimits()
+        #: Hosts (with their subdomains) the server may fetch http(s) image URLs from.
+        self.allowed_media_domains = tuple(
+            d.strip().lower().strip(".") for d in allowed_media_domains if d.strip()
+        )
         self.processor = QwenVLImageProcessor.from_checkpoint(model_dir, max_pixels=max_pixels)
         if self.processor.merge_size != config.spatial_merge_size:
             raise InvalidRequestError(
@@ -222,7 +227,8 @@ def vision_prompts_for(config: Any, model_dir: str | Path, model: Any) -> Vision
         image=ImageLimits(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels),
         max_total_bytes=config.max_images_per_request * config.max_image_bytes,
     )
-    return VisionPrompts(model_dir, vcfg, limits)
+    domains = (config.allowed_media_domains or "").split(",")
+    return VisionPrompts(model_dir, vcfg, limits, allowed_media_domains=domains)
 
 
 def check_vision(vision: Any, ids: Sequence[int], supported: bool) -> None:

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
@@ -153,6 +154,7 @@ class ServerState:
         lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
         priority: int = 0,
+        vision: Any = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -178,7 +180,7 @@ class ServerState:
                 stream = await self.engine.add_request(
                     rid, text, params, prompt_token_ids=ids, speculative=speculative,
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
-                    priority=priority,
+                    priority=priority, vision=vision,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

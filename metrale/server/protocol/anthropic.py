@@ -7,7 +7,9 @@ Invariants:
 - Sampling fields the request leaves unset take the model's generation-config defaults, else
   the engine's (`SamplingDefaults.pick`); the model's `min_p` and `repetition_penalty` always
   apply (the Messages API has no field for them).
-- Only text content is accepted; image, document, tool_use, tool_result and thinking blocks,
+- Text content, and `image` blocks in message turns (base64 or url source, turned into
+  OpenAI-shaped `image_url` parts for `metrale.server.media`); document, tool_use,
+  tool_result and thinking blocks, images in the system prompt,
   `tools`, `tool_choice`, enabled `thinking` and `output_config.format` are refused with a
   400 naming the field. `output_config.effort` is accepted and has no effect (no reasoning).
 - A conversation must end with a user turn (assistant prefill is not implemented: refused).
@@ -95,7 +97,29 @@ class MessagesRequest(SpeculationFields):
         )
 
 
-def _text_blocks(content: Any, where: str) -> str:
+def _image_block(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An `image` block (base64 or url source) as an OpenAI-shaped `image_url` part."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise InvalidRequestError(f"{at}.source needs 'media_type' and base64 'data'", param=at)
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if (
+        isinstance(source, dict)
+        and source.get("type") == "url"
+        and isinstance(source.get("url"), str)
+    ):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise InvalidRequestError(
+        f"{at}.source must be {{'type': 'base64', 'media_type', 'data'}} or {{'type': 'url', 'url'}}",
+        param=at,
+    )
+
+
+def _text_blocks(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """The blocks' text joined; with `images` (message turns), a list of text and image
+    parts in order when any `image` block is present."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -103,25 +127,29 @@ def _text_blocks(content: Any, where: str) -> str:
             f"{where} must be a string or a list of content blocks", param=where
         )
     texts = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "image" and images:
+            parts.append(_image_block(block, at))
         elif kind in ("image", "document", "tool_use", "tool_result", "thinking", "redacted_thinking", "search_result", "server_tool_use"):  # fmt: skip
             raise unsupported(at, f"'{kind}' content blocks are not implemented")
         else:
             raise InvalidRequestError(
                 f"{at} must be a text block {{'type': 'text', 'text': ...}}", param=at
             )
-    return "".join(texts)
+    return "".join(texts) if len(parts) == len(texts) else parts
 
 
 def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """The request's system prompt and turns as `{role, content: str}` dicts."""
     result: list[dict[str, Any]] = []
     if req.system is not None:
-        system = _text_blocks(req.system, "system")
+        system = str(_text_blocks(req.system, "system"))
         if system:
             result.append({"role": "system", "content": system})
     if not req.messages:
@@ -138,7 +166,10 @@ def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
         if "content" not in message:
             raise InvalidRequestError(f"{where}.content is required", param=f"{where}.content")
         result.append(
-            {"role": role, "content": _text_blocks(message["content"], f"{where}.content")}
+            {
+                "role": role,
+                "content": _text_blocks(message["content"], f"{where}.content", images=True),
+            }
         )
     if result[-1]["role"] != "user":
         raise unsupported(

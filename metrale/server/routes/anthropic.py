@@ -25,6 +25,7 @@ from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import RequestOutput
 from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
+from metrale.server.media import template_messages, vision_inputs
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
 from metrale.server.routes.common import open_generation, request_body
@@ -99,10 +100,15 @@ class _MessageJob:
 async def create_message(request: Request) -> Response:
     gen = await open_generation(request, MessagesRequest)
     state, req = gen.state, gen.body
-    text, ids = await gen.chat_prompt(chat_messages(req), add_generation_prompt=True)
+    vision = state.engine.info.vision
+    messages, images = await template_messages(vision, chat_messages(req))
+    text, ids = await gen.chat_prompt(messages, add_generation_prompt=True)
+    ids, pictures = await vision_inputs(vision, ids, images)
     message_id = f"msg_{uuid.uuid4().hex}"
     params = req.sampling_params(state.sampling_defaults)
-    (stream,) = await gen.add(message_id, [(text, ids)], params, prompt_param="messages")
+    (stream,) = await gen.add(
+        message_id, [(text, ids)], params, prompt_param="messages", vision=pictures
+    )
     job = _MessageJob(state, message_id, stream, len(ids), gen.tracker)
     if req.stream:
         return EventStreamResponse(
