@@ -1,6 +1,8 @@
-"""Qwen2.5-VL: the vision tower (patch embedding, window / full attention blocks, patch
-merger), multimodal rotary positions (M-RoPE) and the embedding merge at the image pad tokens,
-on the dense decoder (`llama.py`, Qwen2 layout).
+"""Qwen2.5-VL and Qwen3-VL (dense): the vision towers (patch embedding, window / full
+attention blocks, patch merger; Qwen3-VL's learned positions and DeepStack mergers),
+multimodal rotary positions (M-RoPE, contiguous or interleaved sections) and the embedding
+merge at the image pad tokens, on the dense decoder (`llama.py`: Qwen2 layout for 2.5, Qwen3
+with q/k norm for 3).
 
 Owner: models. Written from the published architecture; parameter names equal the checkpoint's
 (`visual.blocks.N.attn.qkv.weight`, `model.layers.N...`, `lm_head.weight`) except the fused
@@ -14,7 +16,9 @@ Invariants:
 - `forward(input_ids, positions, ...)` takes `positions` `[T]` (text: every M-RoPE stream
   equal, which is plain rotary) or `[3, T]` (temporal, height, width streams); `vision_rows`
   `(row_index [K], embeddings [K, hidden])` replaces those rows' token embeddings before the
-  first layer. The rotary table swap for `[3, T]` lasts one forward (restored on every exit).
+  first layer; their DeepStack parts (Qwen3-VL: the row's columns past `hidden`, one block
+  per level) are added to the outputs of decoder layers 0, 1, ... at the same rows. The rotary
+  table swap for `[3, T]` lasts one forward (restored on every exit).
 """
 
 from __future__ import annotations
@@ -60,6 +64,24 @@ class VisionConfig:
     vision_end_token_id: int
     #: The decoder's M-RoPE split of the rotary frequencies into (t, h, w) sections.
     mrope_section: tuple[int, int, int]
+    #: Qwen3-VL: the sections interleave (t, h, w, t, h, w, ...) instead of being contiguous.
+    mrope_interleaved: bool = False
+    #: Qwen3-VL: a learned position table of this many entries (a square grid), resampled
+    #: bilinearly to each image's patch grid; 0: none (Qwen2.5-VL).
+    num_position_embeddings: int = 0
+    #: Qwen3-VL (DeepStack): tower blocks whose merged output is added to the decoder's hidden
+    #: states at the image rows after decoder layers 0, 1, ...
+    deepstack_visual_indexes: tuple[int, ...] = ()
+
+    def band_streams(self, bands: int) -> list[int]:
+        """For each rotary frequency band, the M-RoPE stream it reads (0 t, 1 h, 2 w)."""
+        t, h, w = self.mrope_section
+        if self.mrope_interleaved:
+            return [
+                1 if j % 3 == 1 and j < 3 * h else 2 if j % 3 == 2 and j < 3 * w else 0
+                for j in range(bands)
+            ]
+        return [0] * t + [1] * h + [2] * w
 
     @property
     def merge_unit(self) -> int:
@@ -108,6 +130,11 @@ def parse_vision_config(raw: dict[str, Any], source: str = "config.json") -> Vis
             vision_start_token_id=tok("vision_start_token_id"),
             vision_end_token_id=tok("vision_end_token_id"),
             mrope_section=(int(section[0]), int(section[1]), int(section[2])),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+            num_position_embeddings=int(vision.get("num_position_embeddings") or 0),
+            deepstack_visual_indexes=tuple(
+                int(i) for i in vision.get("deepstack_visual_indexes") or ()
+            ),
         )
     except KeyError as exc:
         raise CheckpointError(f"{source}: vision_config lacks {exc}") from exc
@@ -179,15 +206,16 @@ class PatchEmbed(nn.Module):
     """A `(temporal, patch, patch)` convolution with stride equal to its kernel: one matrix
     product over each flattened patch (the checkpoint's `Conv3d` weight, kept in its shape)."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, bias: bool = False) -> None:
         super().__init__()
         t, p = cfg.temporal_patch_size, cfg.patch_size
         self.proj = nn.Module()
         self.proj.weight = nn.Parameter(torch.empty(cfg.hidden_size, cfg.in_channels, t, p, p))
+        self.proj.bias = nn.Parameter(torch.empty(cfg.hidden_size)) if bias else None
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
-        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1))
+        return F.linear(pixels.to(w.dtype), w.reshape(w.shape[0], -1), self.proj.bias)
 
 
 class PatchMerger(nn.Module):
@@ -282,30 +310,140 @@ class VisionTower(nn.Module):
         return merged.index_select(0, torch.argsort(order))
 
 
+class Qwen3VisionMlp(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+            raise CheckpointError(f"vision hidden_act '{cfg.hidden_act}' is not supported")
+        self.approximate = "tanh" if cfg.hidden_act == "gelu_pytorch_tanh" else "none"
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class Qwen3VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = Qwen3VisionMlp(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen3PatchMerger(nn.Module):
+    """LayerNorm (before the 2x2 merge, or after it for the DeepStack mergers), then
+    `fc1 -> GELU -> fc2` over each merged group."""
+
+    def __init__(self, cfg: VisionConfig, post_shuffle_norm: bool) -> None:
+        super().__init__()
+        self.width = cfg.hidden_size * cfg.merge_unit
+        self.post_shuffle_norm = post_shuffle_norm
+        self.norm = nn.LayerNorm(self.width if post_shuffle_norm else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.post_shuffle_norm else self.norm(x)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x.view(-1, self.width))))
+
+
+def bilinear_taps(
+    grids: Sequence[tuple[int, int, int]], merge: int, side: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(indices [patches, 4], weights [patches, 4])` resampling a `side x side` table to each
+    image's patch grid (bilinear, corners aligned), patches in merge-block-major order."""
+    idx, wts = [], []
+    for t, h, w in grids:
+        pos = vision_rotary_positions([(t, h, w)], merge)  # (row, col) per patch
+
+        def axis(coord: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+            src = coord.float() * (side - 1) / max(size - 1, 1)
+            lo = src.floor()
+            taps = torch.stack([lo, lo + 1], dim=1)
+            weight = (1 - (src[:, None] - taps).abs()).clamp(min=0)
+            return taps.long().clamp(0, side - 1), weight
+
+        rt, rw = axis(pos[:, 0], h)
+        ct, cw = axis(pos[:, 1], w)
+        idx.append((rt[:, :, None] * side + ct[:, None, :]).reshape(-1, 4))
+        wts.append((rw[:, :, None] * cw[:, None, :]).reshape(-1, 4))
+    return torch.cat(idx), torch.cat(wts)
+
+
+class Qwen3VisionTower(nn.Module):
+    """Qwen3-VL's tower: patch embedding plus a resampled learned position table, full
+    attention within each frame in every block, the merger, and the DeepStack mergers."""
+
+    def __init__(self, cfg: VisionConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.patch_embed = PatchEmbed(cfg, bias=True)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.side = int(cfg.num_position_embeddings**0.5)
+        self.blocks = nn.ModuleList([Qwen3VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = Qwen3PatchMerger(cfg, post_shuffle_norm=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            [Qwen3PatchMerger(cfg, post_shuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
+        )
+        head_dim = cfg.hidden_size // cfg.num_heads
+        spatial = head_dim // 2
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
+        """`[merged tokens, out * (1 + DeepStack levels)]`: the merger's rows, then each level's."""
+        cfg = self.cfg
+        x = self.patch_embed(pixels)
+        index, weight = bilinear_taps(grids, cfg.spatial_merge_size, self.side)
+        pos = (self.pos_embed(index.to(x.device)) * weight.to(x.device)[:, :, None]).sum(1)
+        x = x + pos.to(x.dtype)
+        rc = vision_rotary_positions(grids, cfg.spatial_merge_size).to(x.device)
+        freqs = rc[..., None].float() * self.inv_freq
+        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        frames = [h * w for t, h, w in grids for _ in range(t)]
+        levels: list[torch.Tensor] = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames)
+            if i in cfg.deepstack_visual_indexes:
+                k = cfg.deepstack_visual_indexes.index(i)
+                levels.append(self.deepstack_merger_list[k](x))
+        return torch.cat([self.merger(x), *levels], dim=-1)
+
+
 # ---------------------------------------------------------------------------- M-RoPE
 
 
 def mrope_table(
-    cos_sin: torch.Tensor, positions: torch.Tensor, section: tuple[int, int, int]
+    cos_sin: torch.Tensor, positions: torch.Tensor, streams: torch.Tensor
 ) -> torch.Tensor:
     """Per-token `[T, 2, rotary_dim // 2]` cos/sin rows: frequency band `j` of the rotary
-    dims takes the angle of stream `s(j)` (temporal, height, width by `section`)."""
-    gathered = cos_sin.index_select(0, positions.reshape(-1)).view(
-        3, positions.shape[1], 2, cos_sin.shape[-1]
-    )
-    parts, start = [], 0
-    for s, width in enumerate(section):
-        parts.append(gathered[s, :, :, start : start + width])
-        start += width
-    if start != cos_sin.shape[-1]:
-        raise ValueError(f"mrope_section {section} does not cover {cos_sin.shape[-1]} bands")
-    return torch.cat(parts, dim=-1)
+    dims takes the angle of position stream `streams[j]` (0 temporal, 1 height, 2 width)."""
+    bands = cos_sin.shape[-1]
+    if streams.shape[0] != bands:
+        raise ValueError(f"{streams.shape[0]} M-RoPE band streams for {bands} bands")
+    t = positions.shape[1]
+    gathered = cos_sin.index_select(0, positions.reshape(-1)).view(3, t, 2, bands)
+    index = streams.view(1, 1, 1, bands).expand(1, t, 2, bands)
+    return gathered.gather(0, index)[0]
 
 
 class VisionDecoderStack(DecoderStack):
     """The dense decoder with token-embedding overrides and per-token M-RoPE tables."""
 
-    mrope_section: tuple[int, int, int] = (0, 0, 0)
+    #: `[rotary_dim // 2]` int64: the M-RoPE stream of each frequency band (set by the model).
+    mrope_streams: torch.Tensor
+    #: Decoder hidden size (the width of one part of a vision row, see `run_vision`).
+    deepstack_layers: int = 0
 
     def run_vision(
         self,
@@ -316,20 +454,28 @@ class VisionDecoderStack(DecoderStack):
         vision_rows: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        width = hidden.shape[-1]
+        extra: list[torch.Tensor] = []
         if vision_rows is not None:
             index, rows = vision_rows
-            hidden = hidden.index_copy(0, index, rows.to(hidden.dtype))
+            rows = rows.to(hidden.dtype)
+            hidden = hidden.index_copy(0, index, rows[:, :width])
+            extra = [
+                rows[:, width * (k + 1) : width * (k + 2)] for k in range(self.deepstack_layers)
+            ]
         rotary = self.rotary
         base = rotary.cos_sin
         if positions.dim() == 2:
             rotary.ensure_positions(int(positions.max()) + 1)
             base = rotary.cos_sin
-            rotary.cos_sin = mrope_table(base, positions, self.mrope_section)
+            rotary.cos_sin = mrope_table(base, positions, self.mrope_streams.to(positions.device))
             positions = torch.arange(positions.shape[1], device=positions.device)
         try:
             residual: torch.Tensor | None = None
-            for layer, kv in zip(self.layers, kv_caches, strict=True):
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
                 hidden, residual = layer(positions, hidden, residual, meta, kv)
+                if i < len(extra):  # DeepStack: the tower's block-k features join layer k's output
+                    hidden = hidden.index_add(0, vision_rows[0], extra[i])  # type: ignore[index]
         finally:
             rotary.cos_sin = base
         assert residual is not None
@@ -340,6 +486,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     """Qwen2.5-VL: `visual` (the tower) + the Qwen2 decoder (`model`) + `lm_head`."""
 
     stack_class = VisionDecoderStack
+    tower_class: type[nn.Module] = VisionTower
 
     def __init__(self, cfg: ModelConfig, ops: KernelOps, max_positions: int) -> None:
         super().__init__(cfg, ops, max_positions)
@@ -355,8 +502,10 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                 f"rotary_dim {cfg.rotary_dim}"
             )
         assert isinstance(self.model, VisionDecoderStack)
-        self.model.mrope_section = self.vision_config.mrope_section
-        self.visual = VisionTower(self.vision_config, ops)
+        streams = self.vision_config.band_streams(cfg.rotary_dim // 2)
+        self.model.mrope_streams = torch.tensor(streams, dtype=torch.int64)
+        self.model.deepstack_layers = len(self.vision_config.deepstack_visual_indexes)
+        self.visual = self.tower_class(self.vision_config, ops)
 
     def forward(
         self,
@@ -373,6 +522,8 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
     def encode_images(
         self, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]
     ) -> list[torch.Tensor]:
+        """One `[tokens_i, hidden * (1 + deepstack layers)]` tensor per image: the merged
+        rows, then (Qwen3-VL) each DeepStack level's rows, side by side."""
         merged = self.visual(pixel_values, grids)
         sizes = [t * h * w // self.vision_config.merge_unit for t, h, w in grids]
         return list(merged.split(sizes))
@@ -403,3 +554,10 @@ def _checkpoint_name(name: str) -> str:
         name = name.replace(".mlp.gate_proj.", ".mlp.vision_gate_proj.")
         name = name.replace(".mlp.up_proj.", ".mlp.vision_up_proj.")
     return name
+
+
+class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen3-VL (dense): Qwen3's decoder (q/k norm), interleaved M-RoPE, the Qwen3 tower with
+    DeepStack features added after the first decoder layers."""
+
+    tower_class = Qwen3VisionTower

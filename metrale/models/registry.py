@@ -14,7 +14,10 @@ from metrale.models.llama import LlamaForCausalLM
 from metrale.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from metrale.models.nemotron_h import NemotronHForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
-from metrale.models.qwen_vl import Qwen2_5_VLForConditionalGeneration
+from metrale.models.qwen_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -27,6 +30,7 @@ ARCHITECTURES: dict[str, type] = {
     "BambaForCausalLM": BambaForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
 }
 
 #: model_type -> architecture, for configs without an `architectures` list.
@@ -41,6 +45,7 @@ MODEL_TYPES = {
     "bamba": "BambaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
 }
 
 

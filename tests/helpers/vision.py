@@ -1,4 +1,4 @@
-"""Tiny random vision-language checkpoints (Qwen2.5-VL) written by transformers, and test images.
+"""Tiny random vision-language checkpoints (Qwen2.5-VL, Qwen3-VL) written by transformers, and test images.
 
 Owner: tests. `build_qwen25_vl()` writes a real checkpoint directory: config.json +
 model.safetensors from transformers, the tiny tokenizer with Qwen's vision tokens added
@@ -7,6 +7,8 @@ template that renders image parts as Qwen's does, and a preprocessor_config.json
 patch grid so images of a few dozen pixels become a few dozen tokens.
 
 Invariants:
+- `build_qwen3_vl()` is the same for Qwen3-VL (q/k-norm decoder, interleaved M-RoPE, learned
+  vision positions, DeepStack at tower blocks 0 and 2).
 - Deterministic (seeded weights, seeded images); built once per process into a temporary
   directory removed at exit.
 """
@@ -75,6 +77,29 @@ def qwen25_vl_config() -> Any:
     )  # fmt: skip
 
 
+def qwen3_vl_config() -> Any:
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=520, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-6,
+        ),
+        vision_config=dict(
+            depth=4, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, in_channels=3,
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 2],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+        image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def _add_vision_tokens(out: Path) -> None:
     from tokenizers import AddedToken, Tokenizer
 
@@ -96,15 +121,27 @@ def _add_vision_tokens(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
 
-@functools.cache
 def build_qwen25_vl() -> Path:
-    import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    return build_vl("qwen2_5_vl")
 
-    out = Path(tempfile.mkdtemp(prefix="metrale-tiny-qwen25vl-"))
+
+def build_qwen3_vl() -> Path:
+    return build_vl("qwen3_vl")
+
+
+@functools.cache
+def build_vl(kind: str) -> Path:
+    """A tiny random checkpoint of `kind` ("qwen2_5_vl" or "qwen3_vl")."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+
+    out = Path(tempfile.mkdtemp(prefix=f"metrale-tiny-{kind}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config())
+    if kind == "qwen2_5_vl":
+        model = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config())
+    else:
+        model = Qwen3VLForConditionalGeneration(qwen3_vl_config())
     with torch.no_grad():  # random weights large enough that images move the logits
         for name, p in model.named_parameters():
             if p.dim() > 1 and "embed" not in name:
@@ -153,9 +190,9 @@ def chat(
 @functools.cache
 def _hf_model(path: Path) -> Any:
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_processor() -> Any:

@@ -1,6 +1,7 @@
-"""Qwen2.5-VL against transformers on a tiny random checkpoint, float32 CPU: the image
-processor, the vision tower, and greedy tokens through `LLM.chat` with 0, 1 and 2 images of
-different sizes, whole and with prefill chunks cutting through the images.
+"""Qwen2.5-VL and Qwen3-VL against transformers on tiny random checkpoints, float32 CPU: the
+image processor, the vision towers (DeepStack levels included), and greedy tokens through
+`LLM.chat` with 0, 1 and 2 images of different sizes, whole and with prefill chunks cutting
+through the images.
 
 Owner: tests (models).
 """
@@ -18,6 +19,7 @@ from metrale.models.vision_processor import QwenVLImageProcessor
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.vision import (
     IMAGE_PAD,
+    build_qwen3_vl,
     build_qwen25_vl,
     chat,
     hf_greedy,
@@ -49,7 +51,9 @@ def test_processor_matches_transformers(path: Path) -> None:
     np.testing.assert_array_equal(np.concatenate([g[0] for g in got]), ref["pixel_values"])
 
 
-def test_vision_tower_matches_transformers(path: Path) -> None:
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_matches_transformers(kind: str) -> None:
+    path = build_qwen25_vl() if kind == "qwen2_5_vl" else build_qwen3_vl()
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=16)
     module = llm.engine.model.module
     proc = QwenVLImageProcessor.from_checkpoint(path)
@@ -59,17 +63,23 @@ def test_vision_tower_matches_transformers(path: Path) -> None:
     from tests.helpers.vision import _hf_model
 
     with torch.no_grad():
-        ref = _hf_model(path).model.get_image_features(pixels, torch.tensor(grids)).pooler_output
+        features = _hf_model(path).model.get_image_features(pixels, torch.tensor(grids))
         together = module.encode_images(pixels, grids)
         alone = module.encode_images(torch.from_numpy(done[1][0]), [grids[1]])
-    for r, g in zip(ref, together, strict=True):
-        torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-4)
+    levels = [features.pooler_output, *(getattr(features, "deepstack_features", None) or [])]
+    levels = [torch.cat(list(x)) if isinstance(x, (tuple, list)) else x for x in levels]
+    ref = torch.cat(levels, dim=-1)  # the merger's rows, then each DeepStack level's
+    torch.testing.assert_close(torch.cat(together), ref, atol=2e-5, rtol=1e-4)
+    assert ref.shape[-1] == 64 * (1 if kind == "qwen2_5_vl" else 3)
     torch.testing.assert_close(alone[0], together[1], atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
-def test_chat_greedy_matches_transformers(path: Path, chunk: int | None) -> None:
-    """0, 1 and 2 images in one batch; with `chunk` 8 every image is cut by chunk edges."""
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+def test_chat_greedy_matches_transformers(kind: str, chunk: int | None) -> None:
+    """0, 1 and 2 images in one batch; with `chunk` 8 every image is cut by chunk edges.
+    Qwen3-VL adds q/k norm, interleaved M-RoPE, learned vision positions and DeepStack."""
+    path = build_qwen25_vl() if kind == "qwen2_5_vl" else build_qwen3_vl()
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_prefill_chunk=chunk)
     convs = [chat("def f(x):", IMAGES[:n]) for n in range(3)]
     outs = llm.chat(convs, greedy())
