@@ -87,6 +87,10 @@ class EngineConfig:
     #: Comma-separated host names the server may fetch http(s) image URLs from (a host and
     #: its subdomains); None: remote URLs are refused, only data: URLs are read.
     allowed_media_domains: str | None = None
+    #: Vision models: a video (a GIF, or a list of frames) is sampled at / taken as this many
+    #: frames per second, and may have at most `max_video_frames` frames.
+    video_fps: float = 2.0
+    max_video_frames: int = 64
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,7 +107,14 @@ class EngineConfig:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        for name in ("max_images_per_request", "max_image_bytes", "max_image_pixels"):
+        if self.video_fps <= 0:
+            raise bad("video_fps", f"must be > 0, got {self.video_fps}")
+        for name in (
+            "max_images_per_request",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_video_frames",
+        ):
             if getattr(self, name) < 1:
                 raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -55,6 +55,9 @@ FLAG_HELP = {
     "allowed_media_domains": "vision models: comma-separated hosts the server may fetch "
     "http(s) image URLs from (and their subdomains); without it only data: URLs are read "
     "(default: none)",
+    "video_fps": "vision models: frames per second a video (GIF) is sampled at, and a list of "
+    "frames is taken to be at",
+    "max_video_frames": "vision models: most frames of one video after sampling",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "preemption_mode": "recompute | swap",
@@ -101,7 +104,8 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     "speculative_config": "speculation",
     **dict.fromkeys(
-        ("max_images_per_request", "max_image_bytes", "max_image_pixels", "allowed_media_domains"),
+        ("max_images_per_request", "max_image_bytes", "max_image_pixels", "allowed_media_domains",
+         "video_fps", "max_video_frames"),
         "vision",
     ),
 }  # fmt: skip

@@ -73,6 +73,12 @@ class VisionConfig:
     #: states at the image rows after decoder layers 0, 1, ...
     deepstack_visual_indexes: tuple[int, ...] = ()
 
+    @property
+    def timestamped_video(self) -> bool:
+        """Qwen3-VL lays a video out as timestamped frames (not built here); Qwen2.5-VL as
+        one grid with temporal positions."""
+        return self.mrope_interleaved
+
     def band_streams(self, bands: int) -> list[int]:
         """For each rotary frequency band, the M-RoPE stream it reads (0 t, 1 h, 2 w)."""
         t, h, w = self.mrope_section

@@ -47,8 +47,11 @@ class ImageLimits:
     max_pixels: int = 4096 * 4096
 
 
-def decode_image(data: bytes, limits: ImageLimits, what: str = "image") -> Any:
-    """`data` decoded into an RGB `PIL.Image`, or `InvalidRequestError` naming the problem."""
+def decode_image(
+    data: bytes, limits: ImageLimits, what: str = "image", keep_open: bool = False
+) -> Any:
+    """`data` decoded into an RGB `PIL.Image`, or `InvalidRequestError` naming the problem;
+    `keep_open`: the opened image as it is (an animation's frames stay readable)."""
     from PIL import Image, UnidentifiedImageError
 
     if len(data) > limits.max_bytes:
@@ -81,6 +84,8 @@ def decode_image(data: bytes, limits: ImageLimits, what: str = "image") -> Any:
         ) from exc
     if width < 1 or height < 1:
         raise InvalidRequestError(f"{what} has no pixels ({width}x{height})", param="messages")
+    if keep_open:
+        return image
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

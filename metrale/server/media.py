@@ -76,13 +76,15 @@ def _fetch_remote(messages: list[dict[str, Any]], vision: VisionPrompts) -> list
             continue
         parts = []
         for j, part in enumerate(content):
-            url = part.get("image_url", {}).get("url") if isinstance(part, dict) else None
+            kind = "video" if isinstance(part, dict) and "video_url" in part else "image"
+            holder = part.get(f"{kind}_url") if isinstance(part, dict) else None
+            url = holder.get("url") if isinstance(holder, dict) else None
             if isinstance(url, str) and url.startswith(("http://", "https://")):
                 data = fetch_image(url, vision, f"messages[{i}].content[{j}]")
-                part = {"type": "image", "image": data}
+                part = {"type": kind, kind: data}
             elif isinstance(url, str) and not url.startswith("data:"):
                 raise InvalidRequestError(
-                    f"messages[{i}].content[{j}]: image URLs must be data: or http(s) URLs",
+                    f"messages[{i}].content[{j}]: {kind} URLs must be data: or http(s) URLs",
                     param="messages",
                 )
             parts.append(part)

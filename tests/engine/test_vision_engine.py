@@ -100,3 +100,17 @@ def test_text_only_model_refuses_images() -> None:
     llm = LLM(str(build(llama)), device="cpu", num_kv_blocks=16)
     with pytest.raises(InvalidRequestError, match="does not take image input"):
         llm.chat(chat("hi", [(8, 8, 0)]))
+
+
+def test_video_limits_and_qwen3_vl_video_are_refused_by_name() -> None:
+    from tests.helpers.vision import build_qwen3_vl, pil_image
+
+    frames = [pil_image(16, 16, s) for s in range(5)]
+    video = [{"role": "user", "content": [{"type": "video", "video": frames}]}]
+    short = LLM(str(build_qwen25_vl()), device="cpu", num_kv_blocks=32, max_video_frames=4)
+    with pytest.raises(InvalidRequestError, match="--max-video-frames"):
+        short.chat(video)
+    qwen3 = LLM(str(build_qwen3_vl()), device="cpu", num_kv_blocks=32)
+    with pytest.raises(InvalidRequestError, match="does not take video input"):
+        qwen3.chat(video)
+    assert not short.engine.has_unfinished() and not qwen3.engine.has_unfinished()

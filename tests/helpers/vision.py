@@ -225,3 +225,43 @@ def hf_greedy(
             ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, **kwargs
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def gif_bytes(sizes: tuple[int, int], durations_ms: list[int], seed: int = 0) -> bytes:
+    """An animated GIF of random frames with the given per-frame durations."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    w, h = sizes
+    frames = [
+        Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8), "RGB").quantize(64)
+        for _ in durations_ms
+    ]
+    buf = io.BytesIO()
+    frames[0].save(
+        buf, format="GIF", save_all=True, append_images=frames[1:], duration=durations_ms, loop=0
+    )
+    return buf.getvalue()
+
+
+def hf_greedy_video(
+    path: Path,
+    prompt_ids: list[int],
+    pixels: Any,
+    grid: tuple[int, int, int],
+    seconds: float,
+    max_new: int,
+) -> list[int]:
+    """transformers' greedy continuation with one video given as patches (metrale's, since
+    transformers' video processor needs torchvision) and `seconds` per temporal patch."""
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = _hf_model(path).generate(
+            ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+            pixel_values_videos=torch.from_numpy(pixels), video_grid_thw=torch.tensor([grid]),
+            second_per_grid_ts=torch.tensor([seconds]),
+            mm_token_type_ids=(ids == VIDEO_PAD).int() * 2,
+        )  # fmt: skip
+    return out[0, len(prompt_ids) :].tolist()

@@ -104,3 +104,43 @@ def test_images_change_the_answer(path: Path) -> None:
     assert a.prompt_token_ids == b.prompt_token_ids
     assert a.outputs[0].token_ids != b.outputs[0].token_ids
     assert b.outputs[0].token_ids == hf_greedy(path, b.prompt_token_ids, [(40, 28, 7)], MAX_NEW)
+
+
+def test_video_frames_and_gif_match_transformers() -> None:
+    """A video as a list of frames (3, padded to 4 for the temporal patches) and as a GIF
+    decoded in-process and sampled at --video-fps: the temporal M-RoPE positions step by
+    tokens_per_second x seconds per patch, as transformers' Qwen2.5-VL does."""
+    from metrale.engine.vision import sample_gif
+    from metrale.models.vision_processor import ImageLimits
+    from tests.helpers.vision import VIDEO_PAD, gif_bytes, hf_greedy_video
+
+    path = build_qwen25_vl()
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, video_fps=2.0)
+    frames = [pil_image(24, 16, s) for s in (5, 6, 7)]
+    gif = gif_bytes((24, 16), [250, 250, 500, 500], seed=3)  # 1.5 s: 3 frames at 2 fps
+    sampled = sample_gif(gif, 2.0, ImageLimits(), "gif")
+    assert len(sampled) == 3
+    proc = QwenVLImageProcessor.from_checkpoint(path)
+    for video, source in ((frames, frames), (data_url_gif(gif), sampled)):
+        messages = [
+            {"role": "user", "content": [
+                {"type": "text", "text": "def f(x):"},
+                {"type": "video", "video": video} if isinstance(video, list)
+                else {"type": "video_url", "video_url": {"url": video}},
+                {"type": "text", "text": " return"},
+            ]}
+        ]  # fmt: skip
+        (out,) = llm.chat(messages, greedy())
+        ids = out.prompt_token_ids
+        pixels, grid = proc.process_frames(source)
+        assert grid[0] == 2 and sum(t == VIDEO_PAD for t in ids) == 2 * grid[1] * grid[2] // 4
+        seconds = proc.temporal_patch_size / 2.0
+        assert out.outputs[0].token_ids == hf_greedy_video(
+            path, ids, pixels, grid, seconds, MAX_NEW
+        )
+
+
+def data_url_gif(data: bytes) -> str:
+    from tests.helpers.vision import data_url
+
+    return data_url(data, "image/gif")

@@ -10,12 +10,12 @@ Invariants:
   (None) among `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` takes the
   model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
 - Fields that would change the result but are not supported (tools, tool_choice,
-  response_format other than text, functions, audio, audio / file / video content parts,
+  response_format other than text, functions, audio, audio / file content parts,
   `best_of` != n, a `suffix` on a model without fill-in-the-middle tokens) are refused with a
   400 naming the field.
-- Image parts (`image_url`, `image`, `input_image`) are kept, in order with the text parts,
-  as `{"type": "image_url", "image_url": {"url": ...}}` for `metrale.server.media` (which
-  refuses them on a text-only model, naming the part).
+- Image parts (`image_url`, `image`, `input_image`) and `video_url` parts are kept, in order
+  with the text parts, as `{"type": "image_url" | "video_url", ...: {"url": ...}}` for
+  `metrale.server.media` (which refuses them on a text-only model, naming the part).
 - `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
 - Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
   reported as "length"); "abort" only if the engine ended a request on its own.
@@ -291,7 +291,6 @@ IMAGE_PARTS = ("image_url", "image", "input_image")
 _UNSUPPORTED_PARTS = {
     "input_audio": "audio input",
     "file": "file input",
-    "video_url": "video input",
 }
 
 
@@ -302,6 +301,15 @@ def _image_part(part: dict[str, Any], at: str) -> dict[str, Any]:
     if not isinstance(url, str) or not url:
         raise InvalidRequestError(f"{at} needs an image URL (image_url.url)", param=at)
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _video_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """A `video_url` part (a GIF's URL) as `{"type": "video_url", "video_url": {"url": ...}}`."""
+    value = part.get("video_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{at} needs a video URL (video_url.url)", param=at)
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
@@ -343,6 +351,8 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                     parts.append({"type": "text", "text": part["text"]})
                 elif kind in IMAGE_PARTS:
                     parts.append(_image_part(part, at))
+                elif kind == "video_url":
+                    parts.append(_video_part(part, at))
                 elif kind in _UNSUPPORTED_PARTS:
                     raise unsupported(at, f"{_UNSUPPORTED_PARTS[kind]} is not implemented")
                 else:
