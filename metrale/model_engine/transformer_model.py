@@ -402,12 +402,7 @@ class TransformerModel(VisionForwards, PagedKvLifecycle, VerifyForwards, MtpDraf
         """`feed`: (previous step's token ids on the device, source row of each decode row);
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
-        if (
-            runner is not None
-            and num_decode == len(rows)
-            and runner.can_run(num_decode)
-            and not self._vision_decode_delta(rows)
-        ):
+        if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
             spans = [(i, 1) for i in range(len(rows))]
             return self._forward_graphed(runner, rows, feed), spans
         self.eager_forwards += 1
@@ -449,7 +444,10 @@ class TransformerModel(VisionForwards, PagedKvLifecycle, VerifyForwards, MtpDraf
         for i, r in enumerate(rows):
             tables[i, : len(r.seq.block_table)] = r.seq.block_table
         self._last_hidden = None
-        logits = runner.run(tokens, positions, tables, feed[0] if feed is not None else None)
+        rope = self._vision_shifted_positions([r.seq for r in rows], positions)
+        logits = runner.run(
+            tokens, positions, tables, feed[0] if feed is not None else None, rope_positions=rope
+        )
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits

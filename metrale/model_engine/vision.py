@@ -21,8 +21,10 @@ Invariants:
 - Positions past the prompt (generated tokens, a recompute after preemption) are
   `index + delta` on all three streams, as transformers continues them; a preempted vision
   sequence therefore recomputes exactly (its `VisionInputs` stays with the request).
-- Decode rows of a sequence with a non-zero `delta` run eagerly (counted in
-  `vision_stats["eager_decode_forwards"]`): the decode graphs index rotary by `seq_len`.
+- Graphed decode steps (CUDA) pass `seq_len + delta` as the rotary positions while slots
+  and lengths follow `seq_len` (every M-RoPE stream equal is plain rotary); graphed verify
+  steps take no such offset, so a verify with a shifted row runs eagerly (counted in
+  `vision_stats["eager_verify_forwards"]`).
 """
 
 from __future__ import annotations
@@ -160,7 +162,8 @@ class VisionForwards:
             "encoder_passes": 0,
             "images_encoded": 0,
             "encoder_cache_hits": 0,
-            "eager_decode_forwards": 0,
+            "graphed_shifted_decodes": 0,
+            "eager_verify_forwards": 0,
         }
 
     # ------------------------------------------------------------ the seed's interface
@@ -274,13 +277,29 @@ class VisionForwards:
         merged = torch.cat([encoded[it.digest][f : f + c] for _, it, f, c in needed])
         return pos, {"vision_rows": (index, merged)}
 
-    def _vision_decode_delta(self, rows: Sequence[ForwardRow]) -> bool:
-        """Whether a decode-only forward must run eagerly for M-RoPE (a non-zero delta)."""
+    def _vision_shifted_positions(
+        self, seqs: Sequence[SequenceState], positions: np.ndarray
+    ) -> np.ndarray | None:
+        """A graphed decode step's rotary positions (`position + delta` per row) when some
+        row continues after an image with a non-zero M-RoPE delta; None otherwise. With every
+        stream at one position, M-RoPE is the plain rotary the decode graphs apply."""
+        if not self.vision_enabled:
+            return None
+        deltas = [s.vision.delta if s.vision is not None else 0 for s in seqs]
+        if not any(deltas):
+            return None
+        self.vision_stats["graphed_shifted_decodes"] += 1
+        return positions + np.asarray(deltas, dtype=np.int64)
+
+    def _vision_verify_eager(self, seqs: Sequence[SequenceState]) -> bool:
+        """Whether a verify step must run eagerly: the verify graphs take no rotary
+        positions apart from the cache's, so rows after an image (a delta) run eagerly
+        (counted)."""
         if not self.vision_enabled:
             return False
-        shifted = any(r.seq.vision is not None and r.seq.vision.delta != 0 for r in rows)
+        shifted = any(s.vision is not None and s.vision.delta != 0 for s in seqs)
         if shifted:
-            self.vision_stats["eager_decode_forwards"] += 1
+            self.vision_stats["eager_verify_forwards"] += 1
         return shifted
 
     # ---------------------------------------------------- prefix-cache keys (over the

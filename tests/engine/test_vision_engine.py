@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from metrale import LLM, SamplingParams
+from metrale.engine.vision import split_media
 from metrale.errors import InvalidRequestError
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.vision import IMAGE_PAD, build_qwen25_vl, chat, data_url, hf_greedy, png_bytes
@@ -114,3 +115,51 @@ def test_video_limits_and_qwen3_vl_video_are_refused_by_name() -> None:
     with pytest.raises(InvalidRequestError, match="does not take video input"):
         qwen3.chat(video)
     assert not short.engine.has_unfinished() and not qwen3.engine.has_unfinished()
+
+
+def test_decode_graphs_get_shifted_rotary_positions(path: Path) -> None:
+    """CUDA's decode graphs (staging checked on the CPU, the graph body stubbed): a row after
+    an image gets `seq_len + delta` as its rotary position, while its KV slot and length
+    follow `seq_len`."""
+    import torch
+
+    from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+
+    llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    model = llm.engine.model
+    runner = DecodeGraphRunner(model.module, model.kv_cache.layers, model.device, 4, 32, 16)
+    vocab = model.config.vocab_size
+    runner._body = lambda rows: torch.zeros(rows, vocab)  # type: ignore[method-assign]
+    calls: list[tuple[list[int], list[int] | None]] = []
+    real_run = runner.run
+
+    def spy(tokens, positions, tables, feed=None, rope_positions=None):
+        calls.append(
+            (positions.tolist(), None if rope_positions is None else rope_positions.tolist())
+        )
+        out = real_run(tokens, positions, tables, feed, rope_positions=rope_positions)
+        rope = positions if rope_positions is None else rope_positions
+        assert runner.positions[: len(tokens)].tolist() == rope.tolist()
+        assert runner.seq_lens[: len(tokens)].tolist() == (positions + 1).tolist()
+        slots = [int(tables[i, p // 16]) * 16 + p % 16 for i, p in enumerate(positions)]
+        assert runner.slot_mapping[: len(tokens)].tolist() == slots
+        return out
+
+    runner.run = spy  # type: ignore[method-assign]
+    model.graph_runner = runner
+    with_image = chat("def f(x):", [(40, 28, 1)])
+    llm.chat([with_image, chat("def f(x):", [])], greedy(3))
+    messages, media = split_media(with_image)
+    tok = llm.get_tokenizer()
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
+    assert llm.engine.vision is not None
+    delta = llm.engine.vision.build(ids, media)[1].delta
+    assert delta < 0
+    shifted = [c for c in calls if c[1] is not None]
+    assert shifted
+    for pos, rope in shifted:
+        offsets = {r - p for r, p in zip(rope, pos, strict=True)}
+        assert delta in offsets and offsets <= {delta, 0}
+    assert model.vision_stats["graphed_shifted_decodes"] == len(shifted)
