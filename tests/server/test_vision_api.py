@@ -231,3 +231,41 @@ def test_text_only_server_refuses_images(tmp_path: Path) -> None:
     finally:
         handle.shutdown()
     assert "does not take image input" in str(refused)
+
+
+def test_token_counts_include_the_image_tokens(app_and_path: Any) -> None:
+    """`/tokenize` and `/v1/messages/count_tokens` count an image as the tokens the chat
+    routes prefill for it."""
+    app, _ = app_and_path
+    w, h, s = IMAGES[0]
+    png = png_bytes(w, h, s)
+    block = {
+        "type": "image",
+        "source": {
+            "type": "base64",
+            "media_type": "image/png",
+            "data": base64.b64encode(png).decode(),
+        },
+    }
+
+    async def calls(http: httpx.AsyncClient) -> tuple[Any, Any, Any]:
+        messages = [{"role": "user", "content": content(IMAGES[:1])}]
+        tokenized = (await http.post("/tokenize", json={"messages": messages})).json()
+        anthropic_body = {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "def f(x):"}, block,
+                                                      {"type": "text", "text": " return"}]}],
+        }  # fmt: skip
+        counted = (await http.post("/v1/messages/count_tokens", json=anthropic_body)).json()
+        chat = await openai_client(http).chat.completions.create(
+            model=(await openai_client(http).models.list()).data[0].id,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
+            extra_body={"return_token_ids": True},
+        )
+        return tokenized, counted, chat
+
+    tokenized, counted, chat = run(app, calls)
+    prompt = chat.model_extra["prompt_token_ids"]
+    assert tokenized["tokens"] == prompt and tokenized["count"] == len(prompt)
+    assert counted["input_tokens"] == len(prompt)
+    assert sum(t == IMAGE_PAD for t in prompt) == 20
