@@ -211,7 +211,7 @@ class VisionPrompts:
         limits = self.limits
         if len(media) > limits.max_images:
             raise InvalidRequestError(
-                f"{len(media)} images in one request, over the limit of {limits.max_images} "
+                f"{len(media)} images and videos in one request, over the limit of {limits.max_images} "
                 "(--max-images-per-request)",
                 param="messages",
             )
@@ -224,7 +224,8 @@ class VisionPrompts:
         if total > limits.max_total_bytes:
             raise InvalidRequestError(
                 f"the request's images total {total} bytes, over the limit of "
-                f"{limits.max_total_bytes} bytes per request (--max-image-bytes-per-request)",
+                f"{limits.max_total_bytes} bytes per request (--max-images-per-request x "
+                "--max-image-bytes)",
                 param="messages",
             )
         out: list[Any] = []

@@ -16,6 +16,9 @@ Invariants:
   reservations and the decode rows' need, so an admitted prefill finishes without preempting.
 - The prefix cache is looked up, reclaimed and filled under a sequence's `prefix_namespace`
   (its adapter id and `cache_namespace`): sequences of different namespaces never share blocks.
+  A sequence with images is matched and reclaimed by `prefix_tokens()` (its image pads keyed
+  by the image hash); its state carries the images (`state.vision`) from `_start` on, so the
+  model keys the lookup and the insert the same way.
 - `_start` leaves nothing behind on failure: the state it allocated is freed and the sequence
   is WAITING again.
 """

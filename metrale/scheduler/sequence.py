@@ -11,6 +11,8 @@ Invariants:
 - A FINISHED sequence never holds a state, a swap record or a queue position.
 - `max_tokens` is the resolved budget (>= 1, within the context); the scheduler never reads
   `params.max_tokens`.
+- `vision` (the prompt's images) is opaque here and travels with the sequence across
+  preemption and swap; `prefix_tokens()` is `all_tokens` keyed by it for the prefix cache.
 - `spec_token_ids` are draft tokens for the next step only: never part of `all_tokens`, set
   by the engine's proposer before `Scheduler.schedule` and cleared by it (a row computes its
   last token plus the drafts the plan gave it; the verdict commits the accepted prefix).
