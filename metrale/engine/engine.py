@@ -237,8 +237,8 @@ class Engine:
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
-        if vision is not None:
-            check_vision(vision, ids, self.vision is not None)
+        if vision is not None or self.vision is not None:
+            check_vision(vision, ids, self.vision)
         if params.bad_words:
             params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
         timeout = timeout if timeout is not None else self.config.request_timeout

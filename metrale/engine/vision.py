@@ -356,10 +356,20 @@ def vision_prompts_for(config: Any, model_dir: str | Path, model: Any) -> Vision
     )  # fmt: skip
 
 
-def check_vision(vision: Any, ids: Sequence[int], supported: bool) -> None:
-    """A request's `VisionInputs` fits its prompt (and the model takes images at all)."""
-    if not supported:
+def check_vision(vision: Any, ids: Sequence[int], prompts: VisionPrompts | None) -> None:
+    """A request's `VisionInputs` fits its prompt (and the model takes images at all); on a
+    vision model, a prompt without images holds no image or video pad token (its rows would
+    have no pixels to stand for: transformers refuses such a prompt too)."""
+    if prompts is None:
         raise InvalidRequestError("this model does not take image input", param="messages")
+    if vision is None:
+        pads = {prompts.config.image_token_id, prompts.config.video_token_id}
+        if any(t in pads for t in ids):
+            raise InvalidRequestError(
+                "the prompt holds image or video pad tokens but no images were given",
+                param="prompt",
+            )
+        return
     if not isinstance(vision, VisionInputs) or vision.prompt_len != len(ids):
         raise InvalidRequestError(
             "the request's images do not match its prompt (build them with Engine.vision.build)",

@@ -163,3 +163,11 @@ def test_decode_graphs_get_shifted_rotary_positions(path: Path) -> None:
         offsets = {r - p for r, p in zip(rope, pos, strict=True)}
         assert delta in offsets and offsets <= {delta, 0}
     assert model.vision_stats["graphed_shifted_decodes"] == len(shifted)
+
+
+def test_pad_tokens_without_images_are_refused(path: Path) -> None:
+    llm = LLM(str(path), device="cpu", num_kv_blocks=16)
+    with pytest.raises(InvalidRequestError, match="pad tokens but no images"):
+        llm.generate([[4, 20, IMAGE_PAD, 30]])
+    (ok,) = llm.generate([[4, 20, 30]], greedy(2))
+    assert len(ok.outputs[0].token_ids) == 2
