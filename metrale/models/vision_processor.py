@@ -52,7 +52,12 @@ def decode_image(
 ) -> Any:
     """`data` decoded into an RGB `PIL.Image`, or `InvalidRequestError` naming the problem;
     `keep_open`: the opened image as it is (an animation's frames stay readable)."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as exc:  # an install without the server extra
+        raise InvalidRequestError(
+            "image input needs Pillow, which is not installed (pip install 'metrale[server]')"
+        ) from exc
 
     if len(data) > limits.max_bytes:
         raise InvalidRequestError(
