@@ -1,4 +1,4 @@
-"""Qwen2.5-VL and Qwen3-VL (dense): the vision towers (patch embedding, window / full
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE: the vision towers (patch embedding, window / full
 attention blocks, patch merger; Qwen3-VL's learned positions and DeepStack mergers),
 multimodal rotary positions (M-RoPE, contiguous or interleaved sections) and the embedding
 merge at the image pad tokens, on the dense decoder (`llama.py`: Qwen2 layout for 2.5, Qwen3
@@ -24,7 +24,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,9 +35,11 @@ from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.common import GatedMLP, RMSNorm
+from metrale.layers.moe import SparseMoeBlock
 from metrale.model_config import ModelConfig
 from metrale.models.llama import DecoderStack, LlamaForCausalLM
-from metrale.models.loader import StackedShard, WeightMapping
+from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
+from metrale.models.moe import Qwen3MoeDecoderLayer
 
 
 @dataclass(frozen=True)
@@ -567,3 +569,34 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
     DeepStack features added after the first decoder layers."""
 
     tower_class = Qwen3VisionTower
+
+
+class Qwen3VLMoeDecoderLayer(Qwen3MoeDecoderLayer):
+    """Qwen3-MoE's layer; Qwen3-VL-MoE's router always renormalises over the chosen experts
+    (its config has no `norm_topk_prob`)."""
+
+    def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: KernelOps) -> nn.Module:
+        mlp = super().build_mlp(cfg, layer_idx, ops)
+        if isinstance(mlp, SparseMoeBlock):
+            mlp = SparseMoeBlock(replace(mlp.gate.spec, renormalize=True), ops)
+        return mlp
+
+
+class VisionMoeStack(VisionDecoderStack):
+    layer_class = Qwen3VLMoeDecoderLayer
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE: the Qwen3-VL tower and M-RoPE on the Qwen3-MoE decoder (`moe.py`)."""
+
+    stack_class = VisionMoeStack
+
+    def weight_mapping(self) -> WeightMapping:
+        mapping = super().weight_mapping()
+        inter = int(self.config.raw.get("moe_intermediate_size") or 0)
+        mapping.experts = [
+            ExpertShard("gate_up_proj", "gate_proj", 0, inter),
+            ExpertShard("gate_up_proj", "up_proj", inter, inter),
+            ExpertShard("down_proj", "down_proj", 0, self.config.hidden_size),
+        ]
+        return mapping

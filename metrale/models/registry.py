@@ -17,6 +17,7 @@ from metrale.models.qwen3_next import Qwen3NextForCausalLM
 from metrale.models.qwen_vl import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 
 ARCHITECTURES: dict[str, type] = {
@@ -31,6 +32,7 @@ ARCHITECTURES: dict[str, type] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
 }
 
 #: model_type -> architecture, for configs without an `architectures` list.
@@ -46,6 +48,7 @@ MODEL_TYPES = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 

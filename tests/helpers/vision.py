@@ -100,6 +100,25 @@ def qwen3_vl_config() -> Any:
     )  # fmt: skip
 
 
+def qwen3_vl_moe_config() -> Any:
+    from transformers import Qwen3VLMoeConfig
+
+    dense = qwen3_vl_config()
+    text = dense.text_config.to_dict()
+    text.update(moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                decoder_sparse_step=1)  # fmt: skip
+    for key in ("model_type", "architectures", "transformers_version"):
+        text.pop(key, None)
+    vision = dense.vision_config.to_dict()
+    for key in ("model_type", "transformers_version"):
+        vision.pop(key, None)
+    return Qwen3VLMoeConfig(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
+        video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def _add_vision_tokens(out: Path) -> None:
     from tokenizers import AddedToken, Tokenizer
 
@@ -129,19 +148,29 @@ def build_qwen3_vl() -> Path:
     return build_vl("qwen3_vl")
 
 
+def build_qwen3_vl_moe() -> Path:
+    return build_vl("qwen3_vl_moe")
+
+
 @functools.cache
 def build_vl(kind: str) -> Path:
     """A tiny random checkpoint of `kind` ("qwen2_5_vl" or "qwen3_vl")."""
     import torch
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     out = Path(tempfile.mkdtemp(prefix=f"metrale-tiny-{kind}-"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)
     torch.manual_seed(0)
     if kind == "qwen2_5_vl":
         model = Qwen2_5_VLForConditionalGeneration(qwen25_vl_config())
-    else:
+    elif kind == "qwen3_vl":
         model = Qwen3VLForConditionalGeneration(qwen3_vl_config())
+    else:
+        model = Qwen3VLMoeForConditionalGeneration(qwen3_vl_moe_config())
     with torch.no_grad():  # random weights large enough that images move the logits
         for name, p in model.named_parameters():
             if p.dim() > 1 and "embed" not in name:

@@ -21,6 +21,7 @@ from tests.helpers.vision import (
     IMAGE_PAD,
     build_qwen3_vl,
     build_qwen25_vl,
+    build_vl,
     chat,
     hf_greedy,
     hf_processor,
@@ -75,11 +76,12 @@ def test_vision_tower_matches_transformers(kind: str) -> None:
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
-@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_chat_greedy_matches_transformers(kind: str, chunk: int | None) -> None:
     """0, 1 and 2 images in one batch; with `chunk` 8 every image is cut by chunk edges.
-    Qwen3-VL adds q/k norm, interleaved M-RoPE, learned vision positions and DeepStack."""
-    path = build_qwen25_vl() if kind == "qwen2_5_vl" else build_qwen3_vl()
+    Qwen3-VL adds q/k norm, interleaved M-RoPE, learned vision positions and DeepStack;
+    Qwen3-VL-MoE its sparse decoder (router renormalised over the top k)."""
+    path = build_vl(kind)
     llm = LLM(str(path), device="cpu", dtype="float32", num_kv_blocks=64, max_prefill_chunk=chunk)
     convs = [chat("def f(x):", IMAGES[:n]) for n in range(3)]
     outs = llm.chat(convs, greedy())
