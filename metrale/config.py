@@ -106,6 +106,18 @@ class EngineConfig:
     max_lora_rank: int = 64
     #: Adapters whose weights stay in host memory between promotions; None: 2 x max_loras.
     max_cpu_loras: int | None = None
+    #: Vision models: most images in one request, and per image its encoded bytes and decoded
+    #: pixels (width x height); over a limit is a 400 naming it.
+    max_images_per_request: int = 16
+    max_image_bytes: int = 20 * 2**20
+    max_image_pixels: int = 4096 * 4096
+    #: Comma-separated host names the server may fetch http(s) image URLs from (a host and
+    #: its subdomains); None: remote URLs are refused, only data: URLs are read.
+    allowed_media_domains: str | None = None
+    #: Vision models: a video (a GIF, or a list of frames) is sampled at / taken as this many
+    #: frames per second, and may have at most `max_video_frames` frames.
+    video_fps: float = 2.0
+    max_video_frames: int = 64
 
     def __post_init__(self) -> None:
         self.validate()
@@ -122,6 +134,16 @@ class EngineConfig:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.video_fps <= 0:
+            raise bad("video_fps", f"must be > 0, got {self.video_fps}")
+        for name in (
+            "max_images_per_request",
+            "max_image_bytes",
+            "max_image_pixels",
+            "max_video_frames",
+        ):
+            if getattr(self, name) < 1:
+                raise bad(name, f"must be >= 1, got {getattr(self, name)}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         if (

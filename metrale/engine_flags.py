@@ -57,6 +57,15 @@ FLAG_HELP = {
     "carry the first (default: the checkpoint directory's name)",
     "chat_template": "a Jinja chat template file or string (default: the tokenizer's)",
     "enforce_eager": "no CUDA graphs: every forward runs eagerly",
+    "max_images_per_request": "vision models: most images in one request",
+    "max_image_bytes": "vision models: most encoded bytes of one image",
+    "max_image_pixels": "vision models: most decoded pixels (width x height) of one image",
+    "allowed_media_domains": "vision models: comma-separated hosts the server may fetch "
+    "http(s) image URLs from (and their subdomains); without it only data: URLs are read "
+    "(default: none)",
+    "video_fps": "vision models: frames per second a video (GIF) is sampled at, and a list of "
+    "frames is taken to be at",
+    "max_video_frames": "vision models: most frames of one video after sampling",
     "max_queue": "most requests waiting for admission; more get 503",
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "ssm_snapshot_slots": "hybrid models: recurrent-state snapshots kept for prefix-cache hits "
@@ -91,6 +100,7 @@ TOPICS: dict[str, str] = {
     "scheduling": "batching, admission, preemption, deadlines and step execution",
     "speculation": "speculative decoding",
     "lora": "LoRA adapters",
+    "vision": "image input (vision-language models)",
     "engine": "other engine settings",
 }
 DEFAULT_TOPIC = "engine"
@@ -116,6 +126,11 @@ FLAG_TOPICS: dict[str, str] = {
     "speculative_config": "speculation",
     **dict.fromkeys(
         ("enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"), "lora"
+    ),
+    **dict.fromkeys(
+        ("max_images_per_request", "max_image_bytes", "max_image_pixels", "allowed_media_domains",
+         "video_fps", "max_video_frames"),
+        "vision",
     ),
 }  # fmt: skip
 

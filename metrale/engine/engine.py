@@ -78,6 +78,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
 from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import LoRARequest, RequestOutput
 from metrale.engine.speculation import Speculation
+from metrale.engine.vision import check_vision, vision_prompts_for
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
@@ -152,6 +153,8 @@ class Engine:
         self.tokenizer = tokenizer or Tokenizer.from_dir(
             config.tokenizer or self.model_dir, chat_template=config.chat_template
         )
+        #: Images -> prompt tokens and `VisionInputs`; None for a text-only model.
+        self.vision = vision_prompts_for(config, self.model_dir, model)
         limit = model.max_context_len()
         #: The context limit every request is checked against (`check_prompt`).
         self.max_model_len = int(limit if limit is not None else config.max_model_len or 0)
@@ -256,6 +259,7 @@ class Engine:
         cache_namespace: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        vision: Any = None,
     ) -> None:
         """Validate and queue a request; raises before changing anything if it is bad.
 
@@ -266,7 +270,8 @@ class Engine:
         reads it); `cache_namespace` (a tenant and/or `cache_salt`) keeps the request's
         prefix-cache blocks apart from every other namespace's; `priority` orders the queues
         under `scheduling_policy="priority"` (lower first); `session_id` names the
-        conversation the request continues (hybrid models keep its SSM snapshots)."""
+        conversation the request continues (hybrid models keep its SSM snapshots); `vision` (a
+        `VisionInputs` from `self.vision.build`) carries the prompt's images."""
         params = params or self.default_sampling_params()
         if adapter_id:
             self._check_adapter(adapter_id)
@@ -277,6 +282,8 @@ class Engine:
                 f"request id {request_id!r} is already in use", param="request_id"
             )
         text, ids, max_tokens = self.check_prompt(prompt, prompt_token_ids, params)
+        if vision is not None or self.vision is not None:
+            check_vision(vision, ids, self.vision)
         if params.bad_words:
             params = params.replace(bad_words_token_ids=bad_word_ids(params, self.tokenizer))
         spec = params.structured_outputs
@@ -304,6 +311,7 @@ class Engine:
                 cache_namespace=cache_namespace,
                 priority=priority,
                 session_id=session_id,
+                vision=vision,
             )
             for i in range(n)
         ]

@@ -16,7 +16,7 @@ split the same way).
 
 Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
 - parent -> child: ("add", request_id, prompt, params, prompt_token_ids, timeout, adapter_id,
-  speculative, lookup_tenant, cache_namespace, priority, session_id) (the arguments of `Engine.add_request`, in that order),
+  speculative, lookup_tenant, cache_namespace, priority, session_id, vision) (the arguments of `Engine.add_request`, in that order),
   ("abort", request_id), ("control", call_id, method, args) (`handle.CONTROL_METHODS`: the
   LoRA registry), ("shutdown",).
 - child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then

@@ -77,6 +77,7 @@ class EngineHandle(Protocol):
         cache_namespace: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        vision: Any = None,
     ) -> RequestStream: ...
     async def control(self, method: str, *args: Any) -> Any: ...
 
@@ -192,6 +193,8 @@ class AddArgs:
     cache_namespace: str | None = None
     priority: int = 0
     session_id: str | None = None
+    #: The prompt's images (`model_engine.vision.VisionInputs`, numpy arrays: picklable).
+    vision: Any = None
 
     def wire(self) -> tuple[Any, ...]:
         """The process wire's "add" tuple (see `engine_process`)."""
@@ -210,6 +213,7 @@ class AddArgs:
             lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
             priority=self.priority,
             session_id=self.session_id,
+            vision=self.vision,
         )  # fmt: skip
 
 
@@ -332,6 +336,7 @@ class HandleBase(ABC, Generic[E]):
         cache_namespace: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        vision: Any = None,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
@@ -342,7 +347,7 @@ class HandleBase(ABC, Generic[E]):
         accepted: asyncio.Future[None] = loop.create_future()
         add = AddArgs(
             request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant, cache_namespace, priority, session_id,
+            lookup_tenant, cache_namespace, priority, session_id, vision,
         )  # fmt: skip
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:

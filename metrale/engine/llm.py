@@ -6,6 +6,9 @@ Owner: engine.
 Invariants:
 - Every prompt of a call is validated before any is queued, so a bad one raises and queues
   nothing; the engine stays usable for the next call.
+- `chat` takes image parts (`image_url` with a data: URL, `image` with a PIL image or bytes)
+  on a vision-language model; each is decoded, preprocessed and expanded into its pad tokens
+  before anything is queued.
 - Outputs come back in the order of the prompts given, whatever order they finished in.
 - `sampling_params=None` means `get_default_sampling_params()`: `SamplingParams()` with the
   model's generation_config.json defaults (unless `generation_config="none"`), as in vLLM.
@@ -28,6 +31,7 @@ from metrale.engine.translate import (
     beam_search,
     is_encoder_decoder_dir,
 )
+from metrale.engine.vision import has_media, split_media
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.beam import BeamParams
 from metrale.sampling.params import SamplingParams
@@ -174,16 +178,29 @@ class LLM:
         )
         params = _params_list(sampling_params, len(conversations), self.get_default_sampling_params)
         tok = self._require_engine().tokenizer
-        prompts = []
+        prompts: list[tuple[str | None, list[int] | None]] = []
+        visions: list[Any] = []
         for conv in conversations:
+            messages, images = [dict(m) for m in conv], []
+            if has_media(messages):
+                if self.engine.vision is None:
+                    raise InvalidRequestError(
+                        "this model does not take image input", param="messages"
+                    )
+                messages, images = split_media(messages)
             text = tok.apply_chat_template(
-                [dict(m) for m in conv],
-                add_generation_prompt=add_generation_prompt,
-                **template_kwargs,
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
-            prompts.append(((text, tok.encode(text, add_special_tokens=False)), None))
+            token_ids = tok.encode(text, add_special_tokens=False)
+            vision = None
+            if images:
+                engine = self._require_engine()
+                assert engine.vision is not None
+                token_ids, vision = engine.vision.build(token_ids, images)
+            prompts.append((text, token_ids))
+            visions.append(vision)
         adapters = self._adapter_ids(lora_request, len(conversations))
-        return self._run([(p, sp) for (p, _), sp in zip(prompts, params)], adapters)
+        return self._run(list(zip(prompts, params)), adapters, visions)
 
     def _require_engine(self) -> Engine:
         if self.translator is not None:
@@ -196,9 +213,13 @@ class LLM:
         self,
         work: list[tuple[tuple[str | None, list[int] | None], SamplingParams]],
         adapters: list[int] | None = None,
+        visions: Sequence[Any] | None = None,
     ) -> list[RequestOutput]:
+        """`adapters[i]`, `visions[i]`: prompt i's adapter id and its images (`VisionInputs`)
+        or None."""
         engine = self._require_engine()
         ids = [f"llm-{next(self._ids)}" for _ in work]
+        visions = list(visions) if visions is not None else [None] * len(work)
         # Validate all first: prompt ids and token budgets, without queueing anything.
         for (text, token_ids), sp in work:
             engine.check_prompt(text if token_ids is None else None, token_ids, sp)
@@ -208,6 +229,7 @@ class LLM:
                 engine.add_request(
                     rid, text, sp, prompt_token_ids=token_ids, final_only=True,
                     adapter_id=adapters[i] if adapters else 0,
+                    vision=visions[i] if visions else None,
                 )  # fmt: skip
                 added.append(rid)
             finals: dict[str, RequestOutput] = {}

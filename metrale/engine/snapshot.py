@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.scheduler.core import SchedulerStats
@@ -125,6 +125,9 @@ class EngineInfo:
     scheduling_policy: str = "fcfs"
     #: LoRA adapters registered at start-up, (name, id, directory); None: LoRA is off.
     lora_adapters: tuple[tuple[str, int, str], ...] | None = None
+    #: The engine's `VisionPrompts` (images -> prompt tokens; no model inside, picklable);
+    #: None for a text-only model.
+    vision: Any = None
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -140,4 +143,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         sampling_defaults=engine.sampling_defaults,
         scheduling_policy=engine.config.scheduling_policy,
         lora_adapters=tuple(engine.lora_adapter_list()) if engine.config.lora_enabled else None,
+        vision=engine.vision,
     )

@@ -221,15 +221,19 @@ class DecodeGraphRunner:
         tables: np.ndarray,
         feed: torch.Tensor | None = None,
         adapter_slots: np.ndarray | None = None,
+        rope_positions: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Replay for `len(tokens)` decode rows; returns their `[rows, vocab]` float32 logits.
         `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded). With `feed` (the
         previous step's token ids on the device), `tokens` are row indices into it.
-        `adapter_slots`: each row's LoRA slot (-1: base; None: all base)."""
+        `adapter_slots`: each row's LoRA slot (-1: base; None: all base). `rope_positions`:
+        the positions the rotary reads when they differ from the cache positions (M-RoPE after
+        an image: `position + delta`); slots and lengths always follow `positions`."""
         rows = len(tokens)
         bs = self.block_size
         slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
-        return self._replay(1, tokens, positions, slots, positions + 1, tables, feed, adapter_slots)
+        rope = positions if rope_positions is None else rope_positions
+        return self._replay(1, tokens, rope, slots, positions + 1, tables, feed, adapter_slots)
 
     @torch.inference_mode()
     def run_verify(

@@ -276,6 +276,8 @@ class SequenceState:
     length_penalty: float = 1.0
     #: NLLB: True stops once `num_beams` hypotheses finished ("never": transformers' meaning).
     early_stopping: bool | str = False
+    #: The prompt's images (`metrale.model_engine.vision.VisionInputs`); None for text.
+    vision: Any = None
 
     @classmethod
     def host_only(cls, slot_idx: int) -> SequenceState:

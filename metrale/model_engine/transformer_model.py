@@ -25,6 +25,8 @@ Invariants:
 - With the MTP head drafting (`mtp=True`), every eager forward keeps its rows' hidden states
   for the head (`MtpDrafting`, `mtp.py`); the KV cache holds the head's layers after the main
   model's, and the main model only ever sees its own.
+- Vision models: a forward whose rows carry images gets M-RoPE positions and the encoder rows
+  of the image pad tokens it covers (`VisionForwards`, `vision.py`, with its invariants).
 - Hybrid models (an SSM slot pool is given): every live sequence holds one pool slot from
   `alloc_sequence` until `free_sequence` (its guard also returns it if the state is dropped),
   `slot_idx` names it, and a forward refuses a row whose slot state does not cover exactly the
@@ -74,6 +76,7 @@ from metrale.model_engine.traits import (
     blocks_needed,
 )
 from metrale.model_engine.verify import VerifyForwards
+from metrale.model_engine.vision import VisionForwards
 from metrale.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -90,7 +93,13 @@ def snapshot_cost(module: torch.nn.Module, config: ModelConfig) -> SnapshotCost:
 
 
 class TransformerModel(
-    PagedKvLifecycle, SsmPrefixCaching, VerifyForwards, MtpDrafting, LoraAdapters, Model
+    VisionForwards,
+    PagedKvLifecycle,
+    SsmPrefixCaching,
+    VerifyForwards,
+    MtpDrafting,
+    LoraAdapters,
+    Model,
 ):
     def __init__(
         self,
@@ -115,6 +124,7 @@ class TransformerModel(
                 f"{module.kv_layer_count} (+{head_layers} for its MTP head)"
             )
         self.mtp_enabled = mtp
+        self._vision_setup()
         self.mtp_graphs = {}
         self.mtp_proposes = {"graphed": 0, "eager": 0}
         self.ssm_pool = ssm_pool
@@ -464,8 +474,10 @@ class TransformerModel(
             tokens, from_rows = feed
             index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
-        args = (batch.input_ids, batch.meta.positions, batch.meta, self.main_kv_layers)
-        kwargs = {} if self.ssm_pool is None else {"ssm_states": self.ssm_pool.layers}
+        positions, kwargs = self._vision_batch(rows, batch.meta.positions)
+        args = (batch.input_ids, positions, batch.meta, self.main_kv_layers)
+        if self.ssm_pool is not None:
+            kwargs["ssm_states"] = self.ssm_pool.layers
         if self.lora is not None:
             self.lora.slots.batch = batch.lora
         try:
@@ -505,9 +517,10 @@ class TransformerModel(
         adapters = None
         if runner.lora is not None:
             adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
+        rope = self._vision_shifted_positions([r.seq for r in rows], positions)
         logits = runner.run(
             tokens, positions, tables, feed[0] if feed is not None else None,
-            adapter_slots=adapters,
+            adapter_slots=adapters, rope_positions=rope,
         )  # fmt: skip
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)

@@ -139,6 +139,8 @@ class VerifyForwards:
         q = next((q for q in runner.query_lens if q >= longest), None)
         if q is None or q == 1 or not runner.can_run(len(seqs), q):
             return None
+        if self._vision_verify_eager(seqs):  # type: ignore[attr-defined]
+            return None
         if not all(self.fits_context(s, q) for s in seqs):
             return None
         padded = [

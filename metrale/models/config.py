@@ -11,6 +11,9 @@ Invariants:
 - `head_dim * num_attention_heads` need not equal `hidden_size` (explicit `head_dim` wins).
 - A config metrale cannot serve faithfully (unknown rope type, dynamic rope) is refused here
   with a `CheckpointError` that names the field; nothing is silently approximated.
+- A vision-language config (Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE) describes its decoder here
+  (`_text_part`); `raw` holds the decoder's fields at the top level and still the vision
+  part.
 - `raw` keeps the whole dict for family-specific fields (experts, SSM layout); the hybrid
   families read their layer layout from it in both forms (`hybrid_override_pattern` string or
   `layers_block_type` / `layer_types` lists), and the layer count follows that layout.
@@ -147,8 +150,43 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     return (int(eos),)
 
 
+#: Vision-language model types -> the decoder family whose flags their text model has.
+MULTIMODAL_TEXT_TYPES = {
+    "qwen2_5_vl": "qwen2",
+    "qwen2_5_vl_text": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_text": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+    "qwen3_vl_moe_text": "qwen3_moe",
+}
+
+
+def _text_part(raw: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config's decoder fields as a plain decoder config: `text_config`
+    (transformers 5, lifted to the top level, the nested copy kept) or the top level
+    (published checkpoints), under its decoder family's model type, with the M-RoPE rope type
+    read as the default rotary (the model applies the sections); `vision_config` and the
+    vision token ids stay. Other configs pass through unchanged."""
+    model_type = raw.get("model_type")
+    if model_type not in MULTIMODAL_TEXT_TYPES:
+        return raw
+    nested = raw.get("text_config")
+    text = {**raw, **nested} if isinstance(nested, dict) else dict(raw)
+    text["model_type"] = MULTIMODAL_TEXT_TYPES[str(model_type)]
+    text["architectures"] = raw.get("architectures")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and rope.get("type", rope.get("rope_type")) in (
+            "mrope",
+            "default",
+        ):
+            text[key] = {k: v for k, v in rope.items() if k not in ("type", "rope_type")}
+    return text
+
+
 def parse_model_config(raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
     """Normalise a decoder config dict; raises `CheckpointError` naming what is missing."""
+    raw = _text_part(raw)
     archs = raw.get("architectures") or []
     model_type = str(_require(raw, "model_type", source))
     hidden = int(_require(raw, "hidden_size", source))

@@ -14,6 +14,11 @@ from metrale.models.llama import LlamaForCausalLM
 from metrale.models.moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from metrale.models.nemotron_h import NemotronHForCausalLM
 from metrale.models.qwen3_next import Qwen3NextForCausalLM
+from metrale.models.qwen_vl import (
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -25,6 +30,9 @@ ARCHITECTURES: dict[str, type] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
 }
 
 #: model_type -> architecture, for configs without an `architectures` list.
@@ -38,6 +46,9 @@ MODEL_TYPES = {
     "nemotron_h": "NemotronHForCausalLM",
     "bamba": "BambaForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 
 

@@ -21,6 +21,9 @@ Invariants:
   slot can be had it waits at its place in the queue; adapter sequences behind it wait too
   (the slots drain to it, so it is not starved), base-model sequences behind it are admitted
   past it. `stats.lora_waiting_for_slot` counts the sequences the last pass left waiting.
+  A sequence with images is matched and reclaimed by `prefix_tokens()` (its image pads keyed
+  by the image hash); its state carries the images (`state.vision`) from `_start` on, so the
+  model keys the lookup and the insert the same way.
 - `_start` leaves nothing behind on failure: the state it allocated is freed and the sequence
   is WAITING again.
 """
@@ -67,7 +70,7 @@ class Admission(SchedulerParts):
             return blocks_for(seq.num_known + 1, self.block_size), 0
         matched = 0
         if self.config.enable_prefix_caching and not seq.reads_whole_prompt:
-            matched = self.model.prefix_match_len(seq.all_tokens, seq.prefix_namespace)
+            matched = self.model.prefix_match_len(seq.prefix_tokens(), seq.prefix_namespace)
         return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
@@ -98,7 +101,7 @@ class Admission(SchedulerParts):
                 break  # e.g. its grammar is compiling: the queue behind it waits (FIFO)
             need, _ = self._admission_need(seq)
             if need > available:
-                tokens = [] if seq.reads_whole_prompt else seq.all_tokens
+                tokens = [] if seq.reads_whole_prompt else seq.prefix_tokens()
                 target = need + self._reserved_blocks() + self._decode_need()
                 self.model.reclaim_prefix_blocks_for(tokens, seq.prefix_namespace, target)
                 available = self._available_blocks() - self._decode_need()
@@ -161,6 +164,7 @@ class Admission(SchedulerParts):
         state.session_hash = session_hash(
             seq.prefix_namespace, seq.session_id, seq.prompt_token_ids
         )
+        state.vision = seq.vision
         seq.state = state
         seq.status = Status.RUNNING
         try:

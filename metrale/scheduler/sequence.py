@@ -11,6 +11,8 @@ Invariants:
 - A FINISHED sequence never holds a state, a swap record or a queue position.
 - `max_tokens` is the resolved budget (>= 1, within the context); the scheduler never reads
   `params.max_tokens`.
+- `vision` (the prompt's images) is opaque here and travels with the sequence across
+  preemption and swap; `prefix_tokens()` is `all_tokens` keyed by it for the prefix cache.
 - `spec_token_ids` are draft tokens for the next step only: never part of `all_tokens`, set
   by the engine's proposer before `Scheduler.schedule` and cleared by it (a row computes its
   last token plus the drafts the plan gave it; the verdict commits the accepted prefix).
@@ -22,7 +24,7 @@ import enum
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, overload
+from typing import IO, Any, overload
 
 from metrale.model_engine.traits import PromptTokenLogprob, SequenceState
 from metrale.sampling.params import SamplingParams
@@ -151,6 +153,14 @@ class SchedSequence:
     #: False while something the engine needs before admission is not there yet (its
     #: output grammar compiling): a waiting sequence is admitted only once ready.
     ready: bool = True
+    #: The prompt's images (`model_engine.vision.VisionInputs`, opaque here); None for text.
+    vision: Any = None
+
+    def prefix_tokens(self) -> list[int]:
+        """`all_tokens` as the prefix cache keys them: image pad tokens carry their image's
+        hash (`vision.key_tokens`), so different images never share blocks."""
+        tokens = self.all_tokens
+        return tokens if self.vision is None else self.vision.key_tokens(tokens)
 
     @property
     def prefix_namespace(self) -> int:

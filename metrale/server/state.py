@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
@@ -231,6 +232,7 @@ class ServerState:
         cache_namespace: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
+        vision: Any = None,
     ) -> list[RequestStream]:
         """One accepted stream per prompt; errors about the prompt name `prompt_param`.
 
@@ -259,6 +261,7 @@ class ServerState:
                     lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
                     priority=priority,
                     session_id=session_id,
+                    vision=vision,
                 )  # fmt: skip
                 streams.append(stream)
         except MetraleError as exc:

@@ -23,6 +23,7 @@ from metrale import SamplingParams
 from metrale.config import EngineConfig
 from metrale.engine.engine import DEFAULT_TENANT, Engine
 from metrale.engine.engine_process import EngineProcess, _ChildLoop
+from metrale.engine.handle import AddArgs
 from metrale.engine.request import RequestOutput
 from metrale.errors import ContextLengthError, EngineDeadError
 from metrale.server.app import create_app
@@ -212,10 +213,11 @@ def test_the_wire_carries_speculative_and_lookup_tenant(process: EngineProcess) 
     finally:
         del process._send
     adds = [pickle.loads(pickle.dumps(m)) for m in sent if m[0] == "add"]
-    assert [a[-5:] for a in adds] == [
-        (False, "key:ab/t", "s", 3, "chat-1"),
-        (True, DEFAULT_TENANT, None, 0, None),
+    wired = [AddArgs.from_wire(a) for a in adds]  # by field name: the tuple grows at its end
+    got = [
+        (a.speculative, a.lookup_tenant, a.cache_namespace, a.priority, a.session_id) for a in wired
     ]
+    assert got == [(False, "key:ab/t", "s", 3, "chat-1"), (True, DEFAULT_TENANT, None, 0, None)]
 
     calls: list[dict[str, Any]] = []
 

@@ -32,6 +32,7 @@ def test_serve_help_groups_by_topic_with_defaults() -> None:
         "scheduling",
         "speculation",
         "lora",
+        "vision",
     ], titles
     assert f"{DEFAULT_TOPIC}:" not in text  # empty sections hidden
     for group in serve._action_groups:

@@ -7,11 +7,13 @@ Invariants:
 - Sampling fields the request leaves unset take the model's generation-config defaults, else
   the engine's (`SamplingDefaults.pick`); the model's `min_p` and `repetition_penalty` always
   apply (the Messages API has no field for them).
-- Text, `tool_use` (assistant) and `tool_result` (user) blocks are accepted; earlier turns'
-  `thinking` blocks are dropped (templates do not replay reasoning); image and document
-  blocks and `mcp_servers` are refused with a 400 naming the field. `tools`, `tool_choice`,
-  `thinking` and `output_config.format` are the route's `ChatOutputPlan`
-  (`metrale.server.chat_output`). `output_config.effort` is accepted and has no effect.
+- Text, `image` (base64 or url source, in message turns: turned into OpenAI-shaped
+  `image_url` parts for `metrale.server.media`), `tool_use` (assistant) and `tool_result`
+  (user) blocks are accepted; earlier turns' `thinking` blocks are dropped (templates do not
+  replay reasoning); document blocks, images in the system prompt and `mcp_servers` are
+  refused with a 400 naming the field. `tools`, `tool_choice`, `thinking` and
+  `output_config.format` are the route's `ChatOutputPlan` (`metrale.server.chat_output`).
+  `output_config.effort` is accepted and has no effect.
 - A conversation must end with a user turn (assistant prefill is not implemented: refused).
 - `stop_reason`: "end_turn" (EOS), "stop_sequence" (with `stop_sequence` set), "max_tokens",
   and "timeout" for a request past its deadline.
@@ -104,7 +106,29 @@ class MessagesRequest(SpeculationFields):
         )
 
 
-def _text_blocks(content: Any, where: str) -> str:
+def _image_block(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An `image` block (base64 or url source) as an OpenAI-shaped `image_url` part."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise InvalidRequestError(f"{at}.source needs 'media_type' and base64 'data'", param=at)
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if (
+        isinstance(source, dict)
+        and source.get("type") == "url"
+        and isinstance(source.get("url"), str)
+    ):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise InvalidRequestError(
+        f"{at}.source must be {{'type': 'base64', 'media_type', 'data'}} or {{'type': 'url', 'url'}}",
+        param=at,
+    )
+
+
+def _text_blocks(content: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """The blocks' text joined; with `images` (message turns), a list of text and image
+    parts in order when any `image` block is present."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -112,27 +136,31 @@ def _text_blocks(content: Any, where: str) -> str:
             f"{where} must be a string or a list of content blocks", param=where
         )
     texts = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
         elif kind in ("thinking", "redacted_thinking"):
             continue  # earlier turns' reasoning is not replayed
+        elif kind == "image" and images:
+            parts.append(_image_block(block, at))
         elif kind in ("image", "document", "tool_use", "tool_result", "search_result", "server_tool_use"):  # fmt: skip
             raise unsupported(at, f"'{kind}' content blocks are not implemented")
         else:
             raise InvalidRequestError(
                 f"{at} must be a text block {{'type': 'text', 'text': ...}}", param=at
             )
-    return "".join(texts)
+    return "".join(texts) if len(parts) == len(texts) else parts
 
 
 def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:
     """The request's system prompt and turns as `{role, content: str}` dicts."""
     result: list[dict[str, Any]] = []
     if req.system is not None:
-        system = _text_blocks(req.system, "system")
+        system = str(_text_blocks(req.system, "system"))
         if system:
             result.append({"role": "system", "content": system})
     if not req.messages:
@@ -162,9 +190,9 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
     its `tool_calls`; a user's `tool_result` blocks become `tool` messages (before its
     text, if any)."""
     if not isinstance(content, list):
-        return [{"role": role, "content": _text_blocks(content, where)}]
+        return [{"role": role, "content": _text_blocks(content, where, images=True)}]
     plain = [b for b in content if not (isinstance(b, dict) and b.get("type") in _TOOL_BLOCKS)]
-    text = _text_blocks(plain, where)
+    text = _text_blocks(plain, where, images=True)
     messages: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):

@@ -9,12 +9,15 @@ Invariants:
   chat `max_tokens` unset (up to the context). Except that a field the request leaves unset
   (None) among `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` takes the
   model's generation-config default when it has one (`SamplingDefaults.pick`), as in vLLM.
-- Fields that would change the result but are not supported (functions, audio, image /
-  audio / file content parts, `best_of` != n, a `suffix` on a model without fill-in-the-middle
+- Fields that would change the result but are not supported (functions, audio, audio /
+  file content parts, `best_of` != n, a `suffix` on a model without fill-in-the-middle
   tokens) are refused with a 400 naming the field. Output constraints (`response_format`,
   `structured_outputs`, `guided_*`) become `SamplingParams.structured_outputs`
   (`metrale.server.structured`); tools, tool choice and reasoning are the chat route's
   `ChatOutputPlan` (`metrale.server.chat_output`).
+- Image parts (`image_url`, `image`, `input_image`) and `video_url` parts are kept, in order
+  with the text parts, as `{"type": "image_url" | "video_url", ...: {"url": ...}}` for
+  `metrale.server.media` (which refuses them on a text-only model, naming the part).
 - `usage` always carries `prompt_tokens_details.cached_tokens` (0 when nothing was reused).
 - Finish reasons: "stop", "length", and "timeout" (a request past its deadline; never
   reported as "length"); "abort" only if the engine ended a request on its own.
@@ -286,18 +289,36 @@ def completion_prompts(
     raise bad("must be a string, a list of strings, token ids or non-empty lists of token ids")
 
 
+#: Image parts, kept as they are for the vision model (`metrale.server.media`).
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
 _UNSUPPORTED_PARTS = {
-    "image_url": "image input",
-    "image": "image input",
-    "input_image": "image input",
     "input_audio": "audio input",
     "file": "file input",
-    "video_url": "video input",
 }
 
 
+def _image_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """An image part as `{"type": "image_url", "image_url": {"url": ...}}`."""
+    value = part.get("image_url", part.get("image"))
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{at} needs an image URL (image_url.url)", param=at)
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _video_part(part: dict[str, Any], at: str) -> dict[str, Any]:
+    """A `video_url` part (a GIF's URL) as `{"type": "video_url", "video_url": {"url": ...}}`."""
+    value = part.get("video_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(f"{at} needs a video URL (video_url.url)", param=at)
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """OpenAI chat messages as the plain `{role, content: str}` dicts chat templates read."""
+    """OpenAI chat messages as the plain `{role, content: str}` dicts chat templates read;
+    a content list with image parts stays a list (text parts and image parts in order)."""
     if not messages:
         raise InvalidRequestError("messages must not be empty", param="messages")
     result: list[dict[str, Any]] = []
@@ -325,18 +346,24 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             content = ""
         elif isinstance(content, list):
             texts: list[str] = []
+            parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
                 at = f"{where}.content[{j}]"
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "text" and isinstance(part.get("text"), str):
                     texts.append(part["text"])
+                    parts.append({"type": "text", "text": part["text"]})
+                elif kind in IMAGE_PARTS:
+                    parts.append(_image_part(part, at))
+                elif kind == "video_url":
+                    parts.append(_video_part(part, at))
                 elif kind in _UNSUPPORTED_PARTS:
                     raise unsupported(at, f"{_UNSUPPORTED_PARTS[kind]} is not implemented")
                 else:
                     raise InvalidRequestError(
                         f"{at} must be a text part {{'type': 'text', 'text': ...}}", param=at
                     )
-            content = "\n".join(texts)
+            content = "\n".join(texts) if len(parts) == len(texts) else parts
         elif not isinstance(content, str):
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of text parts",

@@ -35,7 +35,9 @@ from metrale.errors import MetraleError
 from metrale.sampling.params import SamplingParams
 from metrale.server.chat_output import ChatOutputPlan, ChoiceSplitter, anthropic_plan
 from metrale.server.errors import InternalServerError, error_body
+from metrale.server.media import template_messages, vision_inputs
 from metrale.server.protocol.anthropic import MessagesRequest, chat_messages, stop_reason, usage
+from metrale.server.protocol.common import unsupported
 from metrale.server.reasoning import THINK_END, THINK_START
 from metrale.server.routes.common import Generation, open_generation, request_body
 from metrale.server.streaming import (
@@ -62,8 +64,11 @@ class _MessageJob:
         ids: list[int],
         params: SamplingParams,
         plan: ChatOutputPlan,
+        vision: Any = None,
     ) -> None:
         self.gen = gen
+        #: The prompt's images (`VisionInputs`), with the first phase's ids; None for text.
+        self.vision = vision
         self.state = gen.state
         self.message_id = message_id
         self.prompt = prompt
@@ -84,8 +89,12 @@ class _MessageJob:
     async def start(self) -> None:
         """Queue the first phase (refusals surface here, before any response byte)."""
         if self.budget is None:
-            self.stream = await self._add(self.message_id, self.prompt, self.ids, self.params)
+            self.stream = await self._add(
+                self.message_id, self.prompt, self.ids, self.params, self.vision
+            )
             return
+        if self.vision is not None:
+            raise unsupported("thinking", "a thinking budget with images is not implemented")
         prompt = self.prompt
         if not prompt.rstrip().endswith(THINK_START):
             prompt += THINK_START + "\n"
@@ -97,9 +106,11 @@ class _MessageJob:
         self.stream = await self._add(f"{self.message_id}-think", prompt, ids, params)
 
     async def _add(
-        self, rid: str, prompt: str, ids: list[int], params: SamplingParams
+        self, rid: str, prompt: str, ids: list[int], params: SamplingParams, vision: Any = None
     ) -> RequestStream:
-        (stream,) = await self.gen.add(rid, [(prompt, ids)], params, prompt_param="messages")
+        (stream,) = await self.gen.add(
+            rid, [(prompt, ids)], params, prompt_param="messages", vision=vision
+        )
         return stream
 
     async def phases(self) -> AsyncIterator[tuple[str, RequestOutput]]:
@@ -195,12 +206,13 @@ async def create_message(request: Request) -> Response:
     gen = await open_generation(request, MessagesRequest)
     state, req = gen.state, gen.body
     plan = anthropic_plan(req, state.tokenizer, state.tool_call_parser, state.reasoning_parser)
-    text, ids = await gen.chat_prompt(
-        chat_messages(req), add_generation_prompt=True, **plan.template_args()
-    )
+    vision = state.engine.info.vision
+    messages, images = await template_messages(vision, chat_messages(req))
+    text, ids = await gen.chat_prompt(messages, add_generation_prompt=True, **plan.template_args())
+    ids, pictures = await vision_inputs(vision, ids, images)
     message_id = f"msg_{uuid.uuid4().hex}"
     params = plan.apply(req.sampling_params(state.sampling_defaults))
-    job = _MessageJob(gen, message_id, text, ids, params, plan)
+    job = _MessageJob(gen, message_id, text, ids, params, plan, pictures)
     await job.start()
     if req.stream:
         return EventStreamResponse(

@@ -172,8 +172,10 @@ class Generation(Generic[BodyT]):
         params: SamplingParams,
         *,
         prompt_param: str = "prompt",
+        vision: Any = None,
     ) -> list[RequestStream]:
-        """`ServerState.add_requests` with the body's speculation fields."""
+        """`ServerState.add_requests` with the body's speculation fields (`vision`: the one
+        prompt's images, `metrale.server.media.chat_images`)."""
         body: GenerationBody = self.body  # type: ignore[assignment]
         return await self.state.add_requests(
             request_id,
@@ -186,6 +188,7 @@ class Generation(Generic[BodyT]):
             cache_namespace=cache_namespace(self.request, body.cache_salt),
             priority=getattr(body, "priority", 0),
             session_id=body.session(),
+            vision=vision,
         )
 
 

@@ -40,7 +40,9 @@ from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError, NotFoundError
 from metrale.server.chat_output import ChatOutputPlan, openai_plan
 from metrale.server.errors import InternalServerError, error_body, safe_text
+from metrale.server.media import template_messages, vision_inputs
 from metrale.server.metrics import RequestTracker
+from metrale.server.protocol.common import unsupported
 from metrale.server.protocol.openai import (
     ChatCompletionRequest,
     CompletionLogprobs,
@@ -421,8 +423,12 @@ async def create_chat_completion(request: Request) -> Response:
     template: dict[str, Any] = {**plan.template_args(), **(req.chat_template_kwargs or {})}
     if req.chat_template is not None:
         template["chat_template"] = req.chat_template
+    vision = state.engine.info.vision
+    rendered, images = await template_messages(vision, messages)
+    if images and req.truncate_prompt_tokens is not None:
+        raise unsupported("truncate_prompt_tokens", "truncating a prompt with images")
     text, ids = await gen.chat_prompt(
-        messages,
+        rendered,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         add_special_tokens=bool(req.add_special_tokens),
@@ -437,13 +443,18 @@ async def create_chat_completion(request: Request) -> Response:
             defaults=state.sampling_defaults,
         )
     )
+    ids, pictures = await vision_inputs(vision, ids, images)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await gen.add(request_id, [(text, ids)], params, prompt_param="messages")
+    streams = await gen.add(
+        request_id, [(text, ids)], params, prompt_param="messages", vision=pictures
+    )
     job = _Job(
         state, request_id, streams, [(text, ids)], params.n, gen.tracker, model=gen.model_name
     )
     # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
-    echoed = messages[-1]["content"] if req.echo and messages[-1]["role"] == "assistant" else ""
+    last = messages[-1]
+    echoed = last["content"] if req.echo and last["role"] == "assistant" else ""
+    echoed = echoed if isinstance(echoed, str) else ""
     view = _ChatView(job, req, plan, text, echoed)
     if req.stream:
         return EventStreamResponse(

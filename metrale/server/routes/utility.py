@@ -10,6 +10,8 @@ Invariants:
   renders them, then encoded with `add_special_tokens`, default false). Its answer is
   `{count, max_model_len, tokens, token_strs}`; `token_strs` is null unless
   `return_token_strs` is true.
+- On a vision model, image parts count their expanded tokens (decoded and sized as the chat
+  routes do, `metrale.server.media`); a text-only model refuses them by name.
 - `/detokenize` takes `{tokens}` and answers `{prompt}`; an id outside the vocabulary is a 400
   naming its index.
 - `/v1/messages/count_tokens` counts the tokens `/v1/messages` would prefill for the same body
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse
 
 from metrale.errors import InvalidRequestError
 from metrale.server.chat_output import anthropic_plan
+from metrale.server.media import template_messages, vision_inputs
 from metrale.server.protocol.anthropic import MessagesRequest
 from metrale.server.protocol.anthropic import chat_messages as anthropic_messages
 from metrale.server.protocol.common import RequestModel
@@ -85,7 +88,8 @@ async def tokenize(request: Request) -> JSONResponse:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await off_loop(len(req.prompt), tokenizer.encode, req.prompt, add_special)
     else:
-        messages = chat_messages(req.messages or [])
+        vision = state.engine.info.vision
+        messages, media = await template_messages(vision, chat_messages(req.messages or []))
         chars = sum(len(m["content"]) for m in messages)
         state.check_prompt_chars(chars, "messages")
         kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
@@ -104,6 +108,7 @@ async def tokenize(request: Request) -> JSONResponse:
         )
         if req.add_special_tokens:
             ids = tokenizer.encode(text, add_special_tokens=True)
+        ids, _ = await vision_inputs(vision, ids, media)  # image placeholders expanded
     strs = tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return JSONResponse(
         {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids, "token_strs": strs}
@@ -133,7 +138,8 @@ async def version() -> JSONResponse:
 async def count_tokens(request: Request) -> JSONResponse:
     state, req = await _open(request, CountTokensRequest)
     req.check_supported()
-    messages = anthropic_messages(req)
+    vision = state.engine.info.vision
+    messages, media = await template_messages(vision, anthropic_messages(req))
     plan = anthropic_plan(
         req, state.tokenizer, state.tool_call_parser, state.reasoning_parser, generating=False
     )  # the tools and enable_thinking render into the prompt as on /v1/messages
@@ -143,4 +149,5 @@ async def count_tokens(request: Request) -> JSONResponse:
         chars, render_chat, state.tokenizer, messages, add_generation_prompt=True,
         **plan.template_args(),
     )  # fmt: skip
+    ids, _ = await vision_inputs(vision, ids, media)  # image placeholders expanded
     return JSONResponse({"input_tokens": len(ids)})
