@@ -238,7 +238,7 @@ class Scheduler(Admission, Preemption):
         self._expire(plan)
         budget = self.config.max_num_batched_tokens
         self._trim_drafts()
-        self._make_room_for_decode()
+        self._make_room_for_decode(plan)
         decoding = [seq for seq in self.running if seq.is_decoding()]
         plan.decode = decoding[: max(0, budget)]
         budget -= len(plan.decode)

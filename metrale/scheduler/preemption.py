@@ -7,7 +7,8 @@ it reaches the model only through the `Model` interface.
 
 Invariants:
 - When decode rows need more blocks than are free, prefix-cache blocks are reclaimed first,
-  then every draft is dropped, then victims are preempted: fewest generated tokens, latest
+  then every draft is dropped, then victims are preempted (the cache blocks a recompute
+  victim leaves are reclaimed before the next victim is chosen): fewest generated tokens, latest
   arrival on ties (under the "priority" policy: the lowest priority, latest arrival); sequences resumed within `PREEMPT_IMMUNITY_TOKENS` generated tokens are
   immune unless all are. A lone sequence that still does not fit ends with "error".
 - A recompute preemption offers the sequence's written KV to the prefix cache and releases it
@@ -28,6 +29,7 @@ from collections import deque
 from typing import IO, cast
 
 from metrale.scheduler.parts import SchedulerParts
+from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence, Status, SwapRecord
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ PREEMPT_IMMUNITY_TOKENS = 64
 class Preemption(SchedulerParts):
     """Reclaim, drop drafts, preempt (a mixin of `Scheduler`)."""
 
-    def _make_room_for_decode(self) -> None:
+    def _make_room_for_decode(self, plan: StepPlan) -> None:
         need = self._decode_need()
         if need <= self._available_blocks():
             return
@@ -48,12 +50,18 @@ class Preemption(SchedulerParts):
             for seq in self.running:
                 seq.spec_token_ids = []
         while self._decode_need() > self._available_blocks():
+            # A recompute victim's blocks went to the prefix cache: reclaim them first.
+            short = self._decode_need() - self._available_blocks()
+            if self.model.reclaim_prefix_blocks(short) > 0:
+                continue
             if len(self.running) <= 1:
                 # A lone sequence always fits (`add` checks its peak); a shortfall here means
-                # blocks leaked. End it with an error rather than stall the engine.
+                # blocks leaked. End it with an error rather than stall the engine; the plan
+                # reports it, so its request gets its final output.
                 for seq in list(self.running):
                     logger.error("KV pool cannot hold the only running sequence %s", seq.seq_id)
                     self.finish(seq, "error")
+                    plan.finished.append(seq)
                 return
             self._preempt(self._choose_victim())
 

@@ -93,6 +93,37 @@ def test_swap_past_the_swap_space_spills_to_disk(tmp_path: Path) -> None:
     assert_no_leaks(llm.engine)
 
 
+def test_preempted_blocks_in_the_cache_are_reclaimed_before_the_last_victim() -> None:
+    """Four long sequences on a pool that holds one and a half: each recompute victim's blocks
+    go to the prefix cache, and are reclaimed before the next victim is chosen, so the last
+    one keeps running (it used to be ended with "error" with 6 cache-only blocks left)."""
+    prompts = [list(range(6 + i, 75 + i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=48, min_tokens=48)
+    llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=14, max_num_seqs=4)
+    outs = llm.generate(prompts, params)
+    ample = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=64).generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ample]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_no_leaks(llm.engine)
+
+
+def test_a_sequence_ended_for_lack_of_blocks_still_gets_its_final_output() -> None:
+    """If blocks leak so that a lone sequence cannot continue, it ends with "error" and its
+    request is answered (it used to hang the caller with no final output)."""
+    engine = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=16).engine
+    engine.add_request("r", list(range(6, 40)), SamplingParams(temperature=0, max_tokens=200))
+    engine.step()  # the prefill
+    leaked = engine.model.block_pool.allocate(engine.model.num_free_blocks())
+    finals = []
+    for _ in range(300):
+        finals += [o for o in engine.step() if o.finished]
+        if finals or not engine.has_unfinished():
+            break
+    assert [o.outputs[0].finish_reason for o in finals] == ["error"]
+    engine.model.block_pool.decref(leaked)
+    assert_no_leaks(engine)
+
+
 def test_request_that_can_never_fit_is_refused() -> None:
     llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=8)
     with pytest.raises(CapacityError, match="can never be served"):
