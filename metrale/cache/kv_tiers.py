@@ -86,19 +86,20 @@ class HostTier:
 
     def put(self, key: bytes, payload: bytes) -> list[tuple[bytes, bytes]]:
         """Store `payload`; returns the (key, payload) pairs pushed out to make room."""
-        if key in self.items:
-            self.items.move_to_end(key)
-            return []
+        stale = self.items.pop(key, None)
+        if stale is not None:  # a newer copy of the same block replaces it
+            self.stats.bytes -= len(stale)
         out = []
         while self.items and self.stats.bytes + len(payload) > self.capacity:
-            old, data = self.items.popitem(last=False)
+            evicted, data = self.items.popitem(last=False)
             self.stats.bytes -= len(data)
             self.stats.evictions += 1
-            out.append((old, data))
+            out.append((evicted, data))
         if len(payload) > self.capacity:
-            return [*out, (key, payload)]
-        self.items[key] = payload
-        self.stats.bytes += len(payload)
+            out.append((key, payload))
+        else:
+            self.items[key] = payload
+            self.stats.bytes += len(payload)
         self.stats.blocks = len(self.items)
         return out
 
@@ -246,6 +247,17 @@ class DiskTier:
         with self._lock:
             return key in self.index
 
+    def discard(self, key: bytes) -> None:
+        """Forget a block (its file is deleted), if this tier holds it."""
+        with self._lock:
+            size = self.index.pop(key, None)
+            if size is None:
+                return
+            self.stats.bytes -= size
+            self.stats.blocks = len(self.index)
+            self.pending.pop(key, None)
+        self._path(key).unlink(missing_ok=True)
+
     def take(self, key: bytes) -> bytes | None:
         """The block's payload, removed from this tier; None (a miss) when absent or corrupt."""
         with self._lock:
@@ -305,7 +317,10 @@ class KvTiers:
         )
 
     def put(self, key: bytes, payload: bytes) -> None:
-        """Keep an evicted block (host first; what the host pushes out goes to disk)."""
+        """Keep an evicted block (host first; what the host pushes out goes to disk). A block
+        evicted again while its older copy sits on disk replaces that copy."""
+        if self.disk is not None:
+            self.disk.discard(key)
         for old, data in self.host.put(key, payload):
             if self.disk is not None:
                 self.disk.put(old, data)

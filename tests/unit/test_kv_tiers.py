@@ -57,7 +57,7 @@ def test_host_spills_to_disk_and_disk_survives_a_restart(tmp_path: Path) -> None
     other.close()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(
     ops=st.lists(st.tuples(st.sampled_from(["put", "take"]), st.integers(0, 11),
                            st.integers(1, 90)), max_size=60),
@@ -72,11 +72,16 @@ def test_random_traffic_keeps_every_byte_accounted_for(tmp_path_factory, ops) ->
             payload = bytes([k]) * size
             tiers.put(key, payload)
             live[key] = payload
+        elif op == "put":  # evicted again: the new copy replaces any older one
+            payload = bytes([k + 1]) * size
+            tiers.put(key, payload)
+            live[key] = payload
         elif op == "take":
             got = tiers.take(key)
             if got is not None:
                 assert got[0] == live.pop(key)
         assert tiers.stats.host.bytes == sum(map(len, tiers.host.items.values())) <= 200
+        assert tiers.stats.host.blocks == len(tiers.host.items)
         assert tiers.disk is not None and tiers.stats.disk.bytes == sum(tiers.disk.index.values())
         assert tiers.stats.disk.bytes <= 400
         assert not set(tiers.host.items) & set(tiers.disk.index)  # one tier at a time
