@@ -70,6 +70,11 @@ class EngineConfig:
     #: at most `swap_spill_gb`.
     swap_spill_dir: str | None = None
     swap_spill_gb: float = 0.0
+    #: High-speed swap (CPU): each sequence keeps its first block and its newest
+    #: `high_speed_swap_blocks_per_seq` blocks in the KV pool; older ones move to host
+    #: memory and attention reads them there, so a context is not bounded by the pool.
+    high_speed_swap: bool = False
+    high_speed_swap_blocks_per_seq: int = 64
     #: Host memory (GiB) keeping KV blocks the prefix cache evicts; 0: none (evicted is gone).
     kv_offload_host_gb: float = 0.0
     #: A directory keeping blocks the host tier evicts, across restarts; None: no disk tier.

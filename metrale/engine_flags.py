@@ -44,6 +44,11 @@ FLAG_HELP = {
     "activations, KV, graphs)",
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
     "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
+    "high_speed_swap": "CPU: each sequence keeps only its first and newest blocks in the KV "
+    "pool, older ones in host memory where attention reads them (needs "
+    "--no-enable-prefix-caching and recompute preemption)",
+    "high_speed_swap_blocks_per_seq": "blocks a sequence keeps resident besides its first, "
+    "with --high-speed-swap",
     "swap_spill_dir": "directory where preemption swap goes past --swap-space-gb, instead of "
     "falling back to recompute (default: none)",
     "swap_spill_gb": "size of the swap spill directory in GiB",
@@ -114,7 +119,7 @@ FLAG_TOPICS: dict[str, str] = {
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
          "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb", "swap_spill_dir",
-         "swap_spill_gb", "kv_offload_host_gb",
+         "swap_spill_gb", "high_speed_swap", "high_speed_swap_blocks_per_seq", "kv_offload_host_gb",
          "kv_offload_disk", "kv_offload_disk_gb"),
         "memory",
     ),

@@ -78,14 +78,17 @@ def paged_attention(
     starts = meta.query_start_loc_host or meta.query_start_loc.tolist()
     nd, ql = meta.num_decode, meta.decode_query_len
     lens = meta.seq_lens_host or meta.seq_lens.tolist()
+    host_k = host_v = None
+    if meta.host_kv is not None:  # high-speed swap's host blocks
+        host_k, host_v = meta.host_kv.layer_tensors(k_cache)
     for b in range(meta.num_seqs):
         if b < nd:
             start, end = b * ql, (b + 1) * ql
         else:
             start, end = starts[b], starts[b + 1]
         length = lens[b]
-        k = _gather(k_cache, meta.block_tables[b], length).to(q.dtype)
-        v = _gather(v_cache, meta.block_tables[b], length).to(q.dtype)
+        k = _gather(k_cache, meta.block_tables[b], length, host_k).to(q.dtype)
+        v = _gather(v_cache, meta.block_tables[b], length, host_v).to(q.dtype)
         first = length - (end - start)
         for j in range(end - start):
             p = first + j

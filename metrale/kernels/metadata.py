@@ -60,6 +60,9 @@ class AttentionMetadata:
     #: `metrale.layers.recurrent_verify.RecurrentVerify` (typed loosely: `layers` sits above
     #: `kernels`); None without one.
     ssm_verify: Any = None
+    #: High-speed swap: the `metrale.cache.hss.HostKvPool` holding the blocks whose table
+    #: entries are negative; None when no row has any.
+    host_kv: Any = None
 
     @property
     def num_seqs(self) -> int:

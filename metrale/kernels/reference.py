@@ -65,11 +65,20 @@ def write_kv(
     v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of one sequence, `[length, Hk, D]`."""
+def _gather(
+    cache: torch.Tensor, table: torch.Tensor, length: int, host: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first `length` positions of one sequence, `[length, Hk, D]`; negative table entries
+    are blocks in `host` (high-speed swap: `metrale.cache.hss`)."""
     block_size = cache.shape[1]
     nblocks = (length + block_size - 1) // block_size
-    rows = cache.index_select(0, table[:nblocks].long())
+    ids = table[:nblocks].long()
+    if host is not None and bool((ids < 0).any()):
+        rows = torch.stack(
+            [cache[int(b)] if b >= 0 else host[-int(b) - 1].to(cache.device) for b in ids.tolist()]
+        )
+    else:
+        rows = cache.index_select(0, ids)
     return rows.reshape(-1, cache.shape[2], cache.shape[3])[:length]
 
 
@@ -84,7 +93,10 @@ def paged_attention(
     """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc.tolist()
-    nd = meta.num_decode
+    host_k = host_v = None
+    if meta.host_kv is not None:  # rows read host blocks: each sequence on its own below
+        host_k, host_v = meta.host_kv.layer_tensors(k_cache)
+    nd = meta.num_decode if host_k is None else 0
     rows = nd * meta.decode_query_len
     if nd:
         _decode_rows(q[:rows], out[:rows], k_cache, v_cache, meta, scale, sliding_window)
@@ -92,8 +104,8 @@ def paged_attention(
         start, end = starts[b], starts[b + 1]
         length = meta.seq_lens_host[b]
         qlen = end - start
-        k = _gather(k_cache, meta.block_tables[b], length)
-        v = _gather(v_cache, meta.block_tables[b], length)
+        k = _gather(k_cache, meta.block_tables[b], length, host_k)
+        v = _gather(v_cache, meta.block_tables[b], length, host_v)
         q_pos = torch.arange(length - qlen, length, device=q.device)
         k_pos = torch.arange(length, device=q.device)
         mask = k_pos[None, :] <= q_pos[:, None]

@@ -240,6 +240,14 @@ def _load_model(
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if config.high_speed_swap:
+        if config.preemption_mode != "recompute" or config.speculative() is not None:
+            raise InvalidRequestError(
+                "high_speed_swap works with preemption_mode recompute and without speculative "
+                "decoding (their records and rollbacks read device blocks only)",
+                param="high_speed_swap",
+            )
+        model.attach_high_speed_swap(config.high_speed_swap_blocks_per_seq)
     if config.kv_offload_host_gb > 0 or config.kv_offload_disk is not None:
         model.attach_kv_tiers(_kv_tiers(config, model_dir, arch_name, kv, mtp))
     if config.lora_enabled:

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from metrale.cache.block_pool import BlockPool
+from metrale.cache.hss import HostKvPool, host_id_of
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.kv_tiers import KvTiers, chain_keys
 from metrale.cache.radix import RadixNode, RadixPrefixCache
@@ -54,6 +55,7 @@ class PagedKvLifecycle:
     ssm_stash: SsmVerifyStash | None
     prefix_cache: RadixPrefixCache | None
     kv_tiers: KvTiers | None
+    hss: HostKvPool | None
     snapshots: SsmSnapshotStore | None
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
@@ -198,7 +200,11 @@ class PagedKvLifecycle:
             self.ssm_stash.discard(seq)  # an uncommitted verify's checkpoint
         self._release_track(seq)
         if seq.block_table:
-            self.block_pool.decref(seq.block_table)
+            device = [b for b in seq.block_table if b >= 0]
+            if len(device) < len(seq.block_table):  # high-speed swap's host blocks
+                assert self.hss is not None
+                self.hss.free([host_id_of(b) for b in seq.block_table if b < 0])
+            self.block_pool.decref(device)
         seq.block_table = []
         seq.seq_len = 0
         seq.tokens = []

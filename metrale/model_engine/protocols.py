@@ -153,6 +153,11 @@ class ModelLifecycle(ABC):
         counts slots with it."""
         return None
 
+    def resident_blocks_limit(self) -> int | None:
+        """Device blocks a sequence keeps between forwards when older ones live elsewhere
+        (high-speed swap); None: a sequence keeps all its blocks."""
+        return None
+
     def num_total_slots(self) -> int | None:
         """Size of the SSM slot pool; None without one. `max_num_seqs` may not exceed it."""
         return None

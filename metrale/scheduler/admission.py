@@ -71,7 +71,8 @@ class Admission(SchedulerParts):
         matched = 0
         if self.config.enable_prefix_caching and not seq.reads_whole_prompt:
             matched = self.model.prefix_match_len(seq.prefix_tokens(), seq.prefix_namespace)
-        return blocks_for(seq.num_known + 1, self.block_size) - matched // self.block_size, matched
+        need = self._capped(blocks_for(seq.num_known + 1, self.block_size))
+        return need - matched // self.block_size, matched
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
         deferred: list[tuple[deque[SchedSequence], SchedSequence]] = []

@@ -162,7 +162,7 @@ class Scheduler(Admission, Preemption):
         if len(self.waiting) >= self.config.max_queue:
             raise QueueFullError(f"the request queue is full ({self.config.max_queue} waiting)")
         peak = min(seq.prompt_len + seq.max_tokens, self.config.max_model_len)
-        need = blocks_for(peak, self.block_size)
+        need = self._capped(blocks_for(peak, self.block_size))
         if need > self.model.num_total_blocks():
             raise CapacityError(
                 f"request needs {need} KV blocks for {peak} tokens but the pool "
@@ -347,6 +347,15 @@ class Scheduler(Admission, Preemption):
                 self.finish(seq, "timeout")
                 plan.finished.append(seq)
 
+    def _capped(self, blocks: int) -> int:
+        """`blocks` of one sequence, at most what it ever holds in the device pool at once
+        under high-speed swap (its resident blocks plus one prefill chunk's and one more)."""
+        limit = self.model.resident_blocks_limit()
+        if limit is None:
+            return blocks
+        chunk = self.config.max_prefill_chunk or self.config.max_num_batched_tokens
+        return min(blocks, limit + blocks_for(chunk, self.block_size) + 1)
+
     def _reserved_blocks(self) -> int:
         """Blocks the running prefills will still allocate to finish their known tokens."""
         total = 0
@@ -356,7 +365,9 @@ class Scheduler(Admission, Preemption):
             remaining = seq.num_known - state.seq_len
             if remaining > 1 or not seq.output_token_ids:
                 # Its known tokens and the one it samples when the chunk completes.
-                total += blocks_needed(state, seq.num_known + 1 - state.seq_len, self.block_size)
+                need = blocks_needed(state, seq.num_known + 1 - state.seq_len, self.block_size)
+                held = sum(1 for b in state.block_table if b >= 0)
+                total += min(need, max(self._capped(need + held) - held, 0))
         return total
 
     def _available_blocks(self) -> int:

@@ -197,6 +197,9 @@ class _Pool:
     def num_total_slots(self) -> None:
         return None
 
+    def resident_blocks_limit(self) -> None:
+        return None
+
     def num_free_blocks(self) -> int:
         return self.free
 
