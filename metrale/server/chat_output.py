@@ -194,13 +194,27 @@ def responses_plan(
     reasoning_parser: str | None = None,
 ) -> ChatOutputPlan:
     """The plan of a Responses body (`tools`, `tool_choice`, `parallel_tool_calls`,
-    `text.format`)."""
+    `text.format`, `reasoning`). `reasoning.effort` low / medium / high turns on
+    `enable_thinking` and the reasoning split (the server's parser, else the `<think>` tags),
+    so the thinking comes back as a `reasoning` item; "minimal" / "none" turn it off."""
     parser, reasoning = _server_parsers(tool_call_parser, reasoning_parser, tokenizer)
     extra = getattr(req, "model_extra", None) or {}
     tools = responses_tools(req.tools)
     choice = responses_tool_choice(req.tool_choice, tools, extra.get("parallel_tool_calls"))
     grammar = responses_text_format(req.text)
-    return _finish_plan(tools, choice, parser, reasoning, grammar, {}, "text.format")
+    kwargs: dict[str, Any] = {}
+    effort = (req.reasoning or {}).get("effort") if isinstance(req.reasoning, dict) else None
+    if effort in ("low", "medium", "high"):
+        kwargs["enable_thinking"] = True
+        reasoning = reasoning or get_reasoning_parser("qwen3")
+    elif effort in ("minimal", "none"):
+        kwargs["enable_thinking"] = False
+    elif effort is not None:
+        raise InvalidRequestError(
+            f"reasoning.effort must be one of none, minimal, low, medium, high; got {effort!r}",
+            param="reasoning.effort",
+        )
+    return _finish_plan(tools, choice, parser, reasoning, grammar, kwargs, "text.format")
 
 
 def anthropic_plan(

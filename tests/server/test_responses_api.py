@@ -114,3 +114,49 @@ def test_refusals_name_the_field(engine: AsyncEngine) -> None:
         return params
 
     assert with_sdk(app, bad) == ["input[0]", "background", "input"]
+
+
+def test_reasoning_comes_back_as_a_reasoning_item(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`reasoning.effort` turns the split on; a grammar makes the tiny model write a `<think>`
+    block (it never would on its own), which returns as a `reasoning` item before the message,
+    blocking and streamed, with its tokens in `usage.output_tokens_details`."""
+    import dataclasses
+
+    from metrale.sampling.structured import GrammarSpec
+    from metrale.server.routes import responses as route
+
+    real_plan = route.responses_plan
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        plan = real_plan(*args, **kwargs)
+        regex = r"<think>\n[a-z]{3,8}\n</think>\n\n[a-z]{2,6}"
+        return dataclasses.replace(plan, grammar=GrammarSpec("regex", regex, "test"))
+
+    monkeypatch.setattr(route, "responses_plan", forced)
+    app = create_app(engine)
+    args = {"model": engine.info.served_model_name, "input": "Think first.",
+            "reasoning": {"effort": "high"}, "max_output_tokens": 40, "temperature": 0}  # fmt: skip
+
+    async def both(client: openai.AsyncOpenAI) -> tuple[Any, list[Any]]:
+        blocking = await client.responses.create(**args)
+        events = [e async for e in await client.responses.create(**args, stream=True)]
+        return blocking, events
+
+    blocking, events = with_sdk(app, both)
+    kinds = [item.type for item in blocking.output]
+    assert kinds == ["reasoning", "message"], kinds
+    thought = blocking.output[0].content[0].text
+    assert thought.strip().isalpha() and "<think>" not in blocking.output_text
+    assert blocking.output_text.isalpha()
+    assert blocking.usage.output_tokens_details.reasoning_tokens > 0
+    final = events[-1].response
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == thought and final.output_text == blocking.output_text
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == thought
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]
+    with pytest.raises(openai.BadRequestError):
+        with_sdk(app, lambda c: c.responses.create(**{**args, "reasoning": {"effort": "max"}}))

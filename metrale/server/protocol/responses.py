@@ -197,12 +197,14 @@ def conversation(
     return system + turns, turns
 
 
-def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, cached: int, output_tokens: int, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
@@ -243,6 +245,17 @@ def response_object(
         "usage": usage_block,
         "user": None,
         "metadata": req.metadata or {},
+    }
+
+
+def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    """A `reasoning` output item: the model's thinking, split off the answer."""
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": "completed",
     }
 
 

@@ -40,6 +40,7 @@ from metrale.server.protocol.responses import (
     conversation,
     message_item,
     now,
+    reasoning_item,
     response_object,
     usage,
 )
@@ -80,6 +81,9 @@ class _ResponseJob:
         self.turns = turns
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
+        #: Tokens of the reasoning split off the answer (`usage.output_tokens_details`).
+        self.reasoning_tokens = 0
         self.created = now()
         self.final: RequestOutput | None = None
 
@@ -100,7 +104,7 @@ class _ResponseJob:
         out = self.final
         cached = out.num_cached_tokens if out is not None else 0
         generated = len(out.outputs[0].token_ids) if out is not None else 0
-        return usage(self.prompt_tokens, cached, generated)
+        return usage(self.prompt_tokens, cached, generated, self.reasoning_tokens)
 
     def object(self, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
         reason = None
@@ -122,15 +126,19 @@ class _ResponseJob:
         return self.plan.parts(self.text(), self.prompt)
 
     def output_items(self, parts: ChoiceParts) -> list[dict[str, Any]]:
-        """The message (when there is text, or nothing else), then one `function_call` item
-        per tool call: the order the stream announces them in."""
-        items = []
+        """The reasoning (when the plan split some off), the message (when there is text, or
+        nothing else), then one `function_call` item per tool call: the order the stream
+        announces them in."""
+        items = [reasoning_item(self.reasoning_id, parts.reasoning)] if parts.reasoning else []
         if parts.content or not parts.tool_calls:
             items.append(message_item(self.item_id, parts.content))
         return items + [responses_function_item(call) for call in parts.tool_calls]
 
     def finished_object(self, parts: ChoiceParts | None = None) -> dict[str, Any]:
         parts = parts if parts is not None else self.parts()
+        if parts.reasoning:
+            tokenizer = self.state.tokenizer
+            self.reasoning_tokens = len(tokenizer.encode(parts.reasoning, add_special_tokens=False))
         body = self.object("completed", self.output_items(parts))
         if self.req.store:
             turn: dict[str, Any] = {"role": "assistant", "content": parts.content}
@@ -199,15 +207,35 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     splitter = job.plan.splitter(job.prompt)
     content = ""
-    opened = False  # the message item (index 0), opened at its first text
+    reasoning = ""
+    base = 0  # output items before the message: 1 once a reasoning item was sent
+    opened = False  # the message item (index `base`), opened at its first text
     calls: list[ToolCall] = []
+
+    def flush_reasoning() -> list[str]:
+        """The reasoning item, whole, once the answer starts (reasoning comes first)."""
+        nonlocal base
+        if not reasoning or base:
+            return []
+        base = 1
+        where["output_index"] = 1
+        item = reasoning_item(job.reasoning_id, reasoning)
+        at = {"item_id": job.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            event("response.output_item.added", output_index=0,
+                  item={**item, "content": [], "status": "in_progress"}),
+            event("response.reasoning_text.delta", **at, delta=reasoning),
+            event("response.reasoning_text.done", **at, text=reasoning),
+            event("response.output_item.done", output_index=0, item=item),
+        ]  # fmt: skip
 
     def open_message() -> list[str]:
         nonlocal opened
         opened = True
         item = message_item(job.item_id, "", status="in_progress")
         return [
-            event("response.output_item.added", output_index=0, item=item),
+            *flush_reasoning(),
+            event("response.output_item.added", output_index=where["output_index"], item=item),
             event("response.content_part.added", **where, part=part),
         ]
 
@@ -216,7 +244,7 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
         return [
             event("response.output_text.done", **where, text=content, logprobs=[]),
             event("response.content_part.done", **where, part={**part, "text": content}),
-            event("response.output_item.done", output_index=0, item=done),
+            event("response.output_item.done", output_index=where["output_index"], item=done),
         ]
 
     try:
@@ -226,6 +254,7 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
             job.record(output)
             choice = output.outputs[0]
             parts = splitter.feed(choice.text, final=choice.finished)
+            reasoning += parts.reasoning or ""
             frames: list[str] = []
             if parts.content:
                 if not opened:
@@ -237,7 +266,8 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
             for call in parts.tool_calls:
                 if not calls and opened:
                     frames += close_message()
-                index = len(calls) + (1 if opened else 0)
+                frames += flush_reasoning()
+                index = base + len(calls) + (1 if opened else 0)
                 calls.append(call)
                 item = responses_function_item(call, status="in_progress")
                 at = {"item_id": item["id"], "output_index": index}
@@ -258,7 +288,7 @@ async def _events(job: _ResponseJob) -> AsyncIterator[str]:
                     yield frame
             for frame in close_message():
                 yield frame
-        final = job.finished_object(ChoiceParts(None, content, calls))
+        final = job.finished_object(ChoiceParts(reasoning or None, content, calls))
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield event(kind, response=final)
     except (MetraleError, Exception) as exc:
