@@ -6,6 +6,8 @@ counts and `_chunk`; `Preemption` provides `_requeue_front`. Pure Python: it rea
 only through the `Model` interface.
 
 Invariants:
+- A sequence not yet `ready` (its output grammar compiling) keeps its place in the queue
+  while the sequences behind it are admitted past it.
 - The swapped queue is served before the waiting queue, both in queue order (arrival, or
   priority then arrival under `scheduling_policy="priority"`), while fewer than
   `max_num_seqs` run (and, on hybrid models, an SSM slot is free). Admission stops at the
@@ -76,12 +78,15 @@ class Admission(SchedulerParts):
 
     def _admit(self, plan: StepPlan, budget: int, available: int) -> int:
         deferred: list[tuple[deque[SchedSequence], SchedSequence]] = []
+        not_ready: list[tuple[deque[SchedSequence], SchedSequence]] = []
         try:
-            return self._admit_queues(plan, budget, available, deferred)
+            return self._admit_queues(plan, budget, available, deferred, not_ready)
         finally:
             # Back at the front of their queues, in their order.
             for queue, seq in reversed(deferred):
                 queue.appendleft(seq)
+            for queue, seq in not_ready:
+                self._requeue_front(queue, seq)
             self.stats.lora_waiting_for_slot = len(deferred)
 
     def _admit_queues(
@@ -90,6 +95,7 @@ class Admission(SchedulerParts):
         budget: int,
         available: int,
         deferred: list[tuple[deque[SchedSequence], SchedSequence]],
+        not_ready: list[tuple[deque[SchedSequence], SchedSequence]],
     ) -> int:
         while (self.swapped or self.waiting) and len(self.running) < self.config.max_num_seqs:
             free_slots = self.model.num_free_slots()
@@ -98,8 +104,9 @@ class Admission(SchedulerParts):
             from_swap = bool(self.swapped)
             queue = self.swapped if from_swap else self.waiting
             seq = queue[0]
-            if not seq.ready:
-                break  # e.g. its grammar is compiling: the queue behind it waits (FIFO)
+            if not seq.ready:  # e.g. its grammar is compiling: the queue behind it goes past
+                not_ready.append((queue, queue.popleft()))
+                continue
             need, _ = self._admission_need(seq)
             if need > available:
                 tokens = [] if seq.reads_whole_prompt else seq.prefix_tokens()

@@ -171,7 +171,8 @@ def test_refused_schema_names_the_construct_and_changes_nothing() -> None:
 
 def test_compile_runs_off_the_step() -> None:
     """A request whose grammar is still compiling waits (not admitted) while the others
-    decode; once compiled it runs, and a compile of the same schema is shared."""
+    decode, including those queued after it; once compiled it runs, and a compile of the same
+    schema is shared."""
     import threading
 
     llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=200)
@@ -190,12 +191,14 @@ def test_compile_runs_off_the_step() -> None:
     constrained = SamplingParams(temperature=0, max_tokens=96, structured_outputs=SPEC)
     engine.add_request("json-a", [9, 10, 12], constrained)
     engine.add_request("json-b", [9, 10, 13], constrained)
+    engine.add_request("behind", [9, 10, 15], free)  # queued behind them: it goes past
     finished: dict[str, object] = {}
     for _ in range(12):
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out
     assert "free" in finished and len(finished["free"].outputs[0].token_ids) == 6
+    assert "behind" in finished and len(finished["behind"].outputs[0].token_ids) == 6
     assert not finished.keys() & {"json-a", "json-b"}
     assert backend.compiles == 1  # the second request shares the first one's compile
     engine.add_request("json-c", [9, 10, 14], constrained)
