@@ -45,7 +45,7 @@ Invariants:
   until `step` finds it done (a compile that fails ends the request "error"). Each choice owns a
   `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
   preemption and prefix caching never advance it twice. A step after one that sampled a
-  grammar row is never fed (the mask needs the token on the host: `grammar_drained_steps`).
+  grammar row is never fed (the mask needs the token on the host: `host_token_drains`).
   A constrained row's drafts are cut before the first token its grammar refuses
   (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
   speculation stays lossless. A choice whose grammar terminates finishes ("stop").
@@ -214,7 +214,9 @@ class Engine:
         #: Drafts cut because the grammar refuses them; steps read back because the step
         #: before sampled a grammar row (metrics and tests).
         self.grammar_drafts_cut = 0
-        self.grammar_drained_steps = 0
+        #: Steps read back (not fed) because a row's mask needs its sampled token on the
+        #: host, by cause ("structured output", "bad words").
+        self.host_token_drains: dict[str, int] = {}
 
     # Speculation's counters (its proposer, gate and k: `self.speculation`).
     @property
@@ -454,18 +456,15 @@ class Engine:
         if previous is not None:
             if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
-            elif self._grammar_of and any(
-                s.seq_id in self._grammar_of for s in previous.plan.sampled
-            ):
-                if not self.grammar_drained_steps:
+            elif (needs := self._host_token_need(previous.plan.sampled)) is not None:
+                # The next step's mask needs the sampled token on the host.
+                if needs not in self.host_token_drains:
                     logger.info(
-                        "structured output: a step after a grammar-constrained row is read "
-                        "back before the next is planned (its mask needs the token on the "
-                        "host); counted in grammar_drained_steps and drained_steps"
-                    )
-                self.grammar_drained_steps += 1
-            elif any(s.params.needs_known_output for s in previous.plan.sampled):
-                pass  # a multi-token bad word is banned by the output's known end
+                        "%s: a step after such a row is read back before the next is planned "
+                        "(the mask needs the sampled token on the host); counted in "
+                        "drained_steps", needs,
+                    )  # fmt: skip
+                self.host_token_drains[needs] = self.host_token_drains.get(needs, 0) + 1
             else:
                 plan = self.scheduler.plan_fed_step(previous.plan)
             if plan is None:  # read the step back before planning from the known tokens
@@ -600,6 +599,19 @@ class Engine:
         for seq in seqs:
             self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
             seq.ready = True
+
+    @property
+    def grammar_drained_steps(self) -> int:
+        return self.host_token_drains.get("structured output", 0)
+
+    def _host_token_need(self, sampled: list[SchedSequence]) -> str | None:
+        """Why a step after `sampled` cannot be fed on the device, if one of its rows masks
+        by tokens only the host knows: a grammar, or a bad word of several tokens."""
+        if self._grammar_of and any(s.seq_id in self._grammar_of for s in sampled):
+            return "structured output"
+        if any(s.params.needs_known_output for s in sampled):
+            return "bad words"
+        return None
 
     def _poll_compiles(self, touched: dict[str, RequestState]) -> None:
         """Requests whose grammar finished compiling: their matchers, and admission; a

@@ -16,6 +16,10 @@ Invariants:
 - With KV tiers (`kv_tiers`), a block the prefix cache evicts is kept in host memory, then on
   disk, under its chain key; a lookup extends the device match with tier blocks, written into
   fresh private blocks before the prefill, and counts them as reused.
+- High-speed swap (`attach_high_speed_swap`): after each forward a sequence's fully written
+  blocks between its sink block and its newest `hss_window` move to `hss` (table entry
+  `host_entry(id)`), and `free_sequence` returns those host ids; the scheduler counts at most
+  `resident_blocks_limit()` resident blocks per sequence.
 - Hybrid models with a snapshot store: lookups go through `SsmPrefixCaching._lookup_hybrid`
   (KV reused only up to a restored snapshot), `cache_sequence` publishes the sequence's decode
   track and `free_sequence` releases it if it was not published.
@@ -29,13 +33,16 @@ import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+import torch
+
 from metrale.cache.block_pool import BlockPool
-from metrale.cache.hss import HostKvPool, host_id_of
+from metrale.cache.hss import HostKvPool, host_entry, host_id_of
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.kv_tiers import KvTiers, chain_keys
 from metrale.cache.radix import RadixNode, RadixPrefixCache
 from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.cache.ssm_snapshots import SsmSnapshotStore
+from metrale.errors import InvalidRequestError
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     FED_TOKEN,
@@ -43,6 +50,9 @@ from metrale.model_engine.traits import (
     SequenceState,
     blocks_needed,
 )
+
+#: High-speed swap: leading blocks always kept resident (the attention sink).
+HSS_SINK_BLOCKS = 1
 
 
 class PagedKvLifecycle:
@@ -56,7 +66,10 @@ class PagedKvLifecycle:
     prefix_cache: RadixPrefixCache | None
     kv_tiers: KvTiers | None
     hss: HostKvPool | None
+    hss_window: int
     snapshots: SsmSnapshotStore | None
+    device: torch.device
+    graph_runner: Any
     #: Lookups refused because a KV hit cannot be used on this model (hybrid SSM state).
     prefix_cache_bypasses: int
     _prefix_bypassed: bool
@@ -72,6 +85,63 @@ class PagedKvLifecycle:
         def _release_track(self, seq: SequenceState) -> None: ...
 
         def snapshot_stats(self) -> dict[str, int]: ...
+
+        def has_ssm_layers(self) -> bool: ...
+
+    def attach_high_speed_swap(self, window: int) -> None:
+        """High-speed swap: every sequence keeps its first block and its newest `window`
+        blocks in the device pool; older fully written blocks move to a `HostKvPool`, which
+        attention reads them from (`metrale.cache.hss`)."""
+        if window < 1:
+            raise InvalidRequestError(
+                "high_speed_swap_blocks_per_seq must be at least 1",
+                param="high_speed_swap_blocks_per_seq",
+            )
+        problems = [
+            ("the device is not the CPU (the CUDA kernels read device blocks only)",
+             self.device.type != "cpu"),
+            ("prefix caching is on", self.prefix_cache is not None),
+            ("the model has recurrent layers", self.has_ssm_layers()),
+            ("the CUDA graphs are on", self.graph_runner is not None),
+        ]  # fmt: skip
+        for why, bad in problems:
+            if bad:
+                raise InvalidRequestError(
+                    f"high_speed_swap is built for the CPU reference path only, and {why}",
+                    param="high_speed_swap",
+                )
+        self.hss = HostKvPool(self.kv_cache)
+        self.hss_window = window
+
+    def resident_blocks_limit(self) -> int | None:
+        """High-speed swap: the device blocks a sequence keeps between forwards (its sink
+        block and its window); None: all of them."""
+        return None if self.hss is None else HSS_SINK_BLOCKS + self.hss_window
+
+    def _hss_offload(self, seq: SequenceState) -> None:
+        """Move `seq`'s fully written blocks between its sink and its window to the host."""
+        assert self.hss is not None
+        table = seq.block_table
+        keep_from = max(HSS_SINK_BLOCKS, len(table) - self.hss_window)
+        full = seq.seq_len // self.block_size
+        for i in range(HSS_SINK_BLOCKS, min(keep_from, full)):
+            block = table[i]
+            if block >= 0:
+                table[i] = host_entry(self.hss.store(block))
+                self.block_pool.decref([block])
+
+    def attach_kv_tiers(self, tiers: KvTiers) -> None:
+        """Keep what the prefix cache evicts in `tiers`, and look there on a lookup."""
+        if self.prefix_cache is None or self.snapshots is not None:
+            raise InvalidRequestError(
+                "kv offload needs the prefix cache (enable_prefix_caching) of a model without "
+                "recurrent layers (hybrid models' snapshots have no lower tier yet)",
+                param="kv_offload_host_gb",
+            )
+        self.kv_tiers = tiers
+        self.prefix_cache.on_evict = self._offload_to_tiers
+
+    # ---------------------------------------------------------------- lifecycle
 
     def cache_only_blocks(self) -> int:
         return self.prefix_cache.cache_only_blocks() if self.prefix_cache is not None else 0

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from metrale.cache.block_pool import BlockPool
-from metrale.cache.hss import HostKvPool, host_entry
+from metrale.cache.hss import HostKvPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.cache.kv_tiers import KvTiers
 from metrale.cache.radix import RadixPrefixCache
@@ -91,10 +91,6 @@ def snapshot_cost(module: torch.nn.Module, config: ModelConfig) -> SnapshotCost:
     params = sum(p.numel() for p in module.parameters())
     width = config.num_attention_heads * config.head_dim
     return SnapshotCost(linear=2.0 * params, attention=4.0 * width * module.kv_layer_count)
-
-
-#: High-speed swap: leading blocks always kept resident (the attention sink).
-HSS_SINK_BLOCKS = 1
 
 
 class TransformerModel(
@@ -180,61 +176,6 @@ class TransformerModel(
                     snapshot_cost(module, config),
                 )  # fmt: skip
             self.prefix_cache = RadixPrefixCache(self.block_pool, self.block_size, self.snapshots)
-
-    def attach_high_speed_swap(self, window: int) -> None:
-        """High-speed swap: every sequence keeps its first block and its newest `window`
-        blocks in the device pool; older fully written blocks move to a `HostKvPool`, which
-        attention reads them from (`metrale.cache.hss`)."""
-        if window < 1:
-            raise InvalidRequestError(
-                "high_speed_swap_blocks_per_seq must be at least 1",
-                param="high_speed_swap_blocks_per_seq",
-            )
-        problems = [
-            ("the device is not the CPU (the CUDA kernels read device blocks only)",
-             self.device.type != "cpu"),
-            ("prefix caching is on", self.prefix_cache is not None),
-            ("the model has recurrent layers", self.has_ssm_layers()),
-            ("the CUDA graphs are on", self.graph_runner is not None),
-        ]  # fmt: skip
-        for why, bad in problems:
-            if bad:
-                raise InvalidRequestError(
-                    f"high_speed_swap is built for the CPU reference path only, and {why}",
-                    param="high_speed_swap",
-                )
-        self.hss = HostKvPool(self.kv_cache)
-        self.hss_window = window
-
-    def resident_blocks_limit(self) -> int | None:
-        """High-speed swap: the device blocks a sequence keeps between forwards (its sink
-        block and its window); None: all of them."""
-        return None if self.hss is None else HSS_SINK_BLOCKS + self.hss_window
-
-    def _hss_offload(self, seq: SequenceState) -> None:
-        """Move `seq`'s fully written blocks between its sink and its window to the host."""
-        assert self.hss is not None
-        table = seq.block_table
-        keep_from = max(HSS_SINK_BLOCKS, len(table) - self.hss_window)
-        full = seq.seq_len // self.block_size
-        for i in range(HSS_SINK_BLOCKS, min(keep_from, full)):
-            block = table[i]
-            if block >= 0:
-                table[i] = host_entry(self.hss.store(block))
-                self.block_pool.decref([block])
-
-    def attach_kv_tiers(self, tiers: KvTiers) -> None:
-        """Keep what the prefix cache evicts in `tiers`, and look there on a lookup."""
-        if self.prefix_cache is None or self.snapshots is not None:
-            raise InvalidRequestError(
-                "kv offload needs the prefix cache (enable_prefix_caching) of a model without "
-                "recurrent layers (hybrid models' snapshots have no lower tier yet)",
-                param="kv_offload_host_gb",
-            )
-        self.kv_tiers = tiers
-        self.prefix_cache.on_evict = self._offload_to_tiers
-
-    # ---------------------------------------------------------------- lifecycle
 
     def alloc_sequence(self) -> SequenceState:
         if self.ssm_pool is not None:

@@ -243,33 +243,33 @@ def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:
     )
 
 
+#: The SSM snapshot store's single-value series: (family, name suffix, help, stats key).
+_SNAPSHOT_SERIES = (
+    (GaugeMetricFamily, "slots_used",
+     "SSM snapshot store slots holding a snapshot (hybrid prefix caching)", "slots_used"),
+    (GaugeMetricFamily, "slots_total",
+     "SSM snapshot store slots (--ssm-snapshot-slots; 0 without a store)", "slots"),
+    (GaugeMetricFamily, "bytes_used",
+     "bytes of the SSM snapshot store's slots holding a snapshot", "bytes_used"),
+    (GaugeMetricFamily, "bytes_per_slot",
+     "bytes of one SSM snapshot (every recurrent layer's conv and SSM state)", "bytes_per_slot"),
+    (CounterMetricFamily, "hits", "hybrid prefix lookups that restored an SSM snapshot", "hits"),
+    (CounterMetricFamily, "captures",
+     "SSM snapshots taken (two-phase prefill points, decode tracks)", "captures"),
+    (CounterMetricFamily, "captures_skipped",
+     "SSM snapshots not taken: the store was full of worthier or in-use snapshots",
+     "captures_skipped"),
+    (CounterMetricFamily, "evictions",
+     "SSM snapshots evicted under store pressure (Marconi utility)", "evictions"),
+)  # fmt: skip
+
+
 def _snapshot_metrics(cache: dict[str, int]) -> Iterator[Metric]:
     """The SSM snapshot store of hybrid models' prefix cache (zero on other models)."""
-    yield GaugeMetricFamily(
-        "metrale_ssm_snapshot_slots_used",
-        "SSM snapshot store slots holding a snapshot (hybrid prefix caching)",
-        value=cache.get("ssm_snapshot_slots_used", 0),
-    )
-    yield GaugeMetricFamily(
-        "metrale_ssm_snapshot_slots_total",
-        "SSM snapshot store slots (--ssm-snapshot-slots; 0 without a store)",
-        value=cache.get("ssm_snapshot_slots", 0),
-    )
-    yield GaugeMetricFamily(
-        "metrale_ssm_snapshot_bytes_used",
-        "bytes of the SSM snapshot store's slots holding a snapshot",
-        value=cache.get("ssm_snapshot_bytes_used", 0),
-    )
-    yield GaugeMetricFamily(
-        "metrale_ssm_snapshot_bytes_per_slot",
-        "bytes of one SSM snapshot (every recurrent layer's conv and SSM state)",
-        value=cache.get("ssm_snapshot_bytes_per_slot", 0),
-    )
-    yield CounterMetricFamily(
-        "metrale_ssm_snapshot_hits",
-        "hybrid prefix lookups that restored an SSM snapshot",
-        value=cache.get("ssm_snapshot_hits", 0),
-    )
+    for family, suffix, doc, key in _SNAPSHOT_SERIES:
+        yield family(
+            f"metrale_ssm_snapshot_{suffix}", doc, value=cache.get(f"ssm_snapshot_{key}", 0)
+        )
     misses = CounterMetricFamily(
         "metrale_ssm_snapshot_misses",
         "hybrid prefix lookups that reused nothing, by cause (cold: nothing cached; "
@@ -280,21 +280,6 @@ def _snapshot_metrics(cache: dict[str, int]) -> Iterator[Metric]:
     for cause in MISS_CAUSES:
         misses.add_metric([cause], cache.get(f"ssm_snapshot_miss_{cause}", 0))
     yield misses
-    yield CounterMetricFamily(
-        "metrale_ssm_snapshot_captures",
-        "SSM snapshots taken (two-phase prefill points, decode tracks)",
-        value=cache.get("ssm_snapshot_captures", 0),
-    )
-    yield CounterMetricFamily(
-        "metrale_ssm_snapshot_captures_skipped",
-        "SSM snapshots not taken: the store was full of worthier or in-use snapshots",
-        value=cache.get("ssm_snapshot_captures_skipped", 0),
-    )
-    yield CounterMetricFamily(
-        "metrale_ssm_snapshot_evictions",
-        "SSM snapshots evicted under store pressure (Marconi utility)",
-        value=cache.get("ssm_snapshot_evictions", 0),
-    )
 
 
 def _spec_metrics(snap: EngineSnapshot) -> Iterator[Metric]:

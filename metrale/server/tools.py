@@ -35,6 +35,7 @@ import contextlib
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -278,8 +279,9 @@ def template_call(call: Any, where: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- parsers
 
 
-class ToolParser:
-    """One family's tool-call format: parse it (`extract`) and constrain to it (`grammar`)."""
+class ToolParser(ABC):
+    """One family's tool-call format: parse it (`extract`) and constrain to it (`grammar`).
+    A family supplies `calls` (its parse) and `tags` (its structural tags)."""
 
     name = ""
     #: The text that opens the tool-call part of an output (content stops before it).
@@ -290,10 +292,10 @@ class ToolParser:
         index = text.find(self.marker)
         return None if index < 0 else index
 
+    @abstractmethod
     def calls(self, tail: str, final: bool) -> list[ToolCall] | None:
         """The complete calls in `tail` (the text from the marker on); with `final`, None if
         it does not parse (then the whole tail is content)."""
-        raise NotImplementedError
 
     def extract(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a finished output."""
@@ -305,8 +307,9 @@ class ToolParser:
             return text, []
         return text[:start], calls
 
+    @abstractmethod
     def tags(self, tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        raise NotImplementedError
+        """The structural tags (xgrammar's) of a call of each of `tools`."""
 
     def grammar(self, tools: list[dict[str, Any]], choice: ToolChoice) -> GrammarSpec:
         """The structural tag allowing only calls of `choice` (required or named)."""
