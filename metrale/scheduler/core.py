@@ -359,6 +359,7 @@ class Scheduler(Admission, Preemption):
     def _reserved_blocks(self) -> int:
         """Blocks the running prefills will still allocate to finish their known tokens."""
         total = 0
+        swapping = self.model.resident_blocks_limit() is not None
         for seq in self.running:
             state = seq.state
             assert state is not None
@@ -366,8 +367,10 @@ class Scheduler(Admission, Preemption):
             if remaining > 1 or not seq.output_token_ids:
                 # Its known tokens and the one it samples when the chunk completes.
                 need = blocks_needed(state, seq.num_known + 1 - state.seq_len, self.block_size)
-                held = sum(1 for b in state.block_table if b >= 0)
-                total += min(need, max(self._capped(need + held) - held, 0))
+                if swapping:  # high-speed swap: at most its resident cap, less what it holds
+                    held = sum(1 for b in state.block_table if b >= 0)
+                    need = min(need, max(self._capped(need + held) - held, 0))
+                total += need
         return total
 
     def _available_blocks(self) -> int:
