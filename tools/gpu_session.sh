@@ -9,6 +9,8 @@
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
+#        hybridttft (issue 15) vision (issue 21)
+#        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
 #        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check)
@@ -42,6 +44,33 @@ for part in $PARTS; do
     timeout 560 python3 -m pytest tests/gpu tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py -m gpu -q -p no:cacheprovider --timeout 300 \
       >"$OUT/gpu_all_tests.log" 2>&1
     echo "rc=$?"; tail -8 "$OUT/gpu_all_tests.log"
+    ;;
+  alltestsp)
+    stamp "every gpu-marked test, three pytest processes side by side (tiny models, small KV pools)"
+    G1="tests/gpu/test_kernels.py tests/gpu/test_gemv.py"
+    G2="tests/gpu/test_spec_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_decode_runner.py"
+    G3="tests/gpu/test_linear.py tests/gpu/test_lora_kernels.py tests/gpu/test_grammar_cuda.py tests/gpu/test_sampler_kernels.py tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
+    i=0
+    for g in "$G1" "$G2" "$G3"; do
+      i=$((i+1))
+      timeout 560 python3 -m pytest $g -m gpu -q -p no:cacheprovider --timeout 300 \
+        >"$OUT/gpu_tests_$i.log" 2>&1 &
+    done
+    wait
+    for i in 1 2 3; do echo "group $i:"; tail -3 "$OUT/gpu_tests_$i.log"; done
+    ;;
+  hybridttft)
+    stamp "hybrid prefix cache: Nemotron-H-8B shape, 4k-token cached prefix, warm vs cold TTFT (issue 15)"
+    timeout 240 python3 -m metrale.cli bench ttft --config-dir bench/configs/nemotron-h-8b \
+      --shape nemotron-h-8b --device cuda --dtype bfloat16 --prompt-len 4160 --cached-len 4096 \
+      --repeats 3 --out-dir "$OUT" >"$OUT/hybridttft.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/hybridttft.log"
+    ;;
+  vision)
+    stamp "vision: Qwen2.5-VL-7B shape, one 448x448 image, C=1 and C=16 against transformers (issue 21)"
+    timeout 300 python3 tools/bench_vision.py bench/configs/qwen2.5-vl-7b --image 448x448 \
+      --concurrency 1,16 --out "$OUT" >"$OUT/vision.log" 2>&1
+    echo "rc=$?"; tail -30 "$OUT/vision.log" | grep -E "images_per_s|ttft|record|Error" | head -16
     ;;
   structured)
     stamp structured output: grammar overhead per step, qwen3-8b shape, C=1 and C=64
