@@ -358,14 +358,22 @@ def lora_gather_add(
     b_t: torch.Tensor,
     token_slots: torch.Tensor,
     scales: torch.Tensor,
+    widths: tuple[int, ...],
 ) -> None:
-    """Multi-LoRA by gather (capturable: no host read): for every token row t with
-    `s = token_slots[t] >= 0`, `y[t] += ((a[s] @ x[t]) * scales[s]) @ b_t[s]`; rows with
-    slot -1 are untouched. `a` `[slots, R, in]`, `b_t` `[slots, R, out]` (rows past an
-    adapter's rank are zero), `scales` `[slots]` float32; `y` may be a column slice."""
+    """Multi-LoRA by gather (capturable: no host read) over one group of T targets that share
+    the input `x`: for every token row t with `s = token_slots[t] >= 0` and each target j,
+    `y[t, cols_j] += ((a[s, j] @ x[t]) * scales[s, j]) @ b_t[s, :, cols_j]`, where the targets'
+    column ranges `cols_j` lie side by side with `widths`; rows with slot -1 are untouched.
+    `a` `[slots, T, R, in]`, `b_t` `[slots, R, sum(widths)]` (rows past an adapter's rank are
+    zero), `scales` `[slots, T]` float32; `y` may be a column slice."""
     valid = token_slots >= 0
     safe = token_slots.clamp(min=0)
-    xa = torch.bmm(a.index_select(0, safe), x.unsqueeze(-1)).squeeze(-1).float()
-    xa = xa * (scales.index_select(0, safe) * valid).unsqueeze(-1)
-    delta = torch.bmm(xa.to(b_t.dtype).unsqueeze(1), b_t.index_select(0, safe)).squeeze(1)
-    y += delta.to(y.dtype)
+    b_rows = b_t.index_select(0, safe)
+    start = 0
+    for j, width in enumerate(widths):
+        xa = torch.bmm(a[:, j].index_select(0, safe), x.unsqueeze(-1)).squeeze(-1).float()
+        xa = xa * (scales[:, j].index_select(0, safe) * valid).unsqueeze(-1)
+        cols = b_rows[:, :, start : start + width]
+        delta = torch.bmm(xa.to(b_t.dtype).unsqueeze(1), cols).squeeze(1)
+        y[:, start : start + width] += delta.to(y.dtype)
+        start += width

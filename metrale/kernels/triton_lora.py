@@ -1,8 +1,15 @@
-"""Multi-LoRA on CUDA: the gather form of `reference.lora_gather_add` as two Triton kernels,
-shrink (`x @ A[slot].T * scale[slot]`, float32) then expand (`y += xa @ B[slot].T`), each
-token row reading its adapter through its slot.
+"""Multi-LoRA on CUDA: the gather form of `reference.lora_gather_add` as two Triton kernels
+over one group of targets that share their input (q/k/v, o, gate/up, down): a split-K shrink
+(`x @ A[slot, j].T` for every target j of the group, float32 partial sums per K split) and an
+expand that sums the splits, scales by target and adds `xa_j @ B[slot, :, cols_j]` into each
+target's columns; each token row reads its adapter through its slot.
 
 Owner: kernels. `lora_gather_add` is the CUDA entry of `KernelOps.lora_gather_add`.
+
+Why this shape: a decode step calls the op once per group and layer (4 x layers launch pairs,
+not 7), and the shrink's reduction over the input features is spread over `splits` programs
+per row instead of one program walking all of them (at batch 1 that walk, not the bytes, was
+the cost: A of a rank-16 group is a few hundred KB, read from L2).
 
 Invariants:
 - Computes `reference.lora_gather_add`: rows of slot -1 are neither read nor written, the
@@ -17,38 +24,46 @@ import torch
 import triton
 import triton.language as tl
 
+#: Input features per shrink program (a multiple of the K tile), and the most splits per row.
+_K_PER_SPLIT = 256
+_MAX_SPLITS = 64
+
 
 @triton.jit
 def _lora_shrink(
-    x_ptr, a_ptr, slots_ptr, scales_ptr, out_ptr,
-    K, R, stride_x, stride_as, stride_ar,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, slots_ptr, part_ptr,
+    K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
+    T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
+    sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
     s = tl.maximum(slot, 0).to(tl.int64)
-    r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = (k < K) & ((k * 0 + slot) >= 0)  # base rows (slot -1) read nothing
+    jr = tl.arange(0, BLOCK_TR)
+    j = jr // BLOCK_R
+    r = jr % BLOCK_R
+    row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
+    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    acc = tl.zeros((BLOCK_TR,), dtype=tl.float32)
+    k_start = sp * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = (k < K) & ((k * 0 + slot) >= 0)
         xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
         av = tl.load(
-            a_ptr + s * stride_as + r[:, None] * stride_ar + k[None, :],
-            mask=r_mask[:, None] & k_mask[None, :],
-            other=0.0,
+            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
         acc += tl.sum(av * xv[None, :], axis=1)
-    scale = tl.load(scales_ptr + s)
-    tl.store(out_ptr + t * BLOCK_R + r, acc * scale, mask=r_mask)
+    tl.store(part_ptr + (t * SPLITS + sp) * BLOCK_TR + jr, acc)
 
 
 @triton.jit
 def _lora_expand(
-    xa_ptr, b_ptr, slots_ptr, y_ptr,
-    N, R, stride_y, stride_bs, stride_br,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    part_ptr, b_ptr, slots_ptr, scales_ptr, y_ptr,
+    N, R, n1, n2, stride_y, stride_bs, stride_br, stride_ss,
+    T: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     nb = tl.program_id(1)
@@ -58,13 +73,19 @@ def _lora_expand(
     r_mask = r < R
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (n < N) & ((n * 0 + slot) >= 0)  # base rows (slot -1) are not written
-    xa = tl.load(xa_ptr + t * BLOCK_R + r, mask=r_mask, other=0.0)
     bv = tl.load(
         b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
         mask=r_mask[:, None] & n_mask[None, :],
         other=0.0,
     ).to(tl.float32)
-    delta = tl.sum(bv * xa[:, None], axis=0)
+    target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)  # which target owns column n
+    sp = tl.arange(0, SPLITS_P2)
+    parts = part_ptr + (t * SPLITS + sp[:, None]) * BLOCK_TR + r[None, :]
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for jj in tl.static_range(T):
+        p = tl.load(parts + jj * BLOCK_R, mask=(sp[:, None] < SPLITS) & r_mask[None, :], other=0.0)
+        xa = tl.sum(p, axis=0) * tl.load(scales_ptr + s * stride_ss + jj)
+        delta = tl.where(target == jj, tl.sum(bv * xa[:, None], axis=0), delta)
     ptr = y_ptr + t * stride_y + n
     yv = tl.load(ptr, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(ptr, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
@@ -77,22 +98,35 @@ def lora_gather_add(
     b_t: torch.Tensor,
     token_slots: torch.Tensor,
     scales: torch.Tensor,
+    widths: tuple[int, ...],
 ) -> None:
     """`reference.lora_gather_add` (see there) by the shrink and expand kernels."""
     tokens = x.shape[0]
     if tokens == 0:
         return
-    fan_in, rank, fan_out = x.shape[1], a.shape[1], y.shape[1]
-    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(2) != 1 or b_t.stride(2) != 1:
+    targets, rank, fan_in = a.shape[1], a.shape[2], a.shape[3]
+    fan_out = y.shape[1]
+    if not 1 <= targets <= 3 or len(widths) != targets or sum(widths) != fan_out:
+        raise ValueError(f"lora_gather_add: {targets} targets of widths {widths}, y has {fan_out}")
+    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(3) != 1 or b_t.stride(2) != 1:
         raise ValueError("lora_gather_add needs unit-stride rows (x, y, a, b_t)")
     block_r = max(16, triton.next_power_of_2(rank))
-    xa = torch.empty(tokens, block_r, dtype=torch.float32, device=x.device)
-    _lora_shrink[(tokens,)](
-        x, a, token_slots, scales, xa, fan_in, rank, x.stride(0), a.stride(0), a.stride(1),
-        BLOCK_R=block_r, BLOCK_K=64 if block_r >= 64 else 128,
+    block_tr = triton.next_power_of_2(targets) * block_r
+    block_k = 64 if block_tr >= 128 else 128
+    splits = min(_MAX_SPLITS, triton.cdiv(fan_in, _K_PER_SPLIT))
+    k_per_split = triton.cdiv(triton.cdiv(fan_in, splits), block_k) * block_k
+    splits = triton.cdiv(fan_in, k_per_split)
+    part = torch.empty(tokens, splits, block_tr, dtype=torch.float32, device=x.device)
+    _lora_shrink[(tokens, splits)](
+        x, a, token_slots, part, fan_in, rank, k_per_split, x.stride(0), a.stride(0),
+        a.stride(1), a.stride(2),
+        T=targets, SPLITS=splits, BLOCK_R=block_r, BLOCK_TR=block_tr, BLOCK_K=block_k,
     )  # fmt: skip
+    bounds = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
     block_n = 128
     _lora_expand[(tokens, triton.cdiv(fan_out, block_n))](
-        xa, b_t, token_slots, y, fan_out, rank, y.stride(0), b_t.stride(0), b_t.stride(1),
-        BLOCK_R=block_r, BLOCK_N=block_n,
+        part, b_t, token_slots, scales, y, fan_out, rank, bounds[0], bounds[1], y.stride(0),
+        b_t.stride(0), b_t.stride(1), scales.stride(0),
+        T=targets, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_R=block_r,
+        BLOCK_TR=block_tr, BLOCK_N=block_n,
     )  # fmt: skip

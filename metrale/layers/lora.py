@@ -6,10 +6,13 @@ promotion, eviction); the attention and MLP blocks (`layers/common.py`) call `Lo
 after each base projection when the model serves adapters.
 
 Invariants:
-- A target is one of the transformers projection names in `LORA_TARGETS`. Per (layer, target)
-  the stacks are `a [slots, max_rank, in]` and `b_t [slots, max_rank, out]` (B transposed, so a
-  slot's first `rank` rows are contiguous); a slot's rows past its rank, and every row of a
-  target it does not adapt, are never read.
+- A target is one of the transformers projection names in `LORA_TARGETS`. The targets of one
+  base projection call share their input and are stored as one group (`LORA_GROUPS`: q/k/v,
+  o, gate/up, down): `a [slots, T, max_rank, in]`, `b_t [slots, max_rank, sum of outs]` (B
+  transposed, the targets' columns side by side in the base output's order) and `scales
+  [slots, T]`. Per (layer, target), `a`, `b_t` and `scales_dev` are views into the group, so
+  the eager segment op reads one target and the gather op one whole group in one launch pair.
+  A slot's rows past its rank, and every row of a target it does not adapt, are never read.
 - The routing of one forward (`LoraBatch`) names, per slot present, the token rows that use it
   (the segment op, eager forwards); or, with `groups` None, only `token_slots`, one device
   tensor that the gather op (`KernelOps.lora_gather_add`: torch, or Triton on CUDA) reads
@@ -34,6 +37,25 @@ from metrale.kernels import reference
 
 #: The projections an adapter may target, in transformers' names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The targets computed by one base projection from one input (fused qkv, o, fused gate/up,
+#: down), in the order of their columns in that projection's output.
+LORA_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("o_proj",),
+    ("gate_proj", "up_proj"),
+    ("down_proj",),
+)
+
+
+@dataclass
+class LoraGroup:
+    """One layer's stacks of the targets of one base projection (see the module invariants)."""
+
+    targets: tuple[str, ...]
+    widths: tuple[int, ...]
+    a: torch.Tensor
+    b_t: torch.Tensor
+    scales: torch.Tensor
 
 
 @dataclass
@@ -103,10 +125,15 @@ class LoraSlots:
         dtype: torch.dtype,
         device: torch.device,
         gather_op: Callable[..., None] = reference.lora_gather_add,
+        gather_max_tokens: int = 0,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable
-        projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`)."""
+        projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`);
+        `gather_max_tokens`: eager forwards of at most this many tokens also route by
+        gather (one launch pair per group, whatever the slots present) instead of the
+        segment op's GEMM pairs per slot (0: never; see `route`)."""
         self.gather_op = gather_op
+        self.gather_max_tokens = gather_max_tokens
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = dict(shapes)
@@ -116,18 +143,56 @@ class LoraSlots:
         self.scales: dict[tuple[int, str], list[float]] = {}
         #: `scales` on the device, float32 `[slots]` (0 where a slot does not adapt).
         self.scales_dev: dict[tuple[int, str], torch.Tensor] = {}
-        for key, (fan_in, fan_out) in self.shapes.items():
-            self.a[key] = torch.zeros(num_slots, max_rank, fan_in, dtype=dtype, device=device)
-            self.b_t[key] = torch.zeros(num_slots, max_rank, fan_out, dtype=dtype, device=device)
-            self.ranks[key] = [0] * num_slots
-            self.scales[key] = [0.0] * num_slots
-            self.scales_dev[key] = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        #: (layer, first target of its group) -> the group's stacks.
+        self.groups: dict[tuple[int, str], LoraGroup] = {}
+        for layer in sorted({layer for layer, _ in self.shapes}):
+            for members in LORA_GROUPS:
+                names = tuple(t for t in members if (layer, t) in self.shapes)
+                if not names:
+                    continue
+                fan_ins = {self.shapes[(layer, t)][0] for t in names}
+                if len(fan_ins) != 1:
+                    raise ValueError(f"layer {layer}: targets {names} differ in input size")
+                widths = tuple(self.shapes[(layer, t)][1] for t in names)
+                group = LoraGroup(
+                    names, widths,
+                    torch.zeros(num_slots, len(names), max_rank, fan_ins.pop(), dtype=dtype,
+                                device=device),
+                    torch.zeros(num_slots, max_rank, sum(widths), dtype=dtype, device=device),
+                    torch.zeros(num_slots, len(names), dtype=torch.float32, device=device),
+                )  # fmt: skip
+                self.groups[(layer, names[0])] = group
+                start = 0
+                for j, (name, width) in enumerate(zip(names, widths, strict=True)):
+                    key = (layer, name)
+                    self.a[key] = group.a[:, j]
+                    self.b_t[key] = group.b_t[:, :, start : start + width]
+                    self.scales_dev[key] = group.scales[:, j]
+                    self.ranks[key] = [0] * num_slots
+                    self.scales[key] = [0.0] * num_slots
+                    start += width
+        if set(self.a) != set(self.shapes):
+            raise ValueError(
+                f"targets outside LORA_TARGETS: {sorted(set(self.shapes) - set(self.a))}"
+            )
         #: The routing of the forward being run; None outside a forward or when no row uses
         #: an adapter.
         self.batch: LoraBatch | None = None
 
+    def route(self, batch: LoraBatch | None) -> LoraBatch | None:
+        """The routing an eager forward runs: `batch` itself (the segment op), or its slot
+        tensor alone (the gather op) when it has at most `gather_max_tokens` token rows. On
+        CUDA the gather kernels beat the segment op's two GEMMs and two index ops per slot,
+        group and layer up to a few thousand tokens (launches, not bytes, bound both); on the
+        CPU the segment op's GEMMs win and the limit is 0."""
+        if batch is None or batch.groups is None:
+            return batch
+        if batch.token_slots.shape[0] > self.gather_max_tokens:
+            return batch
+        return LoraBatch(batch.token_slots, None)
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b_t.values()))
+        return sum(t.numel() * t.element_size() for g in self.groups.values() for t in (g.a, g.b_t))
 
     def clear_slot(self, slot: int) -> None:
         """Mark `slot` as adapting nothing, its rows zeroed (the gather op reads them all)."""
@@ -179,20 +244,34 @@ class LoraLayer:
 
     def add(self, x: torch.Tensor, y: torch.Tensor, targets: list[tuple[str, int, int]]) -> None:
         """Add the deltas of `targets` — (name, first column, column count) of `y`, the
-        (possibly fused) base output computed from `x` — for the current forward's rows."""
+        (possibly fused) base output computed from `x` — for the current forward's rows.
+        Under device routing the targets must be one group's, side by side in its order."""
         slots, batch = self.slots, self.slots.batch
         if batch is None:
             return
-        for name, start, width in targets:
+        present = [t for t in targets if (self.layer_idx, t[0]) in slots.shapes]
+        if not present:
+            return
+        if batch.groups is None:
+            group = slots.groups.get((self.layer_idx, present[0][0]))
+            start = present[0][1]
+            layout = tuple((name, width) for name, _, width in present)
+            contiguous = all(
+                col == start + sum(w for _, _, w in present[:i])
+                for i, (_, col, _) in enumerate(present)
+            )
+            if group is None or layout != tuple(zip(group.targets, group.widths)) or not contiguous:
+                raise ValueError(
+                    f"layer {self.layer_idx}: LoRA targets {layout} at columns "
+                    f"{[c for _, c, _ in present]} are not one group's layout"
+                )
+            slots.gather_op(
+                y[:, start : start + sum(group.widths)], x, group.a, group.b_t,
+                batch.token_slots, group.scales, group.widths,
+            )  # fmt: skip
+            return
+        for name, start, width in present:
             key = (self.layer_idx, name)
-            if key not in slots.shapes:
-                continue
-            if batch.groups is None:
-                slots.gather_op(
-                    y[:, start : start + width], x, slots.a[key], slots.b_t[key],
-                    batch.token_slots, slots.scales_dev[key],
-                )  # fmt: skip
-                continue
             lora_segment_add(
                 y[:, start : start + width], x, slots.a[key], slots.b_t[key], batch.groups,
                 slots.ranks[key], slots.scales[key],

@@ -473,7 +473,7 @@ class TransformerModel(
         if self.ssm_pool is not None:
             kwargs["ssm_states"] = self.ssm_pool.layers
         if self.lora is not None:
-            self.lora.slots.batch = batch.lora
+            self.lora.slots.batch = self.lora.slots.route(batch.lora)
         try:
             if self.mtp_enabled:
                 hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)

@@ -28,28 +28,39 @@ pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rank", [8, 64])
-def test_triton_gather_op_equals_reference(dtype: torch.dtype, rank: int) -> None:
+@pytest.mark.parametrize(("rank", "widths", "fan_in"), [(8, (300,), 200), (64, (160, 72, 72), 700)])
+def test_triton_gather_op_equals_reference(
+    dtype: torch.dtype, rank: int, widths: tuple[int, ...], fan_in: int
+) -> None:
+    """One target, and a q/k/v-like group of three (column blocks straddle the targets'
+    borders, the input spans several K splits)."""
     g = torch.Generator().manual_seed(rank)
-    slots, fan_in, fan_out, tokens = 3, 200, 300, 7
+    slots, tokens, fan_out = 3, 7, sum(widths)
 
     def rand(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.3).to(dtype).to(DEVICE)
 
-    a, b_t = rand(slots, rank, fan_in), rand(slots, rank, fan_out)
-    a[1, rank // 2 :] = 0  # a lower-rank adapter: rows past its rank are zero
+    a, b_t = rand(slots, len(widths), rank, fan_in), rand(slots, rank, fan_out)
+    a[1, :, rank // 2 :] = 0  # a lower-rank adapter: rows past its rank are zero
     b_t[1, rank // 2 :] = 0
-    scales = torch.tensor([0.5, 2.0, 1.0], device=DEVICE)
+    scales = torch.rand(slots, len(widths), generator=g).to(DEVICE) + 0.5
     token_slots = torch.tensor([2, -1, 0, 1, 1, -1, 2], device=DEVICE)
     x = rand(tokens, fan_in)
     wide = rand(tokens, fan_out + 40)
     want, got = wide.clone(), wide.clone()
-    reference.lora_gather_add(want[:, 20 : 20 + fan_out], x, a, b_t, token_slots, scales)
-    triton_lora.lora_gather_add(got[:, 20 : 20 + fan_out], x, a, b_t, token_slots, scales)
+    # The reference in float32 from the same inputs: the kernel keeps `x @ A.T` in float32,
+    # where the torch op rounds it to the weights' dtype before the expand.
+    want = want.float()
+    f32 = [t.float() for t in (x, a, b_t)]
+    reference.lora_gather_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], token_slots,
+                              scales, widths)  # fmt: skip
+    want = want.to(dtype)
+    triton_lora.lora_gather_add(got[:, 20 : 20 + fan_out], x, a, b_t, token_slots, scales, widths)
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     torch.testing.assert_close(got, want, **tol)
     untouched = token_slots.cpu() < 0
     assert torch.equal(got[untouched.to(DEVICE)], wide[untouched.to(DEVICE)])
+    assert not torch.equal(got, wide)
 
 
 def test_lora_decode_graphs_give_each_row_its_adapter() -> None:

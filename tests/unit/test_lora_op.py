@@ -4,8 +4,10 @@ with its sequence's slot."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from metrale.kernels import reference
 from metrale.layers.lora import LoraBatch, LoraSlots
 
 
@@ -72,3 +74,55 @@ def test_device_routing_by_gather_equals_the_segment_op() -> None:
         slots.layer(0).add(x, out[name], [("q_proj", 0, 12)])
     torch.testing.assert_close(out["gather"], out["segment"])
     assert not torch.equal(out["segment"], y)
+
+
+def test_route_sends_small_eager_forwards_to_the_gather_op_and_large_ones_to_segments() -> None:
+    cpu = torch.device("cpu")
+    slots = LoraSlots({(0, "q_proj"): (16, 12)}, 2, 8, torch.float64, cpu, gather_max_tokens=4)
+    small = LoraBatch.build([0, 1], [2, 2], cpu)
+    large = LoraBatch.build([0, 1], [3, 2], cpu)
+    assert small is not None and large is not None
+    routed = slots.route(small)
+    assert routed is not None and routed.groups is None
+    assert torch.equal(routed.token_slots, small.token_slots)
+    assert slots.route(large) is large
+    assert slots.route(None) is None
+    assert LoraSlots({(0, "q_proj"): (16, 12)}, 2, 8, torch.float64, cpu).route(small) is small
+
+
+def test_a_group_is_added_in_one_gather_call_and_a_foreign_layout_is_refused() -> None:
+    """q/k/v adapted side by side through one gather call equal three per-target segment
+    adds; targets passed out of their group's column order are an error, not a wrong add."""
+    g = torch.Generator().manual_seed(5)
+    cpu = torch.device("cpu")
+    shapes = {(0, "q_proj"): (16, 12), (0, "k_proj"): (16, 4), (0, "v_proj"): (16, 4)}
+    calls: list[tuple[int, ...]] = []
+
+    def counting_op(*args: object) -> None:
+        calls.append(args[-1])  # type: ignore[arg-type]
+        reference.lora_gather_add(*args)  # type: ignore[arg-type]
+
+    slots = LoraSlots(shapes, 2, 8, torch.float64, cpu, gather_op=counting_op)
+    for slot, rank in ((0, 8), (1, 3)):
+        slots.write_slot(slot, {
+            key: (torch.randn(rank, 16, generator=g, dtype=torch.float64),
+                  torch.randn(out, rank, generator=g, dtype=torch.float64), 0.5 + slot)
+            for key, (_, out) in shapes.items() if not (slot == 1 and key[1] == "k_proj")
+        })  # fmt: skip
+    batch = LoraBatch.build([1, -1, 0], [2, 1, 2], cpu)
+    assert batch is not None
+    targets = [("q_proj", 0, 12), ("k_proj", 12, 4), ("v_proj", 16, 4)]
+    x, y = torch.randn(5, 16, generator=g, dtype=torch.float64), torch.zeros(5, 20)
+    y = y.double()
+    out = {}
+    for name, routed in (("segment", batch), ("gather", LoraBatch(batch.token_slots, None))):
+        slots.batch = routed
+        out[name] = y.clone()
+        slots.layer(0).add(x, out[name], targets)
+    # (the gather op keeps x @ A.T in float32)
+    torch.testing.assert_close(out["gather"], out["segment"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["gather"][2], y[2])  # the base row
+    assert calls == [(12, 4, 4)]
+    slots.batch = LoraBatch(batch.token_slots, None)
+    with pytest.raises(ValueError, match="not one group's layout"):
+        slots.layer(0).add(x, y, [("k_proj", 0, 4), ("q_proj", 4, 12), ("v_proj", 16, 4)])
