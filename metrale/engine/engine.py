@@ -44,8 +44,11 @@ Invariants:
   `metrale.sampling.grammar.GrammarBackend`); the request's sequences wait, not `ready`,
   until `step` finds it done (a compile that fails ends the request "error"). Each choice owns a
   `GrammarState` synced to its sequence's output tokens at commit and before each sample, so
-  preemption and prefix caching never advance it twice. A step after one that sampled a
-  grammar row is never fed (the mask needs the token on the host: `host_token_drains`).
+  preemption and prefix caching never advance it twice. A decode step after one that
+  sampled a grammar row is still fed on the device, but its sampler is queued only after
+  that step is read back and the matchers advanced, so the host fills the mask while the
+  forward runs (`late_sampled_steps`); a step that cannot be fed reads back first
+  (`host_token_drains`), as a bad word of several tokens always does.
   A constrained row's drafts are cut before the first token its grammar refuses
   (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
   speculation stays lossless. A choice whose grammar terminates finishes ("stop").
@@ -104,6 +107,16 @@ class _Pending:
 
     out: SamplerOutput
     committed: list[Committed]
+
+
+@dataclass
+class _Forward:
+    """A launched forward whose logits are not sampled yet."""
+
+    logits: torch.Tensor | None
+    #: Tokens of each row sampled but not in its output yet (see `Engine._sample_step`).
+    pending: int
+    pending_tokens: torch.Tensor | None
 
 
 @dataclass
@@ -194,6 +207,9 @@ class Engine:
         #: back before the next plan (an admission, a prefill, a preemption...): metrics.
         self.fed_steps = 0
         self.drained_steps = 0
+        #: Fed steps of grammar rows whose sampler waited for the step before to be read
+        #: back (the mask needs its token on the host); their forwards were not delayed.
+        self.late_sampled_steps = 0
         self.async_scheduling = config.async_scheduling and model.supports_device_token_feed()
         if config.async_scheduling and not self.async_scheduling:
             logger.warning(
@@ -448,15 +464,23 @@ class Engine:
         the forward runs."""
         touched: dict[str, RequestState] = {}
         started = time.perf_counter()
+        late_sample = False
         if self._compiling:
             self._poll_compiles(touched)
         ready, self._pending = self._pending, []
         previous, self._inflight = self._inflight, None
         plan: StepPlan | None = None
         if previous is not None:
+            needs = self._host_token_need(previous.plan.sampled)
             if self.speculation.wants_verify(previous.plan.sampled):
                 self.spec_stats.drained_for_spec += 1  # drafts need every token known
-            elif (needs := self._host_token_need(previous.plan.sampled)) is not None:
+            elif needs == "structured output" and (
+                fed := self.scheduler.plan_fed_step(previous.plan)
+            ):
+                # The forward is fed on the device; only the sampler waits for the mask,
+                # filled once `previous` is read back, while this forward runs.
+                plan, late_sample = fed, True
+            elif needs is not None:
                 # The next step's mask needs the sampled token on the host.
                 if needs not in self.host_token_drains:
                     logger.info(
@@ -481,13 +505,18 @@ class Engine:
             for seq in plan.finished:
                 self._close_choice(seq, touched)
         launched: SampledBatch | None = None
+        forward: _Forward | None = None
         if not plan.is_empty():
             self.num_steps += 1
             self.fed_steps += plan.feed_rows is not None
+            self.late_sampled_steps += late_sample
             try:
-                launched = self._launch(plan, previous)
+                forward = self._forward_step(plan, previous)
+                if not late_sample:
+                    launched = self._sample_step(plan, forward)
             except Exception as exc:  # one bad step must not take the engine down
                 self._step_failed(plan, touched, exc)
+                forward = None
         for pending in ready:
             self._emit(pending, touched)
         if on_outputs is not None and touched:
@@ -495,6 +524,11 @@ class Engine:
             touched = {}
         if previous is not None:
             self._read_back(previous, self._pending, touched)
+        if late_sample and forward is not None:
+            try:  # `previous` is committed: its tokens are in the outputs and the matchers
+                launched = self._sample_step(plan, _Forward(forward.logits, 0, None))
+            except Exception as exc:
+                self._step_failed(plan, touched, exc)
         if launched is not None:
             step = _InFlight(plan, launched, started)
             if self.async_scheduling:  # the next call may launch a fed step before reading it
@@ -541,30 +575,32 @@ class Engine:
         )
         self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
 
-    def _launch(self, plan: StepPlan, previous: _InFlight | None) -> SampledBatch | None:
-        """The forward and the sampler of `plan`, queued on the device with the copy of the
-        sampled tokens to the host (no host sync). A fed plan reads its input tokens from
-        `previous`, the step launched before it and not yet read back."""
-        pending_tokens: torch.Tensor | None = None
-        if plan.feed_rows is not None:
-            assert previous is not None
-            feed = previous.batch.token_ids
-            logits: torch.Tensor | None = self.model.decode_batch_fed(
-                [FeedSource(from_row=r) for r in plan.feed_rows],
-                [s.state for s in plan.decode],  # type: ignore[misc]
-                feed=feed,
-            )
-            pending = 1
-            if any(s.params.uses_penalties for s in plan.decode):  # they count that token
-                index = torch.tensor(plan.feed_rows, dtype=torch.int64)
-                pending_tokens = feed.index_select(0, index.to(feed.device, non_blocking=True))
-        else:
-            logits = self._forward(plan)
-            pending = 0
+    def _forward_step(self, plan: StepPlan, previous: _InFlight | None) -> _Forward:
+        """The forward of `plan`, queued on the device (no host sync). A fed plan reads its
+        input tokens from `previous`, the step launched before it and not yet read back."""
+        if plan.feed_rows is None:
+            return _Forward(self._forward(plan), 0, None)
+        assert previous is not None
+        feed = previous.batch.token_ids
+        logits = self.model.decode_batch_fed(
+            [FeedSource(from_row=r) for r in plan.feed_rows],
+            [s.state for s in plan.decode],  # type: ignore[misc]
+            feed=feed,
+        )
+        pending_tokens = None
+        if any(s.params.uses_penalties for s in plan.decode):  # they count that token
+            index = torch.tensor(plan.feed_rows, dtype=torch.int64)
+            pending_tokens = feed.index_select(0, index.to(feed.device, non_blocking=True))
+        return _Forward(logits, 1, pending_tokens)
+
+    def _sample_step(self, plan: StepPlan, forward: _Forward) -> SampledBatch | None:
+        """The sampler of `plan` over `forward`'s logits, queued with the copy of the sampled
+        tokens to the host. `forward.pending`: tokens of each row sampled but not yet in its
+        output (1 for a fed step sampled before the step it feeds from is read back)."""
         sampled = plan.sampled
         if not sampled:
             return None
-        assert logits is not None
+        assert forward.logits is not None
         rows = [
             SamplingRow(
                 params=s.params,
@@ -572,15 +608,15 @@ class Engine:
                 prompt_token_ids=s.prompt_token_ids,
                 seed=s.seed,
                 eos_token_ids=s.eos_token_ids,
-                pending=pending,
+                pending=forward.pending,
                 grammar=self._grammar_of.get(s.seq_id),
             )
             for s in sampled
         ]
         if plan.is_verify:
-            batch = self.sampler.verify(logits, rows, plan.sampled_drafts)
+            batch = self.sampler.verify(forward.logits, rows, plan.sampled_drafts)
         else:
-            batch = self.sampler.sample(logits, rows, pending_tokens)
+            batch = self.sampler.sample(forward.logits, rows, forward.pending_tokens)
         batch.start_copy()
         return batch
 

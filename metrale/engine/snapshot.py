@@ -48,6 +48,7 @@ class EngineSnapshot:
     #: Steps launched on the device token feed / fed-eligible steps drained first.
     fed_steps: int = 0
     drained_steps: int = 0
+    late_sampled_steps: int = 0
     alive: bool = True
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     #: The model's prefix-cache counters (`Model.prefix_cache_stats`: evictions, bypasses).
@@ -89,6 +90,7 @@ class SnapshotTaker:
             num_steps=engine.num_steps,
             fed_steps=engine.fed_steps,
             drained_steps=engine.drained_steps,
+            late_sampled_steps=engine.late_sampled_steps,
             alive=alive,
             stats=copy.deepcopy(scheduler.stats),
             prefix_cache=dict(engine.model.prefix_cache_stats()),

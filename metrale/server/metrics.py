@@ -136,6 +136,12 @@ class _EngineCollector(Collector):
             "scheduling fell back to a synchronous plan: admission, prefill, preemption)",
             snap.drained_steps,
         )
+        yield counter(
+            "metrale_engine_late_sampled_steps",
+            "fed decode steps of grammar rows whose sampler waited for the previous step's "
+            "tokens (the mask needs them on the host; the forward did not wait)",
+            snap.late_sampled_steps,
+        )
         preempt = CounterMetricFamily(
             "metrale_preemptions", "sequences preempted, by mode", labels=["mode"]
         )
