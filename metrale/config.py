@@ -59,6 +59,12 @@ class EngineConfig:
     #: Hybrid (recurrent-state) models: slots of the SSM snapshot store that lets the prefix
     #: cache hit on them (each one full recurrent state, float32); 0 bypasses the prefix cache.
     ssm_snapshot_slots: int = 16
+    #: Hybrid models: a prefill capture point (the prompt's tail, a branch point) closer than
+    #: this many tokens to a snapshot the prompt already restores is skipped, since each
+    #: capture splits the prefill into one more forward. None: 2 blocks on the CPU, 512
+    #: tokens on CUDA (hybrids run eagerly there: one forward costs as much as ~800 more
+    #: prompt tokens on the Nemotron-H-8B shape, record 20261201T192712).
+    ssm_snapshot_min_gap_tokens: int | None = None
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
     #: CPU only: projections and attention whose rows never depend on the rest of the batch
@@ -172,6 +178,8 @@ class EngineConfig:
             )
         if self.cpu_kv_cache_gb <= 0:
             raise bad("cpu_kv_cache_gb", f"must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.ssm_snapshot_min_gap_tokens is not None and self.ssm_snapshot_min_gap_tokens < 0:
+            raise bad("ssm_snapshot_min_gap_tokens", "must be >= 0")
         if self.ssm_snapshot_slots < 0:
             raise bad("ssm_snapshot_slots", f"must be >= 0, got {self.ssm_snapshot_slots}")
         if self.preemption_mode not in PREEMPTION_MODES:

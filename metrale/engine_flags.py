@@ -75,6 +75,8 @@ FLAG_HELP = {
     "enable_prefix_caching": "reuse KV of shared prompt prefixes",
     "ssm_snapshot_slots": "hybrid models: recurrent-state snapshots kept for prefix-cache hits "
     "(each one full SSM state of a sequence; 0 bypasses the prefix cache on them)",
+    "ssm_snapshot_min_gap_tokens": "hybrid models: skip a prefill snapshot this close to the "
+    "one the prompt restores (each costs a forward; default: 2 blocks on CPU, 512 on CUDA)",
     "preemption_mode": "recompute | swap",
     "batch_invariant": "CPU: kernels whose results for a request never depend on what shares "
     "its batch or how its prompt was chunked (byte-identical outputs; slower)",
@@ -118,7 +120,7 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
-         "enable_prefix_caching", "ssm_snapshot_slots", "swap_space_gb", "swap_spill_dir",
+         "enable_prefix_caching", "ssm_snapshot_slots", "ssm_snapshot_min_gap_tokens", "swap_space_gb", "swap_spill_dir",
          "swap_spill_gb", "high_speed_swap", "high_speed_swap_blocks_per_seq", "kv_offload_host_gb",
          "kv_offload_disk", "kv_offload_disk_gb"),
         "memory",

@@ -40,7 +40,8 @@ def prepare_model_dir(config_dir: str | Path) -> Path:
 def write_synthetic_tokenizer(model_dir: str | Path) -> None:
     root = Path(model_dir)
     config = json.loads((root / "config.json").read_text())
-    vocab_size = int(config["vocab_size"])
+    # Multimodal configs (Qwen3-VL) keep the vocabulary size in their text config.
+    vocab_size = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for i in range(len(SPECIALS), vocab_size):
         vocab[f"t{i}"] = i

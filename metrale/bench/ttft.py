@@ -7,6 +7,11 @@ Method: a warm-up request first (one-time costs), then for each repeat, a fresh 
 on an engine whose cache holds nothing of it. Warm: a request with the first `--cached-len`
 tokens runs to completion first (its KV enters the cache), then the full prompt is timed. TTFT
 is wall time from `add_request` to the step that returns the first token. Figures are medians.
+
+On a hybrid model the record also states the SSM snapshot store's cost: bytes per snapshot,
+slots, the store's counters after the run, and the time of one snapshot copy (every recurrent
+layer's conv and SSM state, live slot to store slot, the copy a capture or a restore does),
+timed over repeated copies between two scratch slots so the cache's own snapshots are untouched.
 """
 
 from __future__ import annotations
@@ -35,6 +40,43 @@ def time_to_first_token(engine: Engine, request_id: str, prompt: list[int]) -> t
                 while engine.has_unfinished():
                     engine.step()
                 return elapsed, out.num_cached_tokens
+
+
+def snapshot_cost(engine: Engine, copies: int = 50) -> dict | None:
+    """Bytes and copy time of one SSM snapshot; None on a model without a snapshot store."""
+    model = engine.model
+    store = getattr(model, "snapshots", None)
+    live = getattr(model, "ssm_pool", None)
+    if store is None or live is None:
+        return None
+    device = next(iter(store.pool.layers))[0].device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # The last slot of each pool as scratch: the run has finished, so no sequence holds the
+    # live slot, and the store's slot is rewritten only when its own copy is restored after.
+    src, dst = live.layers, store.pool.layers
+    ls, ds = len(src[0][0]) - 1, store.num_slots - 1
+    saved = [(conv[ds].clone(), ssm[ds].clone()) for conv, ssm in dst]
+    times = []
+    for _ in range(copies):
+        sync()
+        start = time.perf_counter()
+        for (conv, ssm), (sconv, sssm) in zip(dst, src, strict=True):
+            conv[ds].copy_(sconv[ls])
+            ssm[ds].copy_(sssm[ls])
+        sync()
+        times.append(time.perf_counter() - start)
+    for (conv, ssm), (c0, s0) in zip(dst, saved, strict=True):
+        conv[ds].copy_(c0)
+        ssm[ds].copy_(s0)
+    ms = 1000 * statistics.median(times)
+    return {
+        "bytes_per_snapshot": store.bytes_per_snapshot,
+        "snapshot_slots": store.num_slots,
+        "store_bytes_total": store.bytes_total(),
+        "copy_ms_per_snapshot": ms,
+        "copy_gb_per_s": store.bytes_per_snapshot / (ms / 1000) / 1e9,
+        "store_counters_after_run": model.snapshot_stats(),
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -68,6 +110,9 @@ def run(args: argparse.Namespace) -> dict:
         "cold_samples_ms": [1000 * t for t in cold],
         "warm_samples_ms": [1000 * t for t in warm],
     }
+    cost = snapshot_cost(engine)
+    if cost is not None:
+        figures["ssm_snapshots"] = cost
     path = write_record(
         "ttft",
         model_shape=args.shape or Path(args.config_dir).name,
@@ -90,6 +135,11 @@ def run(args: argparse.Namespace) -> dict:
         f"cold TTFT {figures['cold_ttft_ms']:.1f} ms, warm TTFT {figures['warm_ttft_ms']:.1f} ms "
         f"({figures['cached_tokens']:.0f} cached tokens): warm/cold = {figures['warm_over_cold']:.3f}"
     )
+    if cost is not None:
+        print(
+            f"SSM snapshot: {cost['bytes_per_snapshot'] / 2**20:.1f} MiB, "
+            f"{cost['copy_ms_per_snapshot']:.3f} ms per copy, {cost['snapshot_slots']} slots"
+        )
     print(f"record: {path}")
     return figures
 

@@ -47,6 +47,7 @@ from metrale.model_engine.gpu_setup import (
 from metrale.model_engine.lora import lora_slot_bytes
 from metrale.model_engine.mtp import require_mtp_head
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
+from metrale.model_engine.ssm_prefix import NEAR_BLOCKS
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
 from metrale.models.loader import load_weights
@@ -240,6 +241,11 @@ def _load_model(
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if model.snapshots is not None:
+        gap = config.ssm_snapshot_min_gap_tokens
+        if gap is None:
+            gap = 512 if device.type == "cuda" else NEAR_BLOCKS * model.block_size
+        model.snapshot_min_gap_tokens = gap
     if config.high_speed_swap:
         if config.preemption_mode != "recompute" or config.speculative() is not None:
             raise InvalidRequestError(

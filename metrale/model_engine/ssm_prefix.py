@@ -12,8 +12,9 @@ Where snapshots come from:
   branch point. The scheduler ends a prefill chunk at each (`prefill_capture_point`); right
   after the forward that reaches one, the sequence's blocks up to it are indexed in the radix
   tree and the live state is copied onto that node (published at once, so concurrent
-  siblings hit it too). A point within `NEAR_BLOCKS` blocks of the restored snapshot, or a
-  branch point that close to the tail, is skipped (each split costs a forward).
+  siblings hit it too). A point within `snapshot_min_gap_tokens` (default `NEAR_BLOCKS`
+  blocks; 512 tokens on CUDA) of the restored snapshot, or a branch point that close to the
+  tail, is skipped (each split costs a forward).
 - Decode: each time a plain decode step (or a committed verify) leaves the sequence on a block
   boundary, its live state is copied into the sequence's private decode track
   (`decode_marconi_checkpoint`), refreshed in place; when the sequence is cached (finish,
@@ -52,6 +53,9 @@ class SsmPrefixCaching:
     """Recurrent-state snapshots for the prefix cache (a mixin of `TransformerModel`)."""
 
     snapshots: SsmSnapshotStore | None
+    #: Captures closer than this to another snapshot of the prompt are skipped (the factory
+    #: sets it from `EngineConfig.ssm_snapshot_min_gap_tokens`); None: `NEAR_BLOCKS` blocks.
+    snapshot_min_gap_tokens: int | None = None
     ssm_pool: SsmSlotPool | None
     prefix_cache: RadixPrefixCache | None
     block_size: int
@@ -89,7 +93,9 @@ class SsmPrefixCaching:
         reused = match.reused if match.snapshot is not None else 0
         # A capture within `near` tokens of another snapshot of this prompt (the restored one,
         # or the tail over a branch point) is skipped: it would save little and cost a split.
-        near = NEAR_BLOCKS * self.block_size
+        near = self.snapshot_min_gap_tokens
+        if near is None:
+            near = NEAR_BLOCKS * self.block_size
         floor = reused + near if reused else 0
         tail = self.prefill_tail_split(tokens)
         seq.tail_checkpoint_tokens = tail if tail is not None and tail > floor else None

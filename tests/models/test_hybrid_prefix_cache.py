@@ -364,3 +364,25 @@ def test_capture_points_tail_branch_and_the_two_block_filter() -> None:
     stats = model.prefix_cache_stats()
     assert stats["ssm_snapshot_miss_no_snapshot"] == 1 and stats["ssm_snapshot_hits"] == 3
     model.snapshots.check()
+
+
+def test_min_gap_skips_a_tail_capture_near_the_restored_snapshot_and_outputs_stay() -> None:
+    """`ssm_snapshot_min_gap_tokens`: with a wide gap a warm prompt whose tail lies a few
+    blocks past the restored snapshot runs its rest in one forward (no tail split), and still
+    gives the tokens of a cold run."""
+    g = torch.Generator().manual_seed(31)
+    prefix = tokens(g, 96)
+    prompt = prefix + tokens(g, 60)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    wide = make(NEMOTRON, ssm_snapshot_min_gap_tokens=128)
+    narrow = make(NEMOTRON)
+    cold = make(NEMOTRON, enable_prefix_caching=False).generate([prompt], params)[0]
+    for llm, tail in ((wide, None), (narrow, 144)):
+        llm.generate([prefix], SamplingParams(temperature=0, max_tokens=1))
+        model = llm.engine.model
+        seq = model.alloc_sequence()
+        assert model.lookup_prefix(seq, prompt) == 80  # the first prompt's tail snapshot
+        assert seq.tail_checkpoint_tokens == tail
+        model.free_sequence(seq)
+        assert_same(llm.generate([prompt], params)[0], cold)
+        assert_no_leaks(llm.engine)
