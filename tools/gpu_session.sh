@@ -8,6 +8,8 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
+#        translate (NLLB-200-distilled-600M shape, random weights, bf16 beam 4 at batch 1 and 32
+#        against transformers generate, issue 18)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
@@ -48,6 +50,13 @@ for part in $PARTS; do
     timeout 400 python3 -m metrale.cli bench structured --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --device cuda --batches 1,64 --out-dir "$OUT" >"$OUT/structured.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/structured.log"
+    ;;
+  translate)
+    stamp translate: nllb-600m shape bf16 beam 4, batch 1 and 32, against transformers generate
+    timeout 300 python3 -m metrale.cli bench translate --shape nllb-600m --device cuda \
+      --dtype bfloat16 --peer transformers --batch-sizes 1,32 --num-beams 4 --sentences 64 \
+      --batch1-sentences 8 --max-tokens 64 --out-dir "$OUT" >"$OUT/translate.log" 2>&1
+    echo "rc=$?"; tail -6 "$OUT/translate.log"
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model
