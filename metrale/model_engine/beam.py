@@ -23,7 +23,8 @@ last, which it feeds in the next decoder forward. Beams with the same history sh
 physical sequence (the K copies of the prompt at step 0); a beam that continues its parent
 takes the parent's sequence over, a second continuation forks it: a new `SequenceState`
 whose block table references the same blocks (`BlockPool.incref`). Before a forward writes
-into a shared partial last block, that block is copied (copy-on-write). A beam whose score is
+into a shared partial last block, that block is copied (copy-on-write; the step's copies
+run as one batch before the forward). A beam whose score is
 `-inf` can never be chosen again and holds no sequence. Every request's rows run in one
 decoder forward per step.
 
@@ -315,8 +316,10 @@ class BeamSearchDriver:
             return []
         states = list(self._running.values())
         physicals = [p for st in states for p in st.physicals()]
+        copies: tuple[list[int], list[int]] = ([], [])
         for p in physicals:
-            self._copy_on_write(p.seq)
+            self._copy_on_write(p.seq, copies)
+        backend.kv_cache.copy_blocks(*copies)  # every copy of the step in one batch
         logits = backend.decode_batch([p.pending for p in physicals], [p.seq for p in physicals])
         self.forwards += 1
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -337,14 +340,19 @@ class BeamSearchDriver:
             offset += st.req.params.n
         return finished
 
-    def _copy_on_write(self, seq: SequenceState) -> None:
+    def _copy_on_write(self, seq: SequenceState, copies: tuple[list[int], list[int]]) -> None:
+        """Give `seq` a private copy of its shared partial last block: the block is allocated
+        and swapped in now, its contents copied with the step's others (`copies`: sources,
+        destinations) before the forward. A source keeps another holder's reference, so it
+        stays allocated (and unwritten) until the copy has run."""
         backend = self.backend
         if seq.seq_len % backend.block_size == 0 or not seq.block_table:
             return  # the next token opens a fresh block
         last = seq.block_table[-1]
         if backend.block_pool.ref_count(last) > 1:
             private = backend.block_pool.allocate(1)[0]
-            backend.kv_cache.copy_block(last, private)
+            copies[0].append(last)
+            copies[1].append(private)
             backend.block_pool.decref([last])
             seq.block_table[-1] = private
             self.cow_copies += 1
@@ -461,7 +469,8 @@ class BeamSearchDriver:
         running = torch.stack([st.running for st in group])
         scores = proc + running[:, :, None]
         topk_scores, topk_idx = torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
-        hits = limit_t[:, None] | torch.isin(topk_idx % vocab, self._eos_on(dev))
+        # (a broadcast compare: `torch.isin` sorts, and its CUDA unique reads the device)
+        hits = limit_t[:, None] | ((topk_idx % vocab)[..., None] == self._eos_on(dev)).any(-1)
 
         # The K best unfinished continuations run on.
         run_scores = topk_scores + hits.to(torch.float32) * NEG

@@ -12,8 +12,11 @@ Invariants:
 - Decoder self-attention K/V live in `kv_cache` under `block_pool`: a forward allocates the
   blocks its rows need all or nothing (`KVCacheExhausted` leaves every sequence unchanged);
   `free_sequence` drops exactly the sequence's block references and its `CrossKv` reference.
-- Rows of one forward are grouped by request (contiguous, as the beam driver orders them) so
-  each request's rows attend its source in one attention call.
+- Rows of one forward are grouped by request (contiguous, as the beam driver orders them);
+  the groups' rows attend their sources in one attention call per layer (`CrossBatch`).
+- On CUDA the model runs the torch reference ops (cuBLAS, SDPA, the padded-gather paged
+  decode attention; no Triton kernels or CUDA graphs yet, logged at load); a decoder step
+  reads nothing back from the device, the beam driver reads it once per step.
 - No decoder sequence passes `max_model_len` decoder tokens.
 """
 
