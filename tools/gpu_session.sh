@@ -52,10 +52,13 @@ for part in $PARTS; do
     echo "rc=$?"; tail -12 "$OUT/structured.log"
     ;;
   translate)
-    stamp translate: nllb-600m shape bf16 beam 4, batch 1 and 32, against transformers generate
+    stamp translate: gpu tests, then nllb-600m shape bf16 beam 4, batch 1 and 32, vs transformers generate
+    timeout 150 python3 -m pytest tests/gpu/test_translate_gpu.py -q -p no:cacheprovider --timeout 140 \
+      >"$OUT/gpu_translate_tests.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/gpu_translate_tests.log"
     timeout 300 python3 -m metrale.cli bench translate --shape nllb-600m --device cuda \
       --dtype bfloat16 --peer transformers --batch-sizes 1,32 --num-beams 4 --sentences 64 \
-      --batch1-sentences 8 --max-tokens 64 --out-dir "$OUT" >"$OUT/translate.log" 2>&1
+      --batch1-sentences 16 --max-tokens 64 --log-level INFO --out-dir "$OUT" >"$OUT/translate.log" 2>&1
     echo "rc=$?"; tail -6 "$OUT/translate.log"
     ;;
   lora)
