@@ -58,8 +58,9 @@ for part in $PARTS; do
     echo "rc=$?"; tail -4 "$OUT/gpu_translate_tests.log"
     timeout 300 python3 -m metrale.cli bench translate --shape nllb-600m --device cuda \
       --dtype bfloat16 --peer transformers --batch-sizes 1,32 --num-beams 4 --sentences 64 \
-      --batch1-sentences 16 --max-tokens 64 --log-level INFO --out-dir "$OUT" >"$OUT/translate.log" 2>&1
-    echo "rc=$?"; tail -6 "$OUT/translate.log"
+      --batch1-sentences 16 --max-tokens 64 --step-graphs --log-level INFO --out-dir "$OUT" \
+      >"$OUT/translate.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/translate.log"
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model

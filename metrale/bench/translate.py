@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import logging
 import random
 import shutil
 import tempfile
@@ -37,6 +38,8 @@ import torch
 
 from metrale.bench.record import RECORDS_DIR, write_record
 from metrale.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 LANGS = ("eng_Latn", "fra_Latn")
 REPO = Path(__file__).resolve().parents[2]
@@ -95,6 +98,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--src", default="eng_Latn", help="source code with --model (default: eng_Latn)")
     p.add_argument("--tgt", default="fra_Latn", help="target code with --model (default: fra_Latn)")
+    p.add_argument(
+        "--step-graphs", action="store_true",
+        help="also time metrale with its decoder step graphed (EncDecStepGraphs; CUDA graphs "
+        "on a GPU), as figures[batchN]['step_graphs']",
+    )  # fmt: skip
     p.add_argument("--out-dir", default=str(RECORDS_DIR), help="record directory")
     p.add_argument("--notes", default="", help="free text for the record (default: none)")
 
@@ -265,9 +273,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eos = cfg.eos_token_id
     params = BeamParams(num_beams=args.num_beams, early_stopping=True, max_tokens=args.max_tokens)
 
-    def run_ours(batch: list[list[int]]) -> list[list[int]]:
-        reqs = [ours.request(s, src_code, tgt_code, params) for s in batch]
-        return [o.hypotheses[0].token_ids for o in ours.run(reqs)]
+    def runner(t: Translator) -> Callable[[list[list[int]]], list[list[int]]]:
+        def run_batch(batch: list[list[int]]) -> list[list[int]]:
+            reqs = [t.request(s, src_code, tgt_code, params) for s in batch]
+            return [o.hypotheses[0].token_ids for o in t.run(reqs)]
+
+        return run_batch
+
+    run_ours = runner(ours)
+    graphed: Translator | None = None
+    graphs_error = None
+    if args.step_graphs:
+        try:
+            # The graphs' widths follow this run: decoder length max_tokens + 2, sources of at
+            # most 26 tokens, every beam of the largest batch in one step.
+            graphed = Translator(
+                model_dir, device=args.device, dtype=args.dtype, num_kv_blocks=kv_blocks,
+                block_size=16, max_model_len=args.max_tokens + 2,
+            )  # fmt: skip
+            graphed.model.enable_step_graphs(
+                max_rows=max(batch_sizes) * args.num_beams, max_sources=max(batch_sizes),
+                source_cap=32,
+            )  # fmt: skip
+        except Exception as exc:  # recorded and printed: the eager figures still stand
+            graphs_error = f"{type(exc).__name__}: {exc}"
+            logger.error("step graphs could not be built: %s", graphs_error)
 
     peer_run: Callable[[list[list[int]]], list[list[int]]] | None = None
     if peer == "ctranslate2":
@@ -300,16 +330,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         key = f"batch{bs}"
         figures[key], ours_out = timed(run_ours, batches, n)
         figures[key]["decoder_forwards_last_batch"] = ours.last_stats.get("forwards", 0)
+        graphed_out = None
+        if graphed is not None:
+            graphs = graphed.model.step_graphs
+            assert graphs is not None
+            before = (graphs.replays, graphs.eager_forwards)
+            sub, graphed_out = timed(runner(graphed), batches, n)
+            sub["graph_replays"] = graphs.replays - before[0]
+            sub["eager_forwards"] = graphs.eager_forwards - before[1]
+            sub["top_hypothesis_agrees_with_eager"] = (
+                f"{sum(x == y for x, y in zip(graphed_out, ours_out, strict=True))}/{n}"
+            )
+            figures[key]["step_graphs"] = sub
         if peer_run is None:
             continue
         peers[key], peer_out = timed(peer_run, batches, n)
-        if peer == "ctranslate2":
-            ours_out = [_strip_eos(x, eos) for x in ours_out]
-        same = sum(x == y for x, y in zip(ours_out, peer_out, strict=True))
-        figures[key][f"top_hypothesis_agrees_with_{peer}"] = f"{same}/{n}"
-        figures[key][f"ratio_vs_{peer}"] = (
-            figures[key]["sentences_per_s"] / peers[key]["sentences_per_s"]
-        )
+        for fig, out in ((figures[key], ours_out), (figures[key].get("step_graphs"), graphed_out)):
+            if fig is None or out is None:
+                continue
+            if peer == "ctranslate2":
+                out = [_strip_eos(x, eos) for x in out]
+            same = sum(x == y for x, y in zip(out, peer_out, strict=True))
+            fig[f"top_hypothesis_agrees_with_{peer}"] = f"{same}/{n}"
+            fig[f"ratio_vs_{peer}"] = fig["sentences_per_s"] / peers[key]["sentences_per_s"]
     config = {k: v for k, v in vars(args).items() if k not in ("handler",)}
     config.update(
         peer=peer, device=str(device), dtype=args.dtype, d_model=cfg.d_model,
@@ -319,6 +362,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
+    if args.step_graphs:
+        graphs = graphed.model.step_graphs if graphed is not None else None
+        config["step_graphs"] = (
+            {"rungs": graphs.rungs, "capture_seconds": round(graphs.capture_seconds, 2),
+             "captured": graphs.captured_rungs}
+            if graphs is not None else {"error": graphs_error}
+        )  # fmt: skip
     path = write_record(
         "translate", model_shape=shape, config=config, figures=figures,
         peer_figures=peers or None, device=args.device, out_dir=args.out_dir, notes=args.notes,
@@ -327,11 +377,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'batch':>6} {'metrale sent/s':>15} {'peer sent/s':>12} {'ratio':>7} agree")
     for key, fig in figures.items():
         p = peers.get(key)
-        print(
-            f"{key[5:]:>6} {fig['sentences_per_s']:15.2f} "
-            + (f"{p['sentences_per_s']:12.2f} {fig[f'ratio_vs_{peer}']:7.2f} "
-               f"{fig[f'top_hypothesis_agrees_with_{peer}']}" if p else f"{'-':>12}")
-        )  # fmt: skip
+        for label, f in ((key[5:], fig), (f"{key[5:]}g", fig.get("step_graphs"))):
+            if f is None:
+                continue
+            print(
+                f"{label:>6} {f['sentences_per_s']:15.2f} "
+                + (f"{p['sentences_per_s']:12.2f} {f[f'ratio_vs_{peer}']:7.2f} "
+                   f"{f[f'top_hypothesis_agrees_with_{peer}']}" if p else f"{'-':>12}")
+            )  # fmt: skip
+    if args.step_graphs:
+        print(f"(Ng: the decoder step graphed) {config['step_graphs']}")
     print(f"record: {path}")
     return figures
 

@@ -187,7 +187,10 @@ class Translator:
         block_size: int = 16,
         src_lang: str | None = None,
         tgt_lang: str | None = None,
+        step_graphs: bool = False,
     ) -> None:
+        """`step_graphs`: decoder steps through `EncDecStepGraphs` (CUDA graphs over the
+        batch ladder on a GPU; on the CPU the same static body, eagerly)."""
         self.model_dir = str(model_dir)
         #: `tokenizer.json` (NLLB), or M2M100's sentencepiece files.
         self.tokenizer: Tokenizer | SentencePieceVocab = (
@@ -205,6 +208,8 @@ class Translator:
             num_blocks=num_kv_blocks,
             block_size=block_size,
         )
+        if step_graphs:
+            self.model.enable_step_graphs()
         cfg = self.model.config
         self.eos = cfg.eos_token_id
         self.default_src = src_lang

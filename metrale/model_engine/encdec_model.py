@@ -15,8 +15,11 @@ Invariants:
 - Rows of one forward are grouped by request (contiguous, as the beam driver orders them);
   the groups' rows attend their sources in one attention call per layer (`CrossBatch`).
 - On CUDA the model runs the torch reference ops (cuBLAS, SDPA, the padded-gather paged
-  decode attention; no Triton kernels or CUDA graphs yet, logged at load); a decoder step
-  reads nothing back from the device, the beam driver reads it once per step.
+  decode attention; no Triton kernels yet, logged at load); a decoder step reads nothing
+  back from the device, the beam driver reads it once per step.
+- With `enable_step_graphs` a forward that fits runs through `EncDecStepGraphs` (CUDA graphs
+  on a GPU), the others eagerly (counted there); each `CrossKv` counts the sequences holding
+  it (`beam_start` 1, a fork +1, `free_sequence` -1) and gives its source slot back at 0.
 - No decoder sequence passes `max_model_len` decoder tokens.
 """
 
@@ -34,6 +37,7 @@ from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps, kernels_for
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver, fork_state
+from metrale.model_engine.encdec_graphs import EncDecStepGraphs
 from metrale.model_engine.traits import BeamReq, Model, SequenceState, Stream, blocks_needed
 from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGeneration
 
@@ -75,6 +79,22 @@ class EncoderDecoderModel(Model):
         #: Encoder passes run (one per request started).
         self.encoder_passes = 0
         self.decoder_forwards = 0
+        #: The decoder step over static buffers (CUDA graphs on a GPU), or None: eager.
+        self.step_graphs: EncDecStepGraphs | None = None
+
+    def enable_step_graphs(
+        self, *, max_rows: int = 128, max_sources: int = 64, source_cap: int = 128
+    ) -> EncDecStepGraphs:
+        """Run decoder steps of up to `max_rows` rows through `EncDecStepGraphs` (captured
+        now on CUDA). Call it while no request runs: sources encoded before have no slot."""
+        graphs = EncDecStepGraphs(
+            self.module, self.kv_cache.layers, self.block_size, self.max_model_len,
+            self.device, self.dtype, max_rows=max_rows, max_sources=max_sources,
+            source_cap=source_cap,
+        )  # fmt: skip
+        graphs.capture()
+        self.step_graphs = graphs
+        return graphs
 
     # ---------------------------------------------------------------- facts
 
@@ -116,6 +136,11 @@ class EncoderDecoderModel(Model):
         """No prefix cache: decoder prefixes depend on the source, which a token key lacks."""
 
     def free_sequence(self, seq: SequenceState) -> None:
+        if seq.layer_states and isinstance(seq.layer_states[0], CrossKv):
+            cross = seq.layer_states[0]
+            cross.holders -= 1
+            if cross.holders == 0 and self.step_graphs is not None:
+                self.step_graphs.detach(cross)
         if seq.block_table:
             self.block_pool.decref(seq.block_table)
         seq.block_table = []
@@ -136,7 +161,11 @@ class EncoderDecoderModel(Model):
                 param="prompt",
             )
         encoded = self.module.encode(list(source))
-        seq.layer_states = [self.module.cross_kv(encoded, list(source))]
+        cross = self.module.cross_kv(encoded, list(source))
+        cross.holders = 1
+        seq.layer_states = [cross]
+        if self.step_graphs is not None:
+            self.step_graphs.attach(cross)
         self.encoder_passes += 1
 
     # ---------------------------------------------------------------- beam backend
@@ -164,6 +193,8 @@ class EncoderDecoderModel(Model):
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         child = fork_state(seq, self.alloc_sequence())
         self.block_pool.incref(child.block_table)
+        if child.layer_states and isinstance(child.layer_states[0], CrossKv):
+            child.layer_states[0].holders += 1
         return child
 
     # ---------------------------------------------------------------- forward
@@ -209,17 +240,21 @@ class EncoderDecoderModel(Model):
         for s, n in zip(seqs, needs):
             if n:
                 s.block_table.extend(self.block_pool.allocate(n))
-        rows = [ForwardRow(s, [int(t)], True) for t, s in zip(tokens, seqs)]
-        batch = build_forward_batch(rows, len(rows), self.block_size, self.device)
-        groups: list[tuple[int, int, CrossKv]] = []
-        for i, s in enumerate(seqs):
-            cross = s.layer_states[0]
-            if groups and groups[-1][2] is cross:
-                groups[-1] = (groups[-1][0], i + 1, cross)
-            else:
-                groups.append((i, i + 1, cross))
-        hidden = self.module.decode(batch.input_ids, batch.meta, self.kv_cache.layers, groups)
-        logits = self.module.compute_logits(hidden)
+        graphs = self.step_graphs
+        if graphs is not None and graphs.fits(list(seqs)):
+            logits = graphs.run([int(t) for t in tokens], list(seqs))
+        else:
+            rows = [ForwardRow(s, [int(t)], True) for t, s in zip(tokens, seqs)]
+            batch = build_forward_batch(rows, len(rows), self.block_size, self.device)
+            groups: list[tuple[int, int, CrossKv]] = []
+            for i, s in enumerate(seqs):
+                cross = s.layer_states[0]
+                if groups and groups[-1][2] is cross:
+                    groups[-1] = (groups[-1][0], i + 1, cross)
+                else:
+                    groups.append((i, i + 1, cross))
+            hidden = self.module.decode(batch.input_ids, batch.meta, self.kv_cache.layers, groups)
+            logits = self.module.compute_logits(hidden)
         for s, t in zip(seqs, tokens):
             s.tokens.append(int(t))
             s.seq_len += 1
@@ -272,8 +307,8 @@ def load_encoder_decoder(
     ops = ops or kernels_for(dev, use_triton=False)
     if dev.type == "cuda":
         logger.warning(
-            "the M2M100 model runs its torch reference ops on CUDA (no Triton kernels or "
-            "CUDA graphs for encoder-decoder models yet)"
+            "the M2M100 model runs its torch reference ops on CUDA (no Triton kernels for "
+            "encoder-decoder models yet; decoder step graphs: Translator(step_graphs=True))"
         )
     module = M2M100ForConditionalGeneration(cfg, ops, max_model_len)
     module.load_checkpoint(model_dir)

@@ -29,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,10 @@ class CrossKv:
     pad_mask: torch.Tensor | None
     #: The same on the host: the padding positions (empty: none).
     pad_positions: tuple[int, ...] = ()
+    #: Sequences holding it (the request's live beams), kept by the model.
+    holders: int = 0
+    #: Its slot in the step graphs' source pool (`EncDecStepGraphs`), or None.
+    pool_slot: int | None = None
 
     @property
     def source_len(self) -> int:
@@ -291,30 +295,59 @@ class DecoderLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation_function]
         self.ops = ops
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        layer: int,
-        cross: CrossBatch,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: DecoderAttention, layer: int) -> torch.Tensor:
+        """One decoder layer over rows `x` `[R, d]`; `attn` supplies both attentions (the
+        eager forward's `EagerAttention`, or a graph body's static form)."""
         a = self.self_attn
         heads, dim = a.heads, a.head_dim
         h = self.self_attn_layer_norm(x)
         q = a.q_proj(h).view(-1, heads, dim)
         k = a.k_proj(h).view(-1, heads, dim)
         v = a.v_proj(h).view(-1, heads, dim)
-        self.ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        o = self.ops.paged_attention(q, kv[0], kv[1], meta, a.scaling)
+        o = attn.self_attend(q, k, v, layer, a.scaling)
         x = x + a.out_proj(o.reshape(x.shape))
         c = self.encoder_attn
         h = self.encoder_attn_layer_norm(x)
         q = c.q_proj(h).view(-1, heads, dim)
-        out = cross.attend(q, layer, c.scaling)
+        out = attn.cross_attend(q, layer, c.scaling)
         x = x + c.out_proj(out.reshape(x.shape))
         h = self.final_layer_norm(x)
         return x + self.fc2(self.act(self.fc1(h)))
+
+
+class DecoderAttention(Protocol):
+    """The two attentions of a decoder forward, per layer: self-attention writes the rows'
+    K/V and attends the sequence so far; cross-attention attends the row's source."""
+
+    def self_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor: ...
+
+    def cross_attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor: ...
+
+
+class EagerAttention:
+    """The eager forward's attentions: the kernel ops' paged KV write and attention over
+    `meta`, and a `CrossBatch`."""
+
+    def __init__(
+        self,
+        ops: KernelOps,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cross: CrossBatch,
+    ) -> None:
+        self.ops, self.meta, self.kv_caches, self.cross = ops, meta, kv_caches, cross
+
+    def self_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        kc, vc = self.kv_caches[layer]
+        self.ops.write_kv(k, v, kc, vc, self.meta.slot_mapping)
+        return self.ops.paged_attention(q, kc, vc, self.meta, scale)
+
+    def cross_attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        return self.cross.attend(q, layer, scale)
 
 
 class _Stack(nn.Module):
@@ -418,10 +451,22 @@ class M2M100ForConditionalGeneration(nn.Module):
         else:
             top = int(meta.positions.max()) + 1 + self.config.pad_token_id
         x = self._embed(input_ids, self.decoder_positions(input_ids, meta.positions), top)
-        cross = CrossBatch(groups, input_ids.device)
-        for i, (layer, kv) in enumerate(zip(self.model.decoder.layers, kv_caches, strict=True)):
-            x = layer(x, meta, kv, i, cross)
+        if len(kv_caches) != len(self.model.decoder.layers):
+            raise ValueError("one KV cache per decoder layer is needed")
+        attn = EagerAttention(self.ops, meta, kv_caches, CrossBatch(groups, input_ids.device))
+        return self.run_decoder(x, attn)
+
+    def run_decoder(self, x: torch.Tensor, attn: DecoderAttention) -> torch.Tensor:
+        """The decoder stack and its final norm over embedded rows `x`."""
+        for i, layer in enumerate(self.model.decoder.layers):
+            x = layer(x, attn, i)
         return self.model.decoder.layer_norm(x)
+
+    def embed_decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Decoder rows' embeddings at table rows `positions` (no bound check: the caller's
+        positions are known in range)."""
+        tok = self.model.shared(ids) * self.embed_scale
+        return tok + self.positions.index_select(0, positions).to(tok.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (

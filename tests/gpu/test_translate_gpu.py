@@ -3,8 +3,12 @@
 - float32 on the GPU gives transformers' float32 `generate(num_beams=4, ...)` hypotheses on
   the same GPU for a mixed batch of requests (all but at most one, token for token: the two
   run different attention kernels), every block free at the end;
-- a steady beam step reads the device back once (twice on a step where requests finish):
-  the search is not host-bound (counted with `torch.cuda.set_sync_debug_mode`);
+- a steady beam step reads the device back once (twice on a step where requests finish),
+  eager or graphed: the search is not host-bound (counted with
+  `torch.cuda.set_sync_debug_mode`);
+- the decoder step under CUDA graphs (`EncDecStepGraphs`, a graph per rung) gives the eager
+  step's hypotheses (float32: all but at most one best hypothesis identical; the two attend
+  over different widths), every step replayed, every source slot and block free at the end;
 - `metrale bench translate --device cuda --peer transformers` runs end to end (tiny shape)
   and records the GPU.
 """
@@ -72,9 +76,12 @@ def test_cuda_beam_search_matches_transformers_on_cuda(variant: tiny.EncDecVaria
     assert model.block_pool.num_free == model.block_pool.num_usable
 
 
-def test_beam_step_reads_the_device_once() -> None:
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graphed"])
+def test_beam_step_reads_the_device_once(graphed: bool) -> None:
     path = tiny.build(tiny.NLLB_STYLE)
     model = load_encoder_decoder(path, device="cuda", num_blocks=400, block_size=4)
+    if graphed:
+        model.enable_step_graphs(max_rows=32, max_sources=8, source_cap=16)
     cases = _cases(tiny.NLLB_STYLE, 6)
     driver = BeamSearchDriver(model, [EOS])
     for i, (s, t, p) in enumerate(cases):
@@ -99,13 +106,42 @@ def test_beam_step_reads_the_device_once() -> None:
     assert model.block_pool.num_free == model.block_pool.num_usable
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_graphs_match_the_eager_step_on_cuda(dtype: str) -> None:
+    variant = tiny.NLLB_STYLE
+    path = tiny.build(variant)
+    cases = _cases(variant, 16)
+
+    def run(graphs: bool) -> tuple[list[list[int]], object]:
+        model = load_encoder_decoder(
+            path, device="cuda", dtype=getattr(torch, dtype), num_blocks=400, block_size=4
+        )
+        runner = model.enable_step_graphs(max_sources=16, source_cap=16) if graphs else None
+        reqs = [
+            BeamRequest(f"r{i}", [EOS], p, source=s, forced=[t])
+            for i, (s, t, p) in enumerate(cases)
+        ]
+        outs = BeamSearchDriver(model, [EOS]).run(reqs)
+        assert model.block_pool.num_free == model.block_pool.num_usable
+        return [o.hypotheses[0].token_ids for o in outs], runner
+
+    eager, _ = run(False)
+    graphed, runner = run(True)
+    assert runner.captured_rungs == runner.rungs
+    assert runner.replays > 0 and runner.eager_forwards == 0
+    assert len(runner._free_slots) == 16
+    same = sum(a == b for a, b in zip(eager, graphed, strict=True))
+    need = len(cases) - 1 if dtype == "float32" else len(cases) // 2
+    assert same >= need, f"{dtype}: {same}/{len(cases)} graphed best hypotheses equal eager"
+
+
 def test_bench_translate_on_cuda_records_the_gpu(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     bench_translate.add_arguments(parser)
     args = parser.parse_args(
         ["--device", "cuda", "--dtype", "float32", "--peer", "transformers", "--batch-sizes",
          "1,4", "--sentences", "8", "--batch1-sentences", "2", "--max-tokens", "8",
-         "--out-dir", str(tmp_path)]
+         "--step-graphs", "--out-dir", str(tmp_path)]
     )  # fmt: skip
     figures = bench_translate.run(args)
     (record,) = tmp_path.glob("*-translate-tiny-nllb.json")
@@ -115,3 +151,6 @@ def test_bench_translate_on_cuda_records_the_gpu(tmp_path: Path) -> None:
     for key, n in (("batch1", 2), ("batch4", 8)):
         agree = int(figures[key]["top_hypothesis_agrees_with_transformers"].split("/")[0])
         assert agree >= n - 1
+        graphed = figures[key]["step_graphs"]
+        assert graphed["graph_replays"] > 0 and graphed["eager_forwards"] == 0
+    assert saved["config"]["step_graphs"]["captured"]

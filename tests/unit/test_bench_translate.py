@@ -1,7 +1,8 @@
 """`metrale bench translate` runs end to end on the CPU against the transformers peer (the
 path the H200 session runs with the NLLB-600M shape, here on the tiny shape): float32 top
-hypotheses agree with `generate` at every batch size and the record names the device, dtype
-and peer; asking for CUDA where there is none is an error, never a CPU run."""
+hypotheses agree with `generate` at every batch size, eager and with the static decoder step
+(`--step-graphs`), and the record names the device, dtype and peer; asking for CUDA where
+there is none is an error, never a CPU run."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_bench_translate_against_transformers_on_cpu(tmp_path: Path) -> None:
     args = _args(
         "--device", "cpu", "--dtype", "float32", "--peer", "transformers", "--batch-sizes", "1,3",
         "--sentences", "6", "--batch1-sentences", "2", "--max-tokens", "6",
-        "--out-dir", str(tmp_path),
+        "--step-graphs", "--out-dir", str(tmp_path),
     )  # fmt: skip
     figures = translate.run(args)
     (record,) = tmp_path.glob("*-translate-tiny-nllb.json")
@@ -42,6 +43,10 @@ def test_bench_translate_against_transformers_on_cpu(tmp_path: Path) -> None:
         assert fig["top_hypothesis_agrees_with_transformers"] == f"{n}/{n}"
         assert fig["sentences_per_s"] > 0 and fig["ratio_vs_transformers"] > 0
         assert 0 < fig["mean_output_tokens"] <= 7  # 6 tokens, plus the EOS when one ended it
+        graphed = fig["step_graphs"]  # the static step body (eager on the CPU), same search
+        assert graphed["top_hypothesis_agrees_with_transformers"] == f"{n}/{n}"
+        assert graphed["graph_replays"] > 0 and graphed["eager_forwards"] == 0
+    assert saved["config"]["step_graphs"]["captured"] == []  # nothing to capture on a CPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
