@@ -147,6 +147,10 @@ class BeamBackend(Protocol):
         source); the driver feeds `req.prompt[-1]` in the next step's forward."""
         ...
 
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        """`beam_start` of each request, in order (a raise frees every sequence made)."""
+        ...
+
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         """A new sequence sharing `seq`'s blocks (one more reference each) and state."""
         ...
@@ -308,10 +312,10 @@ class BeamSearchDriver:
 
     def _step(self) -> list[BeamOutput]:
         backend = self.backend
-        while self._waiting:
-            req = self._waiting.pop(0)
-            seq = backend.beam_start(req)
-            self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+        if self._waiting:  # every waiting request starts (encoder-decoder: one encoder batch)
+            starting, self._waiting = self._waiting, []
+            for req, seq in zip(starting, backend.beam_start_batch(starting), strict=True):
+                self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
         if not self._running:
             return []
         states = list(self._running.values())
@@ -606,6 +610,17 @@ class DecoderOnlyBeamBackend:
         self.reused_prompt_tokens[req.request_id] = reused
         seq.prompt_len = len(req.prompt)
         return seq
+
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        seqs: list[SequenceState] = []
+        try:
+            for req in reqs:
+                seqs.append(self.beam_start(req))
+        except BaseException:
+            for seq in seqs:
+                self.free_sequence(seq)
+            raise
+        return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         child = fork_state(seq, self.model.alloc_sequence())

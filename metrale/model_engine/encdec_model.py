@@ -6,7 +6,8 @@ Owner: model-engine. Built by `load_encoder_decoder`; driven by the beam driver
 `decode_batch` / `free_sequence`) and by the offline `Translator`.
 
 Invariants:
-- The encoder runs once per request (`beam_start`), and the cross-attention K/V of every
+- The encoder runs once per request (`beam_start_batch`: the sources of requests started
+  together in padded batches, pad keys masked), and the cross-attention K/V of every
   decoder layer once per request; the request's sequences (all its beams) hold that one
   `CrossKv` in `layer_states[0]`, so a fork shares it and no forward recomputes it.
 - Decoder self-attention K/V live in `kv_cache` under `block_pool`: a forward allocates the
@@ -43,6 +44,8 @@ from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGen
 
 logger = logging.getLogger(__name__)
 
+#: Sources encoded together at most (one padded encoder pass).
+ENCODER_BATCH = 64
 #: The decoder KV pool's default size: this many bytes, at most `MAX_DEFAULT_BLOCKS` blocks.
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
 MAX_DEFAULT_BLOCKS = 4096
@@ -76,8 +79,9 @@ class EncoderDecoderModel(Model):
         )
         self.block_pool = BlockPool(num_blocks)
         self._next_slot = 0
-        #: Encoder passes run (one per request started).
+        #: Sources encoded (one per request started), and the padded encoder batches run.
         self.encoder_passes = 0
+        self.encoder_batches = 0
         self.decoder_forwards = 0
         #: The decoder step over static buffers (CUDA graphs on a GPU), or None: eager.
         self.step_graphs: EncDecStepGraphs | None = None
@@ -152,43 +156,67 @@ class EncoderDecoderModel(Model):
 
     def encode_source(self, seq: SequenceState, source: Sequence[int]) -> None:
         """Run the encoder on `source` and keep its cross-attention K/V in `seq`."""
-        if not source:
-            raise InvalidRequestError("the source has no tokens", param="prompt")
+        self.encode_sources([seq], [source])
+
+    def encode_sources(
+        self, seqs: Sequence[SequenceState], sources: Sequence[Sequence[int]]
+    ) -> None:
+        """Encode every source (in padded batches of at most `ENCODER_BATCH`) and keep each
+        one's cross-attention K/V in its sequence. Every source is checked before any runs."""
         limit = self.module.positions.shape[0] - self.config.pad_token_id - 2
-        if len(source) > limit:
-            raise InvalidRequestError(
-                f"the source has {len(source)} tokens, over the model's {limit} positions",
-                param="prompt",
-            )
-        encoded = self.module.encode(list(source))
-        cross = self.module.cross_kv(encoded, list(source))
-        cross.holders = 1
-        seq.layer_states = [cross]
-        if self.step_graphs is not None:
-            self.step_graphs.attach(cross)
-        self.encoder_passes += 1
+        for source in sources:
+            if not source:
+                raise InvalidRequestError("the source has no tokens", param="prompt")
+            if len(source) > limit:
+                raise InvalidRequestError(
+                    f"the source has {len(source)} tokens, over the model's {limit} positions",
+                    param="prompt",
+                )
+        for at in range(0, len(sources), ENCODER_BATCH):
+            chunk = [list(s) for s in sources[at : at + ENCODER_BATCH]]
+            encoded = self.module.encode_batch(chunk)
+            crosses = self.module.cross_kv_batch(encoded, chunk)
+            self.encoder_batches += 1
+            for seq, cross in zip(seqs[at : at + ENCODER_BATCH], crosses, strict=True):
+                cross.holders = 1
+                seq.layer_states = [cross]
+                if self.step_graphs is not None:
+                    self.step_graphs.attach(cross)
+                self.encoder_passes += 1
 
     # ---------------------------------------------------------------- beam backend
 
     def beam_start(self, req: BeamRequest) -> SequenceState:
         """Encode the request's source; the decoder prompt's tokens but the last are fed."""
-        if req.source is None:
-            raise InvalidRequestError("an encoder-decoder request needs a source", param="prompt")
-        seq = self.alloc_sequence()
-        p = req.params
-        seq.src_lang_id = req.source[0] if req.source else 0
-        seq.tgt_lang_id = req.forced[0] if req.forced else 0
-        seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
-        seq.early_stopping = p.early_stopping
+        return self.beam_start_batch([req])[0]
+
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        """`beam_start` of every request, their sources encoded together; a raise frees
+        every sequence made."""
+        seqs: list[SequenceState] = []
         try:
-            self.encode_source(seq, req.source)
-            # A longer decoder prompt: feed all but its last token, one at a time.
-            for tok in req.prompt[:-1]:
-                self.decode_batch([tok], [seq])
+            for req in reqs:
+                if req.source is None:
+                    raise InvalidRequestError(
+                        "an encoder-decoder request needs a source", param="prompt"
+                    )
+                seq = self.alloc_sequence()
+                seqs.append(seq)
+                p = req.params
+                seq.src_lang_id = req.source[0] if req.source else 0
+                seq.tgt_lang_id = req.forced[0] if req.forced else 0
+                seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
+                seq.early_stopping = p.early_stopping
+            self.encode_sources(seqs, [r.source or [] for r in reqs])
+            for req, seq in zip(reqs, seqs, strict=True):
+                # A longer decoder prompt: feed all but its last token, one at a time.
+                for tok in req.prompt[:-1]:
+                    self.decode_batch([tok], [seq])
         except BaseException:
-            self.free_sequence(seq)
+            for seq in seqs:
+                self.free_sequence(seq)
             raise
-        return seq
+        return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         child = fork_state(seq, self.alloc_sequence())

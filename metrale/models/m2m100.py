@@ -268,15 +268,18 @@ class EncoderLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation_function]
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """`x` `[S, d]`; `key_mask` `[S]` True where a key may be attended (None: all)."""
+        """`x` `[B, S, d]`; `key_mask` `[B, S]` True where a key may be attended (None: all)."""
         a = self.self_attn
+        batch, length, d = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, a.heads, a.head_dim).transpose(1, 2)
+
         h = self.self_attn_layer_norm(x)
-        q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
-        mask = key_mask[None, None, :] if key_mask is not None else None
-        o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=a.scaling
-        )[0]
-        x = x + a.out_proj(o.transpose(0, 1).reshape(x.shape))
+        q, k, v = heads(a.q_proj(h)), heads(a.k_proj(h)), heads(a.v_proj(h))
+        mask = key_mask[:, None, None, :] if key_mask is not None else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
+        x = x + a.out_proj(o.transpose(1, 2).reshape(batch, length, d))
         h = self.final_layer_norm(x)
         return x + self.fc2(self.act(self.fc1(h)))
 
@@ -396,38 +399,67 @@ class M2M100ForConditionalGeneration(nn.Module):
                 f"{self.positions.shape[0]} positions"
             )
         tok = self.model.shared(ids) * self.embed_scale
-        return tok + self.positions.index_select(0, positions).to(tok.dtype)
+        pos = self.positions.index_select(0, positions.reshape(-1)).view(*positions.shape, -1)
+        return tok + pos.to(tok.dtype)
 
     @torch.inference_mode()
     def encode(self, source: list[int]) -> torch.Tensor:
         """The encoder's output `[S, d]` for one source sequence (after its final norm)."""
+        return self.encode_batch([source])[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, sources: list[list[int]]) -> torch.Tensor:
+        """The encoder's outputs `[B, S, d]` for sources right-padded to the longest `S` with
+        the pad token (masked as keys, at the padding position, as transformers batches
+        them); row `i` is meaningful up to `len(sources[i])`."""
         device = self.model.shared.weight.device
         pad = self.config.pad_token_id
-        positions, count = [], 0
-        for t in source:  # pad tokens take the padding row, the others pad + 1, pad + 2, ...
-            count += t != pad
-            positions.append(count + pad if t != pad else pad)
-        up = torch.tensor([source, positions], dtype=torch.int64).to(device, non_blocking=True)
-        ids = up[0]
-        key_mask = ids.ne(pad) if pad in source else None
-        x = self._embed(ids, up[1], max(positions))
+        width = max(len(s) for s in sources)
+        ids: list[int] = []
+        positions: list[int] = []
+        for source in sources:
+            count = 0
+            for t in source:  # pad tokens take the padding row, the others pad + 1, pad + 2...
+                count += t != pad
+                positions.append(count + pad if t != pad else pad)
+            ids += [*source, *([pad] * (width - len(source)))]
+            positions += [pad] * (width - len(source))
+        up = torch.tensor([ids, positions], dtype=torch.int64).to(device, non_blocking=True)
+        ids_t, pos_t = up[0].view(len(sources), width), up[1].view(len(sources), width)
+        key_mask = ids_t.ne(pad) if pad in ids else None
+        x = self._embed(ids_t, pos_t, max(positions))
         for layer in self.model.encoder.layers:
             x = layer(x, key_mask)
         return self.model.encoder.layer_norm(x)
 
     @torch.inference_mode()
     def cross_kv(self, encoded: torch.Tensor, source: list[int]) -> CrossKv:
-        """Every decoder layer's cross-attention K/V of one encoded source."""
-        layers = []
+        """Every decoder layer's cross-attention K/V of one encoded source `[S, d]`."""
+        return self.cross_kv_batch(encoded[None], [source])[0]
+
+    @torch.inference_mode()
+    def cross_kv_batch(self, encoded: torch.Tensor, sources: list[list[int]]) -> list[CrossKv]:
+        """Each source's cross-attention K/V of every decoder layer, from `encode_batch`'s
+        `[B, S, d]` (one projection per layer for the batch; each source keeps views of its
+        rows)."""
+        batch, width, _ = encoded.shape
+        per_source: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in sources]
         for layer in self.model.decoder.layers:
             c = layer.encoder_attn
-            layers.append((c.split(c.k_proj(encoded)), c.split(c.v_proj(encoded))))
+            k = c.k_proj(encoded).view(batch, width, c.heads, c.head_dim).transpose(1, 2)
+            v = c.v_proj(encoded).view(batch, width, c.heads, c.head_dim).transpose(1, 2)
+            for i, source in enumerate(sources):
+                per_source[i].append((k[i, :, : len(source)], v[i, :, : len(source)]))
         pad = self.config.pad_token_id
-        at = tuple(i for i, t in enumerate(source) if t == pad)
-        if not at:
-            return CrossKv(layers, None)
-        pads = torch.tensor([t == pad for t in source]).to(encoded.device, non_blocking=True)
-        return CrossKv(layers, pads, at)
+        out = []
+        for source, layers in zip(sources, per_source, strict=True):
+            at = tuple(i for i, t in enumerate(source) if t == pad)
+            if not at:
+                out.append(CrossKv(layers, None))
+                continue
+            pads = torch.tensor([t == pad for t in source]).to(encoded.device, non_blocking=True)
+            out.append(CrossKv(layers, pads, at))
+        return out
 
     def decoder_positions(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Positions of decoder tokens `ids` at sequence indices `index`."""

@@ -5,8 +5,9 @@
   different lengths, padding positions and row counts; its layout check refuses groups that
   do not cover the rows in order.
 - Sources holding the pad token: beam search over a batch that mixes them with plain ones
-  gives transformers' `generate(attention_mask=source != pad)` hypotheses token for token
-  (the encoder's key mask, the padding position row and the cross-attention mask).
+  (encoded together in one right-padded encoder pass) gives transformers'
+  `generate(attention_mask=source != pad)` hypotheses token for token (the encoder's key
+  mask, the padding position row and the cross-attention mask).
 """
 
 from __future__ import annotations
@@ -93,4 +94,5 @@ def test_sources_with_pad_tokens_match_transformers() -> None:
         if EOS in ref:
             ref = ref[: ref.index(EOS) + 1]
         assert out.hypotheses[0].token_ids == ref, s
+    assert (model.encoder_passes, model.encoder_batches) == (3, 1)  # one padded encoder pass
     assert model.block_pool.num_free == model.block_pool.num_usable
