@@ -229,6 +229,8 @@ class EncDecStepGraphs:
         for s in seqs:
             if s.layer_states[0].pool_slot is None:
                 return self._eager("a row's source has no pool slot")
+            if len(s.block_table) > self.max_blocks:
+                return self._eager("a row's block table is wider than the graphs'")
         return True
 
     def _eager(self, reason: str) -> bool:
@@ -245,7 +247,6 @@ class EncDecStepGraphs:
         n = len(seqs)
         rows = next(r for r in self.rungs if r >= n)
         bs, pad = self.block_size, self.pad
-        host = torch.zeros(rows * self.width, dtype=torch.int64)
         ids = [*tokens, *([0] * (rows - n))]
         pos = [pad if t == pad else pad + 1 + s.seq_len for t, s in zip(tokens, seqs)]
         pos += [pad + 1] * (rows - n)
@@ -253,10 +254,12 @@ class EncDecStepGraphs:
         slots += [0] * (rows - n)
         lens = [s.seq_len + 1 for s in seqs] + [1] * (rows - n)
         sources = [s.layer_states[0].pool_slot for s in seqs] + [self.dummy_slot] * (rows - n)
-        host[: 5 * rows] = torch.tensor([*ids, *pos, *slots, *lens, *sources])
-        tables = host[5 * rows :].view(rows, self.max_blocks)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = torch.tensor(s.block_table)
+        tables: list[int] = []
+        for s in seqs:
+            tables += s.block_table
+            tables += [0] * (self.max_blocks - len(s.block_table))
+        tables += [0] * (self.max_blocks * (rows - n))
+        host = torch.tensor([*ids, *pos, *slots, *lens, *sources, *tables], dtype=torch.int64)
         self.flat[: rows * self.width].copy_(host, non_blocking=True)
         self.replays += 1
         graph = self._graphs.get(rows)
