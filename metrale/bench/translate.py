@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     run_ours = runner(ours)
     graphed: Translator | None = None
-    graphs_error = None
+    graph_info: Any = None
+    graphs_error: str | None = None
     if args.step_graphs:
         try:
             # The graphs' widths follow this run: decoder length max_tokens + 2, sources of at
@@ -291,13 +292,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 model_dir, device=args.device, dtype=args.dtype, num_kv_blocks=kv_blocks,
                 block_size=16, max_model_len=args.max_tokens + 2,
             )  # fmt: skip
-            graphed.model.enable_step_graphs(
+            graph_info = graphed.model.enable_step_graphs(
                 max_rows=max(batch_sizes) * args.num_beams, max_sources=max(batch_sizes),
                 source_cap=32,
             )  # fmt: skip
         except Exception as exc:  # recorded and printed: the eager figures still stand
             graphs_error = f"{type(exc).__name__}: {exc}"
-            logger.error("step graphs could not be built: %s", graphs_error)
+            logger.exception("step graphs could not be built")
+            graphed = None
 
     peer_run: Callable[[list[list[int]]], list[list[int]]] | None = None
     if peer == "ctranslate2":
@@ -335,18 +337,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             graphs = graphed.model.step_graphs
             assert graphs is not None
             before = (graphs.replays, graphs.eager_forwards)
-            sub, graphed_out = timed(runner(graphed), batches, n)
-            sub["graph_replays"] = graphs.replays - before[0]
-            sub["eager_forwards"] = graphs.eager_forwards - before[1]
-            sub["top_hypothesis_agrees_with_eager"] = (
-                f"{sum(x == y for x, y in zip(graphed_out, ours_out, strict=True))}/{n}"
-            )
-            figures[key]["step_graphs"] = sub
+            try:
+                sub, graphed_out = timed(runner(graphed), batches, n)
+            except Exception as exc:  # recorded and printed; the eager figures still stand
+                graphs_error = f"batch {bs}: {type(exc).__name__}: {exc}"
+                logger.exception("the graphed run failed")
+                figures[key]["step_graphs"] = {"error": graphs_error}
+                graphed = None
+            else:
+                sub["graph_replays"] = graphs.replays - before[0]
+                sub["eager_forwards"] = graphs.eager_forwards - before[1]
+                sub["top_hypothesis_agrees_with_eager"] = (
+                    f"{sum(x == y for x, y in zip(graphed_out, ours_out, strict=True))}/{n}"
+                )
+                figures[key]["step_graphs"] = sub
         if peer_run is None:
             continue
         peers[key], peer_out = timed(peer_run, batches, n)
         for fig, out in ((figures[key], ours_out), (figures[key].get("step_graphs"), graphed_out)):
-            if fig is None or out is None:
+            if fig is None or out is None or "error" in fig:
                 continue
             if peer == "ctranslate2":
                 out = [_strip_eos(x, eos) for x in out]
@@ -363,11 +372,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         config["gpu"] = torch.cuda.get_device_name(device)
     if args.step_graphs:
-        graphs = graphed.model.step_graphs if graphed is not None else None
         config["step_graphs"] = (
-            {"rungs": graphs.rungs, "capture_seconds": round(graphs.capture_seconds, 2),
-             "captured": graphs.captured_rungs}
-            if graphs is not None else {"error": graphs_error}
+            {"rungs": graph_info.rungs, "capture_seconds": round(graph_info.capture_seconds, 2),
+             "captured": graph_info.captured_rungs, "error": graphs_error}
+            if graph_info is not None else {"error": graphs_error}
         )  # fmt: skip
     path = write_record(
         "translate", model_shape=shape, config=config, figures=figures,
@@ -378,7 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for key, fig in figures.items():
         p = peers.get(key)
         for label, f in ((key[5:], fig), (f"{key[5:]}g", fig.get("step_graphs"))):
-            if f is None:
+            if f is None or "error" in f:
                 continue
             print(
                 f"{label:>6} {f['sentences_per_s']:15.2f} "
