@@ -4,6 +4,9 @@
 Owner: engine. `LLM.translate`, `LLM.beam_search`, `metrale translate` and the server's
 translation requests come here; the search itself is `metrale.model_engine.beam`.
 
+`Translator(step_graphs=True)` runs the decoder step through `EncDecStepGraphs` (CUDA graphs
+over the batch ladder on a GPU).
+
 `TranslationService` runs one `BeamSearchDriver` on a thread of its own for the server:
 requests submitted from any thread join the running ones, so concurrent requests' beams share
 each decoder forward.
