@@ -8,6 +8,8 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
+#        translate (NLLB-200-distilled-600M shape, random weights, bf16 beam 4 at batch 1 and 32
+#        against transformers generate, issue 18)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        hybridttft (issue 15) vision (issue 21)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
@@ -77,6 +79,17 @@ for part in $PARTS; do
     timeout 400 python3 -m metrale.cli bench structured --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --device cuda --batches 1,64 --out-dir "$OUT" >"$OUT/structured.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/structured.log"
+    ;;
+  translate)
+    stamp translate: gpu tests, then nllb-600m shape bf16 beam 4, batch 1 and 32, vs transformers generate
+    timeout 150 python3 -m pytest tests/gpu/test_translate_gpu.py -q -p no:cacheprovider --timeout 140 \
+      >"$OUT/gpu_translate_tests.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/gpu_translate_tests.log"
+    timeout 300 python3 -m metrale.cli bench translate --shape nllb-600m --device cuda \
+      --dtype bfloat16 --peer transformers --batch-sizes 1,32 --num-beams 4 --sentences 64 \
+      --batch1-sentences 16 --max-tokens 64 --step-graphs --log-level INFO --out-dir "$OUT" \
+      >"$OUT/translate.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/translate.log"
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model

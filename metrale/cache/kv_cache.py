@@ -74,6 +74,22 @@ class PagedKVCache:
             k[dst].copy_(k[src])
             v[dst].copy_(v[src])
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """`copy_block(src[i], dst[i])` for every i in one gather + scatter per tensor (no
+        `dst` may be a `src`); the block ids go to the device without a sync."""
+        if len(src) != len(dst):
+            raise ValueError("copy_blocks needs as many destinations as sources")
+        if not src:
+            return
+        if set(src) & set(dst):
+            raise ValueError("copy_blocks: a destination block is also a source")
+        device = self.layers[0][0].device
+        ids = torch.tensor([*src, *dst], dtype=torch.long).to(device, non_blocking=True)
+        s, d = ids[: len(src)], ids[len(src) :]
+        for k, v in self.layers:
+            k.index_copy_(0, d, k.index_select(0, s))
+            v.index_copy_(0, d, v.index_select(0, s))
+
     def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the given blocks of every layer, on the host (for swap-out)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)

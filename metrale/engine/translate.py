@@ -4,6 +4,9 @@
 Owner: engine. `LLM.translate`, `LLM.beam_search`, `metrale translate` and the server's
 translation requests come here; the search itself is `metrale.model_engine.beam`.
 
+`Translator(step_graphs=True)` runs the decoder step through `EncDecStepGraphs` (CUDA graphs
+over the batch ladder on a GPU).
+
 `TranslationService` runs one `BeamSearchDriver` on a thread of its own for the server:
 requests submitted from any thread join the running ones, so concurrent requests' beams share
 each decoder forward.
@@ -187,7 +190,10 @@ class Translator:
         block_size: int = 16,
         src_lang: str | None = None,
         tgt_lang: str | None = None,
+        step_graphs: bool = False,
     ) -> None:
+        """`step_graphs`: decoder steps through `EncDecStepGraphs` (CUDA graphs over the
+        batch ladder on a GPU; on the CPU the same static body, eagerly)."""
         self.model_dir = str(model_dir)
         #: `tokenizer.json` (NLLB), or M2M100's sentencepiece files.
         self.tokenizer: Tokenizer | SentencePieceVocab = (
@@ -205,6 +211,8 @@ class Translator:
             num_blocks=num_kv_blocks,
             block_size=block_size,
         )
+        if step_graphs:
+            self.model.enable_step_graphs()
         cfg = self.model.config
         self.eos = cfg.eos_token_id
         self.default_src = src_lang

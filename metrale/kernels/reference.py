@@ -92,7 +92,6 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`."""
     out = torch.empty_like(q)
-    starts = meta.query_start_loc.tolist()
     host_k = host_v = None
     if meta.host_kv is not None:  # rows read host blocks: each sequence on its own below
         host_k, host_v = meta.host_kv.layer_tensors(k_cache)
@@ -100,6 +99,10 @@ def paged_attention(
     rows = nd * meta.decode_query_len
     if nd:
         _decode_rows(q[:rows], out[:rows], k_cache, v_cache, meta, scale, sliding_window)
+    # The host copy of the row offsets (a device read only where a graph's metadata lacks it).
+    starts = (
+        (meta.query_start_loc_host or meta.query_start_loc.tolist()) if nd < meta.num_seqs else []
+    )
     for b in range(nd, meta.num_seqs):
         start, end = starts[b], starts[b + 1]
         length = meta.seq_lens_host[b]

@@ -131,7 +131,7 @@ def build_forward_batch(
     return ForwardBatch(
         input_ids=up(input_ids, torch.int64),
         meta=meta,
-        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        logits_indices=up(np.asarray(logits_idx, dtype=np.int64), torch.int64),
         logits_spans=spans,
         lora=LoraBatch.build([r.seq.adapter_slot for r in rows], query_lens.tolist(), device),
     )

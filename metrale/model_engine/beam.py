@@ -11,15 +11,20 @@ of the float32 logits, the request's processors (forced prefix, `min_tokens`,
 `K` best unfinished ones run on, finished ones (EOS or the length limit) among the first `K`
 enter the request's `K` best finished hypotheses with `score / length ** length_penalty`, and
 `early_stopping` (True, False, "never") decides when the request is done, with the same
-heuristic. The bookkeeping runs as the same float32 torch operations on the same shapes, so
-ties break as there.
+heuristic. The bookkeeping runs as the same float32 torch operations on transformers'
+batched shapes (`[requests, ...]`, the requests of one beam width together), so ties break
+as there. It runs where the logits are: per step the host sends its facts (rows, forced
+tokens, bans, length divisors) in two asynchronous copies and reads the device back once for
+every request together (the picks that steer the block tables), then once more only on a
+step where requests finish (their scores), so a GPU step is not host-bound by the search.
 
 Sharing: a *physical* sequence (`SequenceState`) holds the KV of a beam's tokens but the
 last, which it feeds in the next decoder forward. Beams with the same history share one
 physical sequence (the K copies of the prompt at step 0); a beam that continues its parent
 takes the parent's sequence over, a second continuation forks it: a new `SequenceState`
 whose block table references the same blocks (`BlockPool.incref`). Before a forward writes
-into a shared partial last block, that block is copied (copy-on-write). A beam whose score is
+into a shared partial last block, that block is copied (copy-on-write; the step's copies
+run as one batch before the forward). A beam whose score is
 `-inf` can never be chosen again and holds no sequence. Every request's rows run in one
 decoder forward per step.
 
@@ -142,6 +147,10 @@ class BeamBackend(Protocol):
         source); the driver feeds `req.prompt[-1]` in the next step's forward."""
         ...
 
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        """`beam_start` of each request, in order (a raise frees every sequence made)."""
+        ...
+
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         """A new sequence sharing `seq`'s blocks (one more reference each) and state."""
         ...
@@ -196,15 +205,20 @@ class _State:
         self.min_new = p.min_tokens + len(req.forced)
         self.keep = max(2, 1 + len(eos)) * self.k
         self.slots = [_Slot(phys, []) for _ in range(self.k)]
+        # The search state lives where the logits are (moved there at the first step).
         self.running = torch.zeros(self.k, dtype=torch.float32)
         self.running[1:] = NEG
         self.fin_scores = torch.full((self.k,), NEG, dtype=torch.float32)
         self.fin_done = torch.zeros(self.k, dtype=torch.bool)
         self.fin_tokens: list[list[int]] = [[] for _ in range(self.k)]
-        self.top_mask = torch.zeros(self.keep, dtype=torch.bool)
-        self.top_mask[: self.k] = True
-        self.heuristic = True
+        #: transformers' "a better hypothesis is still possible" flag (a bool scalar tensor).
+        self.heuristic = torch.ones((), dtype=torch.bool)
         self.steps = 0
+
+    def to(self, dev: torch.device) -> None:
+        if self.running.device != dev:
+            self.running, self.fin_scores = self.running.to(dev), self.fin_scores.to(dev)
+            self.fin_done, self.heuristic = self.fin_done.to(dev), self.heuristic.to(dev)
 
     def physicals(self) -> list[_Phys]:
         seen: dict[int, _Phys] = {}
@@ -229,6 +243,7 @@ class BeamSearchDriver:
         self.cow_copies = 0
         self.forks = 0
         self.forwards = 0
+        self._eos_tensors: dict[torch.device, torch.Tensor] = {}
 
     # ---------------------------------------------------------------- requests
 
@@ -297,50 +312,60 @@ class BeamSearchDriver:
 
     def _step(self) -> list[BeamOutput]:
         backend = self.backend
-        while self._waiting:
-            req = self._waiting.pop(0)
-            seq = backend.beam_start(req)
-            self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+        if self._waiting:  # every waiting request starts (encoder-decoder: one encoder batch)
+            starting, self._waiting = self._waiting, []
+            for req, seq in zip(starting, backend.beam_start_batch(starting), strict=True):
+                self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
         if not self._running:
             return []
         states = list(self._running.values())
         physicals = [p for st in states for p in st.physicals()]
+        copies: tuple[list[int], list[int]] = ([], [])
         for p in physicals:
-            self._copy_on_write(p.seq)
+            self._copy_on_write(p.seq, copies)
+        backend.kv_cache.copy_blocks(*copies)  # every copy of the step in one batch
         logits = backend.decode_batch([p.pending for p in physicals], [p.seq for p in physicals])
         self.forwards += 1
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         row_of = {id(p): i for i, p in enumerate(physicals)}
-        finished = []
-        for st in states:
+        ended = []
+        for st, done in zip(states, self._advance_all(states, logprobs, row_of), strict=True):
             st.steps += 1
-            if self._advance(st, logprobs, row_of):
+            if done:
                 del self._running[st.req.request_id]
                 self._release(st)
-                finished.append(self._output(st))
+                ended.append(st)
+        if not ended:
+            return []
+        scores = torch.cat([st.fin_scores[: st.req.params.n] for st in ended]).tolist()
+        finished, offset = [], 0
+        for st in ended:
+            finished.append(self._output(st, scores[offset : offset + st.req.params.n]))
+            offset += st.req.params.n
         return finished
 
-    def _copy_on_write(self, seq: SequenceState) -> None:
+    def _copy_on_write(self, seq: SequenceState, copies: tuple[list[int], list[int]]) -> None:
+        """Give `seq` a private copy of its shared partial last block: the block is allocated
+        and swapped in now, its contents copied with the step's others (`copies`: sources,
+        destinations) before the forward. A source keeps another holder's reference, so it
+        stays allocated (and unwritten) until the copy has run."""
         backend = self.backend
         if seq.seq_len % backend.block_size == 0 or not seq.block_table:
             return  # the next token opens a fresh block
         last = seq.block_table[-1]
         if backend.block_pool.ref_count(last) > 1:
             private = backend.block_pool.allocate(1)[0]
-            backend.kv_cache.copy_block(last, private)
+            copies[0].append(last)
+            copies[1].append(private)
             backend.block_pool.decref([last])
             seq.block_table[-1] = private
             self.cow_copies += 1
 
-    def _processed(self, st: _State, slot: _Slot, row: torch.Tensor) -> torch.Tensor:
-        """The slot's log-probs after its processors (a new tensor when changed)."""
-        gen = len(slot.gen)
-        if gen < len(st.req.forced):
-            out = torch.full_like(row, float("-inf"))
-            out[st.req.forced[gen]] = 0.0
-            return out
+    def _bans(self, st: _State, slot: _Slot) -> list[int]:
+        """Tokens the slot's processors set to -inf (`no_repeat_ngram_size`, `min_tokens`);
+        a slot still in its forced prefix is handled by the caller."""
         p = st.req.params
-        out = row
+        banned: set[int] = set()
         n = p.no_repeat_ngram_size
         if n:
             tokens = st.req.prompt + slot.gen
@@ -351,93 +376,167 @@ class BeamSearchDriver:
                     for i in range(len(tokens) - n + 1)
                     if tuple(tokens[i : i + n - 1]) == prefix
                 }
-                if banned:
-                    out = out.clone()
-                    out[list(banned)] = float("-inf")
-        if gen < st.min_new:
-            out = out.clone() if out is row else out
-            out[list(st.eos)] = float("-inf")
-        return out
+        if len(slot.gen) < st.min_new:
+            banned.update(st.eos)
+        return sorted(banned)
 
-    def _advance(self, st: _State, logprobs: torch.Tensor, row_of: dict[int, int]) -> bool:
-        """One beam step of one request; returns whether it is done."""
-        k, vocab = st.k, logprobs.shape[1]
-        dev = logprobs.device
-        if st.running.device != dev:  # the search state lives where the logits are
-            st.running, st.fin_scores = st.running.to(dev), st.fin_scores.to(dev)
-            st.fin_done, st.top_mask = st.fin_done.to(dev), st.top_mask.to(dev)
-        dead = None
-        rows = []
-        for slot in st.slots:
-            if slot.phys is None:
-                if dead is None:
-                    dead = torch.full((vocab,), float("-inf"), device=dev)
-                rows.append(dead)
-            else:
-                rows.append(self._processed(st, slot, logprobs[row_of[id(slot.phys)]]))
-        scores = torch.stack(rows) + st.running[:, None]
-        topk_scores, topk_idx = torch.topk(scores.reshape(-1), k=st.keep)
-        parents = (topk_idx // vocab).tolist()
-        tokens = (topk_idx % vocab).tolist()
-        gen_len = len(st.slots[0].gen)  # every beam has generated the same count
-        at_limit = gen_len + 1 >= st.max_new
-        hits = torch.tensor([at_limit or t in st.eos for t in tokens], dtype=torch.bool, device=dev)
+    def _advance_all(
+        self, states: list[_State], logprobs: torch.Tensor, row_of: dict[int, int]
+    ) -> list[bool]:
+        """One beam step of every running request; returns which are done. Requests of one
+        beam width advance together as `[requests, ...]` tensors (transformers' batched
+        shapes); the step reads the device back once, for all of them."""
+        groups: dict[int, list[_State]] = {}
+        for st in states:
+            groups.setdefault(st.k, []).append(st)
+        packed = [self._search_group(g, logprobs, row_of) for g in groups.values()]
+        host = torch.cat(packed).tolist() if len(packed) > 1 else packed[0].tolist()
+        vocab = logprobs.shape[1]
+        done: dict[int, bool] = {}
+        offset = 0
+        for group in groups.values():
+            for st in group:
+                width = st.keep + 3 * st.k + 1
+                done[id(st)] = self._apply(st, host[offset : offset + width], vocab)
+                offset += width
+        return [done[id(st)] for st in states]
+
+    def _search_group(
+        self, group: list[_State], logprobs: torch.Tensor, row_of: dict[int, int]
+    ) -> torch.Tensor:
+        """The device half of a step for requests of one beam width `k`: transformers'
+        `_beam_search` bookkeeping on `[R, ...]` tensors, no host read. Returns, flattened,
+        per request: the top `keep` flat indices, the `k` running picks among them, the `k`
+        finished picks, the `k` alive flags and the done flag."""
+        dev, vocab = logprobs.device, logprobs.shape[1]
+        r_count, k, keep = len(group), group[0].k, group[0].keep
+        rows: list[int] = []
+        dead: list[int] = []
+        forced: list[int] = []
+        zero: list[int] = []  # (request, beam, token) triples set to 0 (the forced token)
+        ban: list[int] = []  # (request, beam, token) triples set to -inf
+        at_limit: list[int] = []
+        early_true: list[int] = []
+        divisors: list[float] = []
+        for r, st in enumerate(group):
+            st.to(dev)
+            p = st.req.params
+            gen_len = len(st.slots[0].gen)  # every beam has generated the same count
+            is_forced = gen_len < len(st.req.forced)
+            forced.append(int(is_forced))
+            for j, slot in enumerate(st.slots):
+                if slot.phys is None:  # score -inf: a row of -inf
+                    rows.append(0)
+                    dead.append(1)
+                    continue
+                rows.append(row_of[id(slot.phys)])
+                dead.append(0)
+                if is_forced:
+                    zero += (r, j, st.req.forced[gen_len])
+                else:
+                    for t in self._bans(st, slot):
+                        ban += (r, j, t)
+            at_limit.append(int(gen_len + 1 >= st.max_new))
+            early_true.append(int(p.early_stopping is True))
+            # transformers' stopping rule, after its cur_len += 1.
+            best_len = (
+                st.max_new
+                if p.early_stopping == "never" and p.length_penalty > 0.0
+                else gen_len + 1
+            )
+            divisors.append((gen_len + 1) ** p.length_penalty)
+            divisors.append(best_len**p.length_penalty)
+        # Host facts go up in two asynchronous copies (no device sync).
+        ints = [*rows, *dead, *forced, *at_limit, *early_true, *zero, *ban]
+        up = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
+        div = torch.tensor(divisors, dtype=torch.float32).to(dev, non_blocking=True).view(-1, 2)
+        n = r_count * k
+        row_idx, dead_t = up[:n], up[n : 2 * n].view(r_count, k).bool()
+        flags = up[2 * n : 2 * n + 3 * r_count].view(3, r_count).bool()
+        forced_t, limit_t, early_t = flags[0], flags[1], flags[2]
+        triples = up[2 * n + 3 * r_count :]
+        # (zero first, then ban; each a [count, 3] block of (request, beam, token))
+        z = triples[: len(zero)].view(-1, 3).t() if zero else None
+        b = triples[len(zero) :].view(-1, 3).t() if ban else None
+
+        # The requests' processors: forced prefix, bans, dead beams.
+        proc = logprobs.index_select(0, row_idx).view(r_count, k, vocab)
+        if any(forced):
+            proc.masked_fill_(forced_t[:, None, None], float("-inf"))
+        if z is not None:
+            proc[z[0], z[1], z[2]] = 0.0
+        if b is not None:
+            proc[b[0], b[1], b[2]] = float("-inf")
+        if any(dead):
+            proc.masked_fill_(dead_t[:, :, None], float("-inf"))
+
+        running = torch.stack([st.running for st in group])
+        scores = proc + running[:, :, None]
+        topk_scores, topk_idx = torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
+        # (a broadcast compare: `torch.isin` sorts, and its CUDA unique reads the device)
+        hits = limit_t[:, None] | ((topk_idx % vocab)[..., None] == self._eos_on(dev)).any(-1)
 
         # The K best unfinished continuations run on.
         run_scores = topk_scores + hits.to(torch.float32) * NEG
-        next_idx = torch.topk(run_scores, k=k)[1]
-        new_running = run_scores[next_idx]
+        next_idx = torch.topk(run_scores, k=k, dim=1)[1]
+        new_running = run_scores.gather(1, next_idx)
 
         # Finished continuations among the first K enter the finished set.
-        did = hits & st.top_mask
-        fin = topk_scores / ((gen_len + 1) ** st.req.params.length_penalty)
-        full = bool(st.fin_done.all()) and st.req.params.early_stopping is True
-        fin = fin + torch.tensor(float(full), device=dev) * NEG
-        fin = fin + torch.tensor(float(not st.heuristic), device=dev) * NEG
+        fin_scores = torch.stack([st.fin_scores for st in group])
+        fin_done = torch.stack([st.fin_done for st in group])
+        heuristic = torch.stack([st.heuristic for st in group])
+        did = hits & (torch.arange(keep, device=dev) < k)[None, :]
+        fin = topk_scores / div[:, :1]
+        full = fin_done.all(dim=1) & early_t
+        fin = fin + full.to(torch.float32)[:, None] * NEG
+        fin = fin + (~heuristic).to(torch.float32)[:, None] * NEG
         fin = fin + (~did) * NEG
-        merged_scores = torch.cat((st.fin_scores, fin))
-        merged_done = torch.cat((st.fin_done, did))
-        pick = torch.topk(merged_scores, k=k)[1]
+        merged_scores = torch.cat((fin_scores, fin), dim=1)
+        merged_done = torch.cat((fin_done, did), dim=1)
+        pick = torch.topk(merged_scores, k=k, dim=1)[1]
+        fin_scores = merged_scores.gather(1, pick)
+        fin_done = merged_done.gather(1, pick)
+
+        # transformers' stopping rules.
+        best_possible = new_running[:, :1] / div[:, 1:]
+        worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True).values, NEG)
+        heuristic = heuristic & (best_possible > worst).any(dim=1)
+        done = ~heuristic | (fin_done.all(dim=1) & early_t) | hits.all(dim=1)
+        for r, st in enumerate(group):
+            st.running, st.fin_scores = new_running[r], fin_scores[r]
+            st.fin_done, st.heuristic = fin_done[r], heuristic[r]
+        alive = new_running != float("-inf")
+        packed = torch.cat((topk_idx, next_idx, pick, alive.long(), done.long()[:, None]), dim=1)
+        return packed.reshape(-1)
+
+    def _eos_on(self, dev: torch.device) -> torch.Tensor:
+        t = self._eos_tensors.get(dev)
+        if t is None:
+            t = self._eos_tensors[dev] = torch.tensor(self.eos, dtype=torch.int64, device=dev)
+        return t
+
+    def _apply(self, st: _State, row: list[int], vocab: int) -> bool:
+        """The host half of a step: the request's finished tokens and its beams' sequences,
+        from the values `_search_group` packed; returns whether the request is done."""
+        k, keep = st.k, st.keep
+        top, nxt = row[:keep], row[keep : keep + k]
+        picked, alive = row[keep + k : keep + 2 * k], row[keep + 2 * k : keep + 3 * k]
+        parents = [i // vocab for i in top]
+        tokens = [i % vocab for i in top]
         old_tokens = st.fin_tokens
-        picked = pick.tolist()
         st.fin_tokens = [
             old_tokens[i] if i < k else [*st.slots[parents[i - k]].gen, tokens[i - k]]
             for i in picked
         ]
-        st.fin_scores = merged_scores[pick]
-        st.fin_done = merged_done[pick]
+        self._rebuild(st, [parents[i] for i in nxt], [tokens[i] for i in nxt], alive)
+        return bool(row[-1])
 
-        # Rebuild the running beams and their physical sequences.
-        self._rebuild(
-            st,
-            [parents[i] for i in next_idx.tolist()],
-            [tokens[i] for i in next_idx.tolist()],
-            new_running,
-        )
-        st.running = new_running
-
-        # transformers' stopping rules, after its cur_len += 1.
-        p = st.req.params
-        gen_len += 1
-        if p.early_stopping == "never" and p.length_penalty > 0.0:
-            best_len = st.max_new
-        else:
-            best_len = gen_len
-        best_possible = st.running[:1] / (best_len**p.length_penalty)
-        worst = torch.where(st.fin_done, torch.min(st.fin_scores), torch.tensor(NEG, device=dev))
-        st.heuristic = st.heuristic and bool(torch.any(best_possible > worst))
-        all_done = bool(st.fin_done.all()) and p.early_stopping is True
-        return (not st.heuristic) or all_done or bool(hits.all())
-
-    def _rebuild(
-        self, st: _State, parents: list[int], tokens: list[int], scores: torch.Tensor
-    ) -> None:
+    def _rebuild(self, st: _State, parents: list[int], tokens: list[int], alive: list[int]) -> None:
         backend = self.backend
         old = st.slots
         children: dict[tuple[int, int], _Phys] = {}
         taken: set[int] = set()  # parent physicals already continued by a child
         new_slots = []
-        alive = (scores != float("-inf")).tolist()
         for j, (pi, tok) in enumerate(zip(parents, tokens)):
             parent = old[pi]
             gen = [*parent.gen, tok]
@@ -467,10 +566,10 @@ class BeamSearchDriver:
             self.backend.free_sequence(p.seq)
         st.slots = [_Slot(None, s.gen) for s in st.slots]
 
-    def _output(self, st: _State) -> BeamOutput:
+    def _output(self, st: _State, scores: list[float]) -> BeamOutput:
+        """The request's best `n` hypotheses; `scores` are their finished scores."""
         nf = len(st.req.forced)
         hyps = []
-        scores = st.fin_scores.tolist()
         for i in range(st.req.params.n):
             toks = st.fin_tokens[i]
             reason = "stop" if toks and toks[-1] in self.eos else "length"
@@ -511,6 +610,17 @@ class DecoderOnlyBeamBackend:
         self.reused_prompt_tokens[req.request_id] = reused
         seq.prompt_len = len(req.prompt)
         return seq
+
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        seqs: list[SequenceState] = []
+        try:
+            for req in reqs:
+                seqs.append(self.beam_start(req))
+        except BaseException:
+            for seq in seqs:
+                self.free_sequence(seq)
+            raise
+        return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         child = fork_state(seq, self.model.alloc_sequence())

@@ -6,14 +6,21 @@ Owner: model-engine. Built by `load_encoder_decoder`; driven by the beam driver
 `decode_batch` / `free_sequence`) and by the offline `Translator`.
 
 Invariants:
-- The encoder runs once per request (`beam_start`), and the cross-attention K/V of every
+- The encoder runs once per request (`beam_start_batch`: the sources of requests started
+  together in padded batches, pad keys masked), and the cross-attention K/V of every
   decoder layer once per request; the request's sequences (all its beams) hold that one
   `CrossKv` in `layer_states[0]`, so a fork shares it and no forward recomputes it.
 - Decoder self-attention K/V live in `kv_cache` under `block_pool`: a forward allocates the
   blocks its rows need all or nothing (`KVCacheExhausted` leaves every sequence unchanged);
   `free_sequence` drops exactly the sequence's block references and its `CrossKv` reference.
-- Rows of one forward are grouped by request (contiguous, as the beam driver orders them) so
-  each request's rows attend its source in one attention call.
+- Rows of one forward are grouped by request (contiguous, as the beam driver orders them);
+  the groups' rows attend their sources in one attention call per layer (`CrossBatch`).
+- On CUDA the model runs the torch reference ops (cuBLAS, SDPA, the padded-gather paged
+  decode attention; no Triton kernels yet, logged at load); a decoder step reads nothing
+  back from the device, the beam driver reads it once per step.
+- With `enable_step_graphs` a forward that fits runs through `EncDecStepGraphs` (CUDA graphs
+  on a GPU), the others eagerly (counted there); each `CrossKv` counts the sequences holding
+  it (`beam_start` 1, a fork +1, `free_sequence` -1) and gives its source slot back at 0.
 - No decoder sequence passes `max_model_len` decoder tokens.
 """
 
@@ -31,11 +38,14 @@ from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps, kernels_for
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver, fork_state
+from metrale.model_engine.encdec_graphs import EncDecStepGraphs
 from metrale.model_engine.traits import BeamReq, Model, SequenceState, Stream, blocks_needed
 from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGeneration
 
 logger = logging.getLogger(__name__)
 
+#: Sources encoded together at most (one padded encoder pass).
+ENCODER_BATCH = 64
 #: The decoder KV pool's default size: this many bytes, at most `MAX_DEFAULT_BLOCKS` blocks.
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
 MAX_DEFAULT_BLOCKS = 4096
@@ -69,9 +79,26 @@ class EncoderDecoderModel(Model):
         )
         self.block_pool = BlockPool(num_blocks)
         self._next_slot = 0
-        #: Encoder passes run (one per request started).
+        #: Sources encoded (one per request started), and the padded encoder batches run.
         self.encoder_passes = 0
+        self.encoder_batches = 0
         self.decoder_forwards = 0
+        #: The decoder step over static buffers (CUDA graphs on a GPU), or None: eager.
+        self.step_graphs: EncDecStepGraphs | None = None
+
+    def enable_step_graphs(
+        self, *, max_rows: int = 128, max_sources: int = 64, source_cap: int = 128
+    ) -> EncDecStepGraphs:
+        """Run decoder steps of up to `max_rows` rows through `EncDecStepGraphs` (captured
+        now on CUDA). Call it while no request runs: sources encoded before have no slot."""
+        graphs = EncDecStepGraphs(
+            self.module, self.kv_cache.layers, self.block_size, self.max_model_len,
+            self.device, self.dtype, max_rows=max_rows, max_sources=max_sources,
+            source_cap=source_cap,
+        )  # fmt: skip
+        graphs.capture()
+        self.step_graphs = graphs
+        return graphs
 
     # ---------------------------------------------------------------- facts
 
@@ -113,6 +140,11 @@ class EncoderDecoderModel(Model):
         """No prefix cache: decoder prefixes depend on the source, which a token key lacks."""
 
     def free_sequence(self, seq: SequenceState) -> None:
+        if seq.layer_states and isinstance(seq.layer_states[0], CrossKv):
+            cross = seq.layer_states[0]
+            cross.holders -= 1
+            if cross.holders == 0 and self.step_graphs is not None:
+                self.step_graphs.detach(cross)
         if seq.block_table:
             self.block_pool.decref(seq.block_table)
         seq.block_table = []
@@ -124,43 +156,73 @@ class EncoderDecoderModel(Model):
 
     def encode_source(self, seq: SequenceState, source: Sequence[int]) -> None:
         """Run the encoder on `source` and keep its cross-attention K/V in `seq`."""
-        if not source:
-            raise InvalidRequestError("the source has no tokens", param="prompt")
+        self.encode_sources([seq], [source])
+
+    def encode_sources(
+        self, seqs: Sequence[SequenceState], sources: Sequence[Sequence[int]]
+    ) -> None:
+        """Encode every source (in padded batches of at most `ENCODER_BATCH`) and keep each
+        one's cross-attention K/V in its sequence. Every source is checked before any runs."""
         limit = self.module.positions.shape[0] - self.config.pad_token_id - 2
-        if len(source) > limit:
-            raise InvalidRequestError(
-                f"the source has {len(source)} tokens, over the model's {limit} positions",
-                param="prompt",
-            )
-        encoded = self.module.encode(list(source))
-        seq.layer_states = [self.module.cross_kv(encoded, list(source))]
-        self.encoder_passes += 1
+        for source in sources:
+            if not source:
+                raise InvalidRequestError("the source has no tokens", param="prompt")
+            if len(source) > limit:
+                raise InvalidRequestError(
+                    f"the source has {len(source)} tokens, over the model's {limit} positions",
+                    param="prompt",
+                )
+        for at in range(0, len(sources), ENCODER_BATCH):
+            chunk = [list(s) for s in sources[at : at + ENCODER_BATCH]]
+            encoded = self.module.encode_batch(chunk)
+            crosses = self.module.cross_kv_batch(encoded, chunk)
+            self.encoder_batches += 1
+            for seq, cross in zip(seqs[at : at + ENCODER_BATCH], crosses, strict=True):
+                cross.holders = 1
+                seq.layer_states = [cross]
+                if self.step_graphs is not None:
+                    self.step_graphs.attach(cross)
+                self.encoder_passes += 1
 
     # ---------------------------------------------------------------- beam backend
 
     def beam_start(self, req: BeamRequest) -> SequenceState:
         """Encode the request's source; the decoder prompt's tokens but the last are fed."""
-        if req.source is None:
-            raise InvalidRequestError("an encoder-decoder request needs a source", param="prompt")
-        seq = self.alloc_sequence()
-        p = req.params
-        seq.src_lang_id = req.source[0] if req.source else 0
-        seq.tgt_lang_id = req.forced[0] if req.forced else 0
-        seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
-        seq.early_stopping = p.early_stopping
+        return self.beam_start_batch([req])[0]
+
+    def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
+        """`beam_start` of every request, their sources encoded together; a raise frees
+        every sequence made."""
+        seqs: list[SequenceState] = []
         try:
-            self.encode_source(seq, req.source)
-            # A longer decoder prompt: feed all but its last token, one at a time.
-            for tok in req.prompt[:-1]:
-                self.decode_batch([tok], [seq])
+            for req in reqs:
+                if req.source is None:
+                    raise InvalidRequestError(
+                        "an encoder-decoder request needs a source", param="prompt"
+                    )
+                seq = self.alloc_sequence()
+                seqs.append(seq)
+                p = req.params
+                seq.src_lang_id = req.source[0] if req.source else 0
+                seq.tgt_lang_id = req.forced[0] if req.forced else 0
+                seq.num_beams, seq.length_penalty = p.num_beams, p.length_penalty
+                seq.early_stopping = p.early_stopping
+            self.encode_sources(seqs, [r.source or [] for r in reqs])
+            for req, seq in zip(reqs, seqs, strict=True):
+                # A longer decoder prompt: feed all but its last token, one at a time.
+                for tok in req.prompt[:-1]:
+                    self.decode_batch([tok], [seq])
         except BaseException:
-            self.free_sequence(seq)
+            for seq in seqs:
+                self.free_sequence(seq)
             raise
-        return seq
+        return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
         child = fork_state(seq, self.alloc_sequence())
         self.block_pool.incref(child.block_table)
+        if child.layer_states and isinstance(child.layer_states[0], CrossKv):
+            child.layer_states[0].holders += 1
         return child
 
     # ---------------------------------------------------------------- forward
@@ -206,17 +268,21 @@ class EncoderDecoderModel(Model):
         for s, n in zip(seqs, needs):
             if n:
                 s.block_table.extend(self.block_pool.allocate(n))
-        rows = [ForwardRow(s, [int(t)], True) for t, s in zip(tokens, seqs)]
-        batch = build_forward_batch(rows, len(rows), self.block_size, self.device)
-        groups: list[tuple[int, int, CrossKv]] = []
-        for i, s in enumerate(seqs):
-            cross = s.layer_states[0]
-            if groups and groups[-1][2] is cross:
-                groups[-1] = (groups[-1][0], i + 1, cross)
-            else:
-                groups.append((i, i + 1, cross))
-        hidden = self.module.decode(batch.input_ids, batch.meta, self.kv_cache.layers, groups)
-        logits = self.module.compute_logits(hidden)
+        graphs = self.step_graphs
+        if graphs is not None and graphs.fits(list(seqs)):
+            logits = graphs.run([int(t) for t in tokens], list(seqs))
+        else:
+            rows = [ForwardRow(s, [int(t)], True) for t, s in zip(tokens, seqs)]
+            batch = build_forward_batch(rows, len(rows), self.block_size, self.device)
+            groups: list[tuple[int, int, CrossKv]] = []
+            for i, s in enumerate(seqs):
+                cross = s.layer_states[0]
+                if groups and groups[-1][2] is cross:
+                    groups[-1] = (groups[-1][0], i + 1, cross)
+                else:
+                    groups.append((i, i + 1, cross))
+            hidden = self.module.decode(batch.input_ids, batch.meta, self.kv_cache.layers, groups)
+            logits = self.module.compute_logits(hidden)
         for s, t in zip(seqs, tokens):
             s.tokens.append(int(t))
             s.seq_len += 1
@@ -269,8 +335,8 @@ def load_encoder_decoder(
     ops = ops or kernels_for(dev, use_triton=False)
     if dev.type == "cuda":
         logger.warning(
-            "the M2M100 model runs its torch reference ops on CUDA (no Triton kernels or "
-            "CUDA graphs for encoder-decoder models yet)"
+            "the M2M100 model runs its torch reference ops on CUDA (no Triton kernels for "
+            "encoder-decoder models yet; decoder step graphs: Translator(step_graphs=True))"
         )
     module = M2M100ForConditionalGeneration(cfg, ops, max_model_len)
     module.load_checkpoint(model_dir)

@@ -16,7 +16,10 @@ Invariants:
   the other tokens `pad + 1, pad + 2, ...` in order, the decoder its token at index `i`
   `pad + 1 + i` (transformers' numbering for one token per step).
 - `decode` reads cross-attention K/V only from the per-row `CrossKv` it is given and the
-  self-attention K/V only through the metadata's slots and block tables.
+  self-attention K/V only through the metadata's slots and block tables. All requests' rows
+  of a forward attend their sources in one masked call per layer (`CrossBatch`).
+- `encode`, `cross_kv` and `decode` read nothing back from the device: position bounds and
+  padding come from the host's token lists, host facts go up in asynchronous copies.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +158,78 @@ class CrossKv:
     layers: list[tuple[torch.Tensor, torch.Tensor]]
     #: `[source_len]` bool, True where the source token is padding (masked), or None.
     pad_mask: torch.Tensor | None
+    #: The same on the host: the padding positions (empty: none).
+    pad_positions: tuple[int, ...] = ()
+    #: Sequences holding it (the request's live beams), kept by the model.
+    holders: int = 0
+    #: Its slot in the step graphs' source pool (`EncDecStepGraphs`), or None.
+    pool_slot: int | None = None
+
+    @property
+    def source_len(self) -> int:
+        return int(self.layers[0][0].shape[1])
+
+
+class CrossBatch:
+    """The cross-attention of one decoder forward: which rows read which request's source.
+
+    One request (a batch-1 translation): its rows attend its K/V directly. Several: each
+    layer's K/V of all requests are gathered into `[requests, heads, longest source, dim]`,
+    the rows scattered into `[requests, beams, ...]` (a request's rows are contiguous), and
+    one masked attention call serves them all (padding keys and sources shorter than the
+    longest are masked). The layout is built once per forward on the host and sent in one
+    asynchronous copy."""
+
+    def __init__(self, groups: list[tuple[int, int, CrossKv]], device: torch.device) -> None:
+        if not groups or any(
+            start != (groups[i - 1][1] if i else 0) or end <= start
+            for i, (start, end, _) in enumerate(groups)
+        ):
+            raise ValueError("cross-attention groups must cover the rows in order, each non-empty")
+        self.crosses = [c for _, _, c in groups]
+        lens = [c.source_len for c in self.crosses]
+        self.single = len(groups) == 1
+        if self.single:
+            cross = self.crosses[0]
+            self.mask = None if cross.pad_mask is None else ~cross.pad_mask[None, None, None, :]
+            return
+        self.g, self.s_max = len(groups), max(lens)
+        self.q_max = max(end - start for start, end, _ in groups)
+        key_index: list[int] = []
+        valid: list[int] = []
+        row_slot: list[int] = []
+        offset = 0
+        for g, ((start, end, cross), n) in enumerate(zip(groups, lens, strict=True)):
+            pads = set(cross.pad_positions)
+            key_index += [offset + min(i, n - 1) for i in range(self.s_max)]
+            valid += [int(i < n and i not in pads) for i in range(self.s_max)]
+            row_slot += [g * self.q_max + i for i in range(end - start)]
+            offset += n
+        packed = torch.tensor([*key_index, *valid, *row_slot], dtype=torch.int64)
+        up = packed.to(device, non_blocking=True)
+        span = self.g * self.s_max
+        self.key_index, self.row_slot = up[:span], up[2 * span :]
+        masked = not all(valid)
+        self.mask = up[span : 2 * span].view(self.g, 1, 1, self.s_max).bool() if masked else None
+
+    def attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        """Rows `q` `[R, heads, dim]` attend their request's source at `layer`."""
+        if self.single:
+            ck, cv = self.crosses[0].layers[layer]
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], ck[None], cv[None], attn_mask=self.mask, scale=scale
+            )[0]
+            return o.transpose(0, 1)
+        heads, dim = q.shape[1], q.shape[2]
+        shape = (heads, self.g, self.s_max, dim)
+        k = torch.cat([c.layers[layer][0] for c in self.crosses], dim=1)
+        v = torch.cat([c.layers[layer][1] for c in self.crosses], dim=1)
+        k = k.index_select(1, self.key_index).view(shape).transpose(0, 1)
+        v = v.index_select(1, self.key_index).view(shape).transpose(0, 1)
+        qp = q.new_zeros(self.g * self.q_max, heads, dim).index_copy_(0, self.row_slot, q)
+        qp = qp.view(self.g, self.q_max, heads, dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=self.mask, scale=scale)
+        return o.transpose(1, 2).reshape(-1, heads, dim).index_select(0, self.row_slot)
 
 
 class _Attention(nn.Module):
@@ -193,15 +268,18 @@ class EncoderLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation_function]
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """`x` `[S, d]`; `key_mask` `[S]` True where a key may be attended (None: all)."""
+        """`x` `[B, S, d]`; `key_mask` `[B, S]` True where a key may be attended (None: all)."""
         a = self.self_attn
+        batch, length, d = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, length, a.heads, a.head_dim).transpose(1, 2)
+
         h = self.self_attn_layer_norm(x)
-        q, k, v = a.split(a.q_proj(h)), a.split(a.k_proj(h)), a.split(a.v_proj(h))
-        mask = key_mask[None, None, :] if key_mask is not None else None
-        o = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=a.scaling
-        )[0]
-        x = x + a.out_proj(o.transpose(0, 1).reshape(x.shape))
+        q, k, v = heads(a.q_proj(h)), heads(a.k_proj(h)), heads(a.v_proj(h))
+        mask = key_mask[:, None, None, :] if key_mask is not None else None
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
+        x = x + a.out_proj(o.transpose(1, 2).reshape(batch, length, d))
         h = self.final_layer_norm(x)
         return x + self.fc2(self.act(self.fc1(h)))
 
@@ -220,41 +298,59 @@ class DecoderLayer(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation_function]
         self.ops = ops
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        layer: int,
-        groups: list[tuple[int, int, CrossKv]],
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn: DecoderAttention, layer: int) -> torch.Tensor:
+        """One decoder layer over rows `x` `[R, d]`; `attn` supplies both attentions (the
+        eager forward's `EagerAttention`, or a graph body's static form)."""
         a = self.self_attn
         heads, dim = a.heads, a.head_dim
         h = self.self_attn_layer_norm(x)
         q = a.q_proj(h).view(-1, heads, dim)
         k = a.k_proj(h).view(-1, heads, dim)
         v = a.v_proj(h).view(-1, heads, dim)
-        self.ops.write_kv(k, v, kv[0], kv[1], meta.slot_mapping)
-        o = self.ops.paged_attention(q, kv[0], kv[1], meta, a.scaling)
+        o = attn.self_attend(q, k, v, layer, a.scaling)
         x = x + a.out_proj(o.reshape(x.shape))
         c = self.encoder_attn
         h = self.encoder_attn_layer_norm(x)
         q = c.q_proj(h).view(-1, heads, dim)
-        out = torch.empty_like(q)
-        for start, end, cross in groups:  # rows of one request attend its source together
-            ck, cv = cross.layers[layer]
-            mask = None if cross.pad_mask is None else ~cross.pad_mask[None, None, None, :]
-            o = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None],
-                ck[None],
-                cv[None],
-                attn_mask=mask,
-                scale=c.scaling,
-            )[0]
-            out[start:end] = o.transpose(0, 1)
+        out = attn.cross_attend(q, layer, c.scaling)
         x = x + c.out_proj(out.reshape(x.shape))
         h = self.final_layer_norm(x)
         return x + self.fc2(self.act(self.fc1(h)))
+
+
+class DecoderAttention(Protocol):
+    """The two attentions of a decoder forward, per layer: self-attention writes the rows'
+    K/V and attends the sequence so far; cross-attention attends the row's source."""
+
+    def self_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor: ...
+
+    def cross_attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor: ...
+
+
+class EagerAttention:
+    """The eager forward's attentions: the kernel ops' paged KV write and attention over
+    `meta`, and a `CrossBatch`."""
+
+    def __init__(
+        self,
+        ops: KernelOps,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        cross: CrossBatch,
+    ) -> None:
+        self.ops, self.meta, self.kv_caches, self.cross = ops, meta, kv_caches, cross
+
+    def self_attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float
+    ) -> torch.Tensor:
+        kc, vc = self.kv_caches[layer]
+        self.ops.write_kv(k, v, kc, vc, self.meta.slot_mapping)
+        return self.ops.paged_attention(q, kc, vc, self.meta, scale)
+
+    def cross_attend(self, q: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+        return self.cross.attend(q, layer, scale)
 
 
 class _Stack(nn.Module):
@@ -294,38 +390,76 @@ class M2M100ForConditionalGeneration(nn.Module):
     def kv_layer_count(self) -> int:
         return self.config.decoder_layers
 
-    def _embed(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if int(positions.max()) >= self.positions.shape[0]:
+    def _embed(self, ids: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """Scaled token embeddings plus positions; `max_position` bounds `positions` (known on
+        the host, so the check reads nothing back from the device)."""
+        if max_position >= self.positions.shape[0]:
             raise ValueError(
-                f"position {int(positions.max())} is past the model's table of "
+                f"position {max_position} is past the model's table of "
                 f"{self.positions.shape[0]} positions"
             )
         tok = self.model.shared(ids) * self.embed_scale
-        return tok + self.positions.index_select(0, positions).to(tok.dtype)
+        pos = self.positions.index_select(0, positions.reshape(-1)).view(*positions.shape, -1)
+        return tok + pos.to(tok.dtype)
 
     @torch.inference_mode()
     def encode(self, source: list[int]) -> torch.Tensor:
         """The encoder's output `[S, d]` for one source sequence (after its final norm)."""
+        return self.encode_batch([source])[0]
+
+    @torch.inference_mode()
+    def encode_batch(self, sources: list[list[int]]) -> torch.Tensor:
+        """The encoder's outputs `[B, S, d]` for sources right-padded to the longest `S` with
+        the pad token (masked as keys, at the padding position, as transformers batches
+        them); row `i` is meaningful up to `len(sources[i])`."""
         device = self.model.shared.weight.device
-        ids = torch.tensor(source, dtype=torch.int64, device=device)
         pad = self.config.pad_token_id
-        keep = ids.ne(pad)
-        positions = (torch.cumsum(keep.int(), 0) * keep).long() + pad
-        key_mask = keep if not bool(keep.all()) else None
-        x = self._embed(ids, positions)
+        width = max(len(s) for s in sources)
+        ids: list[int] = []
+        positions: list[int] = []
+        for source in sources:
+            count = 0
+            for t in source:  # pad tokens take the padding row, the others pad + 1, pad + 2...
+                count += t != pad
+                positions.append(count + pad if t != pad else pad)
+            ids += [*source, *([pad] * (width - len(source)))]
+            positions += [pad] * (width - len(source))
+        up = torch.tensor([ids, positions], dtype=torch.int64).to(device, non_blocking=True)
+        ids_t, pos_t = up[0].view(len(sources), width), up[1].view(len(sources), width)
+        key_mask = ids_t.ne(pad) if pad in ids else None
+        x = self._embed(ids_t, pos_t, max(positions))
         for layer in self.model.encoder.layers:
             x = layer(x, key_mask)
         return self.model.encoder.layer_norm(x)
 
     @torch.inference_mode()
     def cross_kv(self, encoded: torch.Tensor, source: list[int]) -> CrossKv:
-        """Every decoder layer's cross-attention K/V of one encoded source."""
-        layers = []
+        """Every decoder layer's cross-attention K/V of one encoded source `[S, d]`."""
+        return self.cross_kv_batch(encoded[None], [source])[0]
+
+    @torch.inference_mode()
+    def cross_kv_batch(self, encoded: torch.Tensor, sources: list[list[int]]) -> list[CrossKv]:
+        """Each source's cross-attention K/V of every decoder layer, from `encode_batch`'s
+        `[B, S, d]` (one projection per layer for the batch; each source keeps views of its
+        rows)."""
+        batch, width, _ = encoded.shape
+        per_source: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in sources]
         for layer in self.model.decoder.layers:
             c = layer.encoder_attn
-            layers.append((c.split(c.k_proj(encoded)), c.split(c.v_proj(encoded))))
-        pads = torch.tensor(source, device=encoded.device).eq(self.config.pad_token_id)
-        return CrossKv(layers, pads if bool(pads.any()) else None)
+            k = c.k_proj(encoded).view(batch, width, c.heads, c.head_dim).transpose(1, 2)
+            v = c.v_proj(encoded).view(batch, width, c.heads, c.head_dim).transpose(1, 2)
+            for i, source in enumerate(sources):
+                per_source[i].append((k[i, :, : len(source)], v[i, :, : len(source)]))
+        pad = self.config.pad_token_id
+        out = []
+        for source, layers in zip(sources, per_source, strict=True):
+            at = tuple(i for i, t in enumerate(source) if t == pad)
+            if not at:
+                out.append(CrossKv(layers, None))
+                continue
+            pads = torch.tensor([t == pad for t in source]).to(encoded.device, non_blocking=True)
+            out.append(CrossKv(layers, pads, at))
+        return out
 
     def decoder_positions(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """Positions of decoder tokens `ids` at sequence indices `index`."""
@@ -343,10 +477,28 @@ class M2M100ForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         """Decoder hidden rows after the final norm; `groups` lists `(first row, end row,
         CrossKv)` covering every row once (the rows of one request are contiguous)."""
-        x = self._embed(input_ids, self.decoder_positions(input_ids, meta.positions))
-        for i, (layer, kv) in enumerate(zip(self.model.decoder.layers, kv_caches, strict=True)):
-            x = layer(x, meta, kv, i, groups)
+        # A row at sequence index i sits at position pad + 1 + i < pad + 1 + its length.
+        if meta.seq_lens_host:
+            top = max(meta.seq_lens_host) + self.config.pad_token_id
+        else:
+            top = int(meta.positions.max()) + 1 + self.config.pad_token_id
+        x = self._embed(input_ids, self.decoder_positions(input_ids, meta.positions), top)
+        if len(kv_caches) != len(self.model.decoder.layers):
+            raise ValueError("one KV cache per decoder layer is needed")
+        attn = EagerAttention(self.ops, meta, kv_caches, CrossBatch(groups, input_ids.device))
+        return self.run_decoder(x, attn)
+
+    def run_decoder(self, x: torch.Tensor, attn: DecoderAttention) -> torch.Tensor:
+        """The decoder stack and its final norm over embedded rows `x`."""
+        for i, layer in enumerate(self.model.decoder.layers):
+            x = layer(x, attn, i)
         return self.model.decoder.layer_norm(x)
+
+    def embed_decoder(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Decoder rows' embeddings at table rows `positions` (no bound check: the caller's
+        positions are known in range)."""
+        tok = self.model.shared(ids) * self.embed_scale
+        return tok + self.positions.index_select(0, positions).to(tok.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = (
