@@ -8,6 +8,8 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
+#        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
+#        bandwidth, high-speed swap decode on the CPU; KV_DISK_DIR picks the disk, default /tmp)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
@@ -48,6 +50,13 @@ for part in $PARTS; do
     timeout 400 python3 -m metrale.cli bench structured --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --device cuda --batches 1,64 --out-dir "$OUT" >"$OUT/structured.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/structured.log"
+    ;;
+  kvtiers)
+    stamp KV tiers: qwen3-8b 8k prefix from host and disk tiers vs cold, high-speed swap on CPU
+    timeout 300 python3 -m metrale.cli bench kv-tiers --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --device cuda --dtype bfloat16 --prompt-len 8192 --repeats 3 \
+      --disk-dir "${KV_DISK_DIR:-/tmp}" --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
+    echo "rc=$?"; tail -5 "$OUT/kvtiers.log"; grep -iE "Error|FAILED" "$OUT/kvtiers.log" | tail -3
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model

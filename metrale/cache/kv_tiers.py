@@ -19,7 +19,9 @@ Invariants:
   whose checksum fails on read is deleted, counted and reported as a miss, with a warning.
 - Writes to disk happen on a background thread (`flush` waits for them); a block is served
   from its host copy until its file is complete.
-- `stats` counts blocks and bytes per tier, hits and misses per tier, spills, corrupt files.
+- `stats` counts blocks and bytes per tier, hits and misses per tier, spills, corrupt files,
+  and per tier the bytes restored into device blocks and the host wall time that took
+  (`restore_bytes`, `restore_seconds`: the restore bandwidth; the caller times it).
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class TierStats:
     misses: int = 0
     #: Blocks that left this tier for a lower one (host) or were dropped (disk).
     evictions: int = 0
+    #: Bytes brought back from this tier into device blocks, and the host wall time of
+    #: finding, reading and writing them (`PagedKvLifecycle._restore_from_tiers` times it).
+    restore_bytes: int = 0
+    restore_seconds: float = 0.0
 
 
 @dataclass

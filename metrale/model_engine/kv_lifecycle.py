@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -214,12 +215,16 @@ class PagedKvLifecycle:
         wanted = min(tiers.match(keys), self.block_pool.num_free)
         restored: list[int] = []
         for key in keys[:wanted]:
+            start = time.perf_counter()
             found = tiers.take(key)
             if found is None:  # damaged on disk: recomputed from here on
                 break
             block = self.block_pool.allocate(1)[0]
             self.kv_cache.write_block_bytes(block, found[0])
             restored.append(block)
+            tier = tiers.stats.host if found[1] == "host" else tiers.stats.disk
+            tier.restore_bytes += len(found[0])
+            tier.restore_seconds += time.perf_counter() - start
         return restored
 
     def _offload_to_tiers(self, node: RadixNode) -> None:
@@ -261,6 +266,10 @@ class PagedKvLifecycle:
                 offload_disk_blocks=t.disk.blocks, offload_disk_bytes=t.disk.bytes,
                 offload_disk_hits=t.disk.hits, offload_disk_evictions=t.disk.evictions,
                 offload_corrupt=t.corrupt,
+                offload_host_restore_bytes=t.host.restore_bytes,
+                offload_disk_restore_bytes=t.disk.restore_bytes,
+                offload_host_restore_us=int(t.host.restore_seconds * 1e6),
+                offload_disk_restore_us=int(t.disk.restore_seconds * 1e6),
             )  # fmt: skip
         stats.update(self.snapshot_stats())
         return stats
