@@ -114,7 +114,11 @@ def disk_bandwidth(directory: Path, size_mb: int, global_drop: bool = True) -> d
         "write_gb_s": size / write_s / 1e9,
         "read_gb_s": read / read_s / 1e9,
         "method": "8 MiB buffered writes + fsync; read after fsync + posix_fadvise(DONTNEED)"
-        + (" + drop_caches" if cache["drop_caches"] is True else " (drop_caches unavailable)"),
+        + (
+            " + drop_caches"
+            if cache["drop_caches"] is True
+            else f" (drop_caches {cache['drop_caches']})"
+        ),
         "page_cache": cache,
     }
 

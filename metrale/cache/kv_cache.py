@@ -12,7 +12,13 @@ Invariants:
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Sequence
+
 import torch
+
+#: Most bytes `write_blocks_bytes` stages on the device at once.
+_STAGING_BYTES = 128 << 20
 
 
 class PagedKVCache:
@@ -52,6 +58,41 @@ class PagedKVCache:
         """One block's K and V of every layer, as raw bytes (a lower tier's payload)."""
         parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
         return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_blocks_bytes(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """`write_block_bytes` for many blocks at once: payloads are staged, in chunks of at
+        most `_STAGING_BYTES`, in one buffer on the pool's device (one copy each, read straight
+        from the bytes), then scattered with one `index_copy_` per layer tensor, so a restored
+        prefix costs a few kernels per chunk instead of one per layer tensor and block."""
+        if len(blocks) != len(payloads):
+            raise ValueError(f"{len(blocks)} blocks for {len(payloads)} payloads")
+        device = self.layers[0][0].device
+        size = self.bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        for payload in payloads:
+            if len(payload) != size:
+                raise ValueError(
+                    f"a KV block payload of {len(payload)} bytes; this pool's are {size}"
+                )
+        per_chunk = max(1, _STAGING_BYTES // size)
+        for first in range(0, len(blocks), per_chunk):
+            chunk = payloads[first : first + per_chunk]
+            staging = torch.empty((len(chunk), size), dtype=torch.uint8, device=device)
+            with warnings.catch_warnings():  # the bytes are immutable; they are only read here
+                warnings.simplefilter("ignore", UserWarning)
+                for i, payload in enumerate(chunk):
+                    staging[i].copy_(torch.frombuffer(payload, dtype=torch.uint8))
+            idx = torch.tensor(blocks[first : first + per_chunk], dtype=torch.long, device=device)
+            offset = 0
+            for kv in self.layers:
+                for t in kv:
+                    n = t[0].numel() * t.element_size()
+                    src = (
+                        staging[:, offset : offset + n].view(t.dtype).view(len(chunk), *t.shape[1:])
+                    )
+                    t.index_copy_(0, idx, src)
+                    offset += n
 
     def write_block_bytes(self, block: int, payload: bytes) -> None:
         """Inverse of `block_bytes`: the payload's K and V into `block` of every layer."""
