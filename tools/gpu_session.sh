@@ -9,7 +9,7 @@
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
 #        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
-#        bandwidth, high-speed swap decode on the CPU; KV_DISK_DIR picks the disk, default /tmp)
+#        bandwidth, high-speed swap decode on the CPU; KV_DISK_DIR picks the disk, default /var/tmp)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
@@ -55,7 +55,7 @@ for part in $PARTS; do
     stamp KV tiers: qwen3-8b 8k prefix from host and disk tiers vs cold, high-speed swap on CPU
     timeout 300 python3 -m metrale.cli bench kv-tiers --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --device cuda --dtype bfloat16 --prompt-len 8192 --repeats 3 \
-      --disk-dir "${KV_DISK_DIR:-/tmp}" --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
+      --disk-dir "${KV_DISK_DIR:-/var/tmp}" --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
     echo "rc=$?"; tail -5 "$OUT/kvtiers.log"; grep -iE "Error|FAILED" "$OUT/kvtiers.log" | tail -3
     ;;
   lora)

@@ -9,7 +9,8 @@ Method (one engine, then a second one on the same disk directory):
   first's blocks; the host tier holds `--host-prompts` prompts' KV; the disk tier lives in a
   temporary directory (`--disk-dir` to choose where).
 - Before every timed request the bench evicts (untimed, through the engine's own reclaim) until
-  the request's blocks are free, so no timed request pays for evicting another's blocks.
+  the request's blocks are free, and waits for the disk tier's background writes, so no timed
+  request pays for evicting another's blocks or shares the disk with a write.
 - Cold: a fresh random prompt, nothing of it cached. Host: prompt P runs, two other prompts
   push its blocks out of the device pool; the bench checks with the tier's index (P's chain
   keys) that every block is in the host tier and none is matched on the device, then times
@@ -88,6 +89,26 @@ def drop_page_cache(paths: list[Path], global_drop: bool = True) -> dict[str, An
     return {"fadvise_dontneed_files": advised, "drop_caches": dropped}
 
 
+def filesystem_of(path: Path) -> dict[str, str]:
+    """The mount holding `path` (from /proc/mounts: its mount point, type and source), so a
+    record says whether its "disk" was a disk (tmpfs or overlay-on-RAM would not be)."""
+    best = {"mount": "", "type": "unknown", "source": "unknown"}
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    resolved = str(path.resolve())
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1]
+        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best["mount"]):
+            best = {"mount": mount, "type": parts[2], "source": parts[0]}
+    return best
+
+
 def disk_bandwidth(directory: Path, size_mb: int, global_drop: bool = True) -> dict[str, Any]:
     """Write `size_mb` MiB to a file in `directory` (8 MiB writes, then fsync), drop it from
     the page cache, read it back; GB/s both ways (1 GB = 1e9 bytes)."""
@@ -111,6 +132,7 @@ def disk_bandwidth(directory: Path, size_mb: int, global_drop: bool = True) -> d
     size = n * _CHUNK
     return {
         "bytes": size,
+        "filesystem": filesystem_of(directory),
         "write_gb_s": size / write_s / 1e9,
         "read_gb_s": read / read_s / 1e9,
         "method": "8 MiB buffered writes + fsync; read after fsync + posix_fadvise(DONTNEED)"
@@ -140,6 +162,7 @@ def run_prompt(engine: Engine, request_id: str, prompt: list[int]) -> None:
 
 def timed(engine: Engine, request_id: str, prompt: list[int]) -> tuple[float, int]:
     make_room(engine, len(prompt))
+    tiers_of(engine).flush()  # no disk-tier write runs beside a timed request
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize()
     return time_to_first_token(engine, request_id, prompt)
@@ -436,8 +459,12 @@ def run(args: argparse.Namespace) -> dict:
         f"{tiers['disk_ttft_ms']:.1f} ms ({tiers['disk_over_cold']:.3f}x, "
         f"{tiers['disk_cached_tokens']:.0f} cached)"
     )
+    fs = disk["filesystem"]
+    if fs["type"] in ("tmpfs", "ramfs"):
+        print(f"WARNING: the disk tier sat on {fs['type']} ({fs['mount']}): memory, not a disk")
     print(
-        f"disk: write {disk['write_gb_s']:.2f} GB/s, read {disk['read_gb_s']:.2f} GB/s "
+        f"disk ({fs['type']} {fs['source']} on {fs['mount']}): "
+        f"write {disk['write_gb_s']:.2f} GB/s, read {disk['read_gb_s']:.2f} GB/s "
         f"({disk['method']}); restore: host {_gb(tiers['host_restore_gb_s'])}, disk "
         f"{_gb(tiers['disk_restore_gb_s'])}; page cache before restart: "
         f"{tiers['page_cache_before_restart']}"

@@ -46,6 +46,7 @@ def test_bench_kv_tiers_writes_its_record(tmp_path: Path) -> None:
     disk = figures["disk"]
     assert disk["bytes"] == 8 << 20 and disk["read_gb_s"] > 0 and disk["write_gb_s"] > 0
     assert disk["page_cache"]["fadvise_dontneed_files"] == 1
+    assert disk["filesystem"]["mount"] and disk["filesystem"]["type"] != "unknown"
     assert figures["page_cache_before_restart"]["fadvise_dontneed_files"] >= blocks
     hss = figures["high_speed_swap"]
     assert hss["tokens_identical"] and not hss["built_on_cuda"]
