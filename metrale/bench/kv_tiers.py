@@ -330,6 +330,8 @@ def tiers_part(args: argparse.Namespace, disk_dir: Path) -> dict[str, Any]:
         "host_over_cold": med(host) / med(cold),
         "host_cached_tokens": med(host_cached),
         "host_restore_gb_s": host_restore,
+        # What restoring one prefix's KV took at that bandwidth (part of host_ttft_ms).
+        "host_restore_ms_per_prefix": _ms(payload * (n // block_size), host_restore),
         "host_placement_before_reuse": placement[-1],
         "restart_cold_ttft_ms": 1000 * med(cold_b),
         "disk_ttft_ms": 1000 * med(disk),
@@ -337,6 +339,7 @@ def tiers_part(args: argparse.Namespace, disk_dir: Path) -> dict[str, Any]:
         "disk_cached_tokens": med(disk_cached),
         "disk_hits_blocks": disk_hits,
         "disk_restore_gb_s": disk_restore,
+        "disk_restore_ms_per_prefix": _ms(payload * (n // block_size), disk_restore),
         "disk_placement_before_restart": disk_placement[-1],
         "page_cache_before_restart": page_cache,
         "tier_stats_before_restart": stats_a,
@@ -485,6 +488,10 @@ def run(args: argparse.Namespace) -> dict:
         )
     print(f"record: {path}")
     return figures
+
+
+def _ms(nbytes: int, gb_s: float | None) -> float | None:
+    return None if not gb_s else nbytes / gb_s / 1e6
 
 
 def _gb(v: float | None) -> str:
