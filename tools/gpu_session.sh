@@ -10,6 +10,8 @@
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
 #        translate (NLLB-200-distilled-600M shape, random weights, bf16 beam 4 at batch 1 and 32
 #        against transformers generate, issue 18)
+#        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
+#        bandwidth, high-speed swap decode on the CPU; KV_DISK_DIR picks the disk, default /var/tmp)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        hybridttft (issue 15) vision (issue 21)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
@@ -51,7 +53,10 @@ for part in $PARTS; do
     stamp "every gpu-marked test, three pytest processes side by side (tiny models, small KV pools)"
     G1="tests/gpu/test_kernels.py tests/gpu/test_gemv.py"
     G2="tests/gpu/test_spec_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_decode_runner.py"
-    G3="tests/gpu/test_linear.py tests/gpu/test_lora_kernels.py tests/gpu/test_grammar_cuda.py tests/gpu/test_sampler_kernels.py tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
+    # the third: every other gpu test module, and the two CUDA sampler modules of tests/unit
+    G3="$(ls tests/gpu/test_*.py | grep -v -e test_kernels.py -e test_gemv.py -e test_spec_gpu.py \
+      -e test_engine_gpu.py -e test_decode_runner.py | tr '\n' ' ')"
+    G3="$G3 tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
     i=0
     for g in "$G1" "$G2" "$G3"; do
       i=$((i+1))
@@ -90,6 +95,13 @@ for part in $PARTS; do
       --batch1-sentences 16 --max-tokens 64 --step-graphs --log-level INFO --out-dir "$OUT" \
       >"$OUT/translate.log" 2>&1
     echo "rc=$?"; tail -8 "$OUT/translate.log"
+    ;;
+  kvtiers)
+    stamp KV tiers: qwen3-8b 8k prefix from host and disk tiers vs cold, high-speed swap on CPU
+    timeout 300 python3 -m metrale.cli bench kv-tiers --config-dir bench/configs/qwen3-8b \
+      --shape qwen3-8b --device cuda --dtype bfloat16 --prompt-len 8192 --repeats 3 \
+      --disk-dir "${KV_DISK_DIR:-/var/tmp}" --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
+    echo "rc=$?"; tail -5 "$OUT/kvtiers.log"; grep -iE "Error|FAILED" "$OUT/kvtiers.log" | tail -3
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model

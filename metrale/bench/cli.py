@@ -13,6 +13,7 @@ from typing import Any
 
 def add_bench_parser(sub: Any) -> None:
     from metrale.bench import (
+        kv_tiers,
         lora,
         offline,
         plot,
@@ -30,6 +31,8 @@ def add_bench_parser(sub: Any) -> None:
     instruments: list[tuple[str, str, Callable[..., None], Callable[..., Any], str | None]] = [
         ("ttft", "time to first token, cold vs prefix-cached", ttft.add_arguments, ttft.run,
          "WARNING"),
+        ("kv-tiers", "TTFT of a prefix from the host / disk KV tiers vs cold; high-speed swap",
+         kv_tiers.add_arguments, kv_tiers.run, "WARNING"),
         ("latency", "batch-1 decode tok/s vs the HBM roofline and HF", offline.add_latency,
          offline.run_latency, None),
         ("throughput", "offline throughput, the nano-vllm recipe", offline.add_throughput,

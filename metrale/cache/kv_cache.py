@@ -12,7 +12,13 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+#: Most bytes `write_blocks_bytes` stages on the device at once.
+_STAGING_BYTES = 128 << 20
 
 
 class PagedKVCache:
@@ -52,6 +58,46 @@ class PagedKVCache:
         """One block's K and V of every layer, as raw bytes (a lower tier's payload)."""
         parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
         return torch.cat(parts).cpu().numpy().tobytes()
+
+    def write_blocks_bytes(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
+        """`write_block_bytes` for many blocks at once: payloads are gathered, in chunks of at
+        most `_STAGING_BYTES`, into one host buffer (pinned on CUDA; one memcpy each), copied
+        to the pool's device in one transfer, then scattered with one `index_copy_` per layer
+        tensor, so a restored prefix costs a few kernels per chunk instead of one copy per
+        layer tensor and block."""
+        if len(blocks) != len(payloads):
+            raise ValueError(f"{len(blocks)} blocks for {len(payloads)} payloads")
+        device = self.layers[0][0].device
+        size = self.bytes_per_block(
+            self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype
+        )
+        for payload in payloads:
+            if len(payload) != size:
+                raise ValueError(
+                    f"a KV block payload of {len(payload)} bytes; this pool's are {size}"
+                )
+        per_chunk = max(1, _STAGING_BYTES // size)
+        cuda = device.type == "cuda"
+        for first in range(0, len(blocks), per_chunk):
+            chunk = payloads[first : first + per_chunk]
+            # Host side: plain memcpys into one (pinned, on CUDA) buffer; then one copy to the
+            # device, asynchronous so the next chunk's memcpys overlap it (the caching host
+            # allocator keeps a pinned buffer until the copies using it are done).
+            host = torch.empty((len(chunk), size), dtype=torch.uint8, pin_memory=cuda)
+            rows = host.numpy()
+            for i, payload in enumerate(chunk):
+                rows[i] = np.frombuffer(payload, dtype=np.uint8)
+            staging = host.to(device, non_blocking=True) if cuda else host
+            idx = torch.tensor(blocks[first : first + per_chunk], dtype=torch.long, device=device)
+            offset = 0
+            for kv in self.layers:
+                for t in kv:
+                    n = t[0].numel() * t.element_size()
+                    src = (
+                        staging[:, offset : offset + n].view(t.dtype).view(len(chunk), *t.shape[1:])
+                    )
+                    t.index_copy_(0, idx, src)
+                    offset += n
 
     def write_block_bytes(self, block: int, payload: bytes) -> None:
         """Inverse of `block_bytes`: the payload's K and V into `block` of every layer."""

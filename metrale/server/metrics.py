@@ -236,12 +236,23 @@ def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:
         ("hits", "evicted KV blocks found again in each offload tier", CounterMetricFamily),
         ("evictions", "blocks leaving each offload tier (host: to disk; disk: dropped)",
          CounterMetricFamily),
+        ("restore_bytes", "bytes brought back from each offload tier into device blocks",
+         CounterMetricFamily),
     )  # fmt: skip
     for name, doc, kind in families:
         family = kind(f"metrale_kv_offload_{name}", doc, labels=["tier"])
         for tier in ("host", "disk"):
             family.add_metric([tier], cache.get(f"offload_{tier}_{name}", 0))
         yield family
+    restore = CounterMetricFamily(
+        "metrale_kv_offload_restore_seconds",
+        "host wall time of restoring blocks from each offload tier (restore_bytes over this: "
+        "the restore bandwidth)",
+        labels=["tier"],
+    )
+    for tier in ("host", "disk"):
+        restore.add_metric([tier], cache.get(f"offload_{tier}_restore_us", 0) / 1e6)
+    yield restore
     yield CounterMetricFamily(
         "metrale_kv_offload_corrupt",
         "disk-tier block files refused (bad header or checksum); their blocks are recomputed",

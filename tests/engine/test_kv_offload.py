@@ -49,6 +49,8 @@ def test_host_then_disk_then_restart(tmp_path: Path) -> None:
     warm = evict_then_ask(host)
     stats = host.engine.model.prefix_cache_stats()
     assert warm.num_cached_tokens > 0 and stats["offload_host_hits"] > 0
+    restored = stats["offload_host_hits"] * payload_bytes(host)  # the restore bandwidth's parts
+    assert stats["offload_host_restore_bytes"] == restored and stats["offload_host_restore_us"] > 0
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert warm.outputs[0].logprobs == cold.outputs[0].logprobs
 
@@ -56,6 +58,7 @@ def test_host_then_disk_then_restart(tmp_path: Path) -> None:
     warm = evict_then_ask(disk)
     stats = disk.engine.model.prefix_cache_stats()
     assert warm.num_cached_tokens > 0 and stats["offload_disk_hits"] > 0
+    assert stats["offload_disk_restore_bytes"] == stats["offload_disk_hits"] * payload_bytes(disk)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     disk.generate(OTHERS, PARAMS)  # LONG's blocks leave the device again
     model = disk.engine.model

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,55 @@ def test_random_traffic_keeps_every_byte_accounted_for(tmp_path_factory, ops) ->
     on_disk = {p.name for p in directory.glob("*.kvb")}
     assert on_disk == {k.hex() + ".kvb" for k in tiers.disk.index}
     tiers.close()
+
+
+def test_take_many_reads_disk_in_parallel_in_chain_order_up_to_a_damaged_block(
+    tmp_path: Path,
+) -> None:
+    blocks = {bytes([i]) * 20: os.urandom(100) for i in range(8)}
+    tiers = KvTiers(host_bytes=250, disk_dir=tmp_path, disk_bytes=10_000, fingerprint=b"m1")
+    for key, payload in blocks.items():
+        tiers.put(key, payload)
+    tiers.flush()
+    keys = list(blocks)  # 0..5 on disk, 6 and 7 in host memory
+    assert tiers.take_many(keys[:2] + keys[6:]) == [
+        (blocks[keys[0]], "disk"), (blocks[keys[1]], "disk"),
+        (blocks[keys[6]], "host"), (blocks[keys[7]], "host"),
+    ]  # fmt: skip
+    assert tiers.stats.disk.hits == 2 and tiers.stats.host.hits == 2
+    victim = tmp_path / (keys[3].hex() + ".kvb")
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    # Block 3 fails its checksum: 2 comes back, 3 is gone, 4 and 5 (read meanwhile) are kept.
+    assert tiers.take_many(keys[2:6]) == [(blocks[keys[2]], "disk")]
+    assert tiers.stats.corrupt == 1 and not tiers.contains(keys[3])
+    assert tiers.take(keys[4]) == (blocks[keys[4]], "host")
+    assert tiers.take_many([keys[5], keys[0]]) == [(blocks[keys[5]], "host")]  # 0 was taken
+    tiers.close()
+
+
+def test_many_blocks_written_at_once_equal_one_at_a_time(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from metrale.cache import kv_cache
+
+    def pool() -> kv_cache.PagedKVCache:
+        return kv_cache.PagedKVCache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu"))
+
+    src = pool()
+    for k, v in src.layers:
+        k.normal_()
+        v.normal_()
+    payloads = [src.block_bytes(b) for b in (1, 2, 3, 4, 5)]
+    one, many = pool(), pool()
+    for block, payload in zip((9, 3, 7, 2, 5), payloads, strict=True):
+        one.write_block_bytes(block, payload)
+    size = len(payloads[0])
+    monkeypatch.setattr(kv_cache, "_STAGING_BYTES", 2 * size)  # three chunks: 2, 2, 1 blocks
+    many.write_blocks_bytes([9, 3, 7, 2, 5], payloads)
+    for (k1, v1), (k2, v2) in zip(one.layers, many.layers, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert [many.block_bytes(b) for b in (9, 3, 7, 2, 5)] == payloads
+    with pytest.raises(ValueError, match="payload of"):
+        many.write_blocks_bytes([1], [payloads[0][:-4]])
