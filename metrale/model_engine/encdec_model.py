@@ -2,8 +2,8 @@
 the decoder's self-attention KV in a paged pool and beam search (`generate_beam_batch`).
 
 Owner: model-engine. Built by `load_encoder_decoder`; driven by the beam driver
-(`metrale.engine.beam`, through the `BeamBackend` methods `beam_start` / `beam_fork` /
-`decode_batch` / `free_sequence`) and by the offline `Translator`.
+(`metrale.model_engine.beam`, through the `BeamBackend` methods `beam_start_batch` /
+`beam_fork` / `decode_batch` / `free_sequence`) and by the offline `Translator`.
 
 Invariants:
 - The encoder runs once per request (`beam_start_batch`: the sources of requests started
