@@ -57,6 +57,7 @@ class KernelOps:
     moe_experts: Callable = ssm_reference.moe_experts
     # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
     lora_gather_add: Callable = reference.lora_gather_add
+    lora_tiles_add: Callable = reference.lora_tiles_add
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 

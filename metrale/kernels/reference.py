@@ -380,3 +380,25 @@ def lora_gather_add(
         delta = torch.bmm(xa.to(b_t.dtype).unsqueeze(1), cols).squeeze(1)
         y[:, start : start + width] += delta.to(y.dtype)
         start += width
+
+
+def lora_tiles_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    widths: tuple[int, ...],
+) -> None:
+    """`lora_gather_add` over the token rows named by `tiles` (`[n, 3]` int32: first row,
+    row count, slot; every row of a tile uses that slot, rows in no tile are untouched): the
+    routing an eager forward knows on the host, each tile one pair of small GEMMs."""
+    for first, count, slot in tiles.tolist():
+        rows = slice(first, first + count)
+        col = 0
+        for j, width in enumerate(widths):
+            xa = (x[rows] @ a[slot, j].T).float() * scales[slot, j]
+            delta = xa.to(b_t.dtype) @ b_t[slot, :, col : col + width]
+            y[rows, col : col + width] += delta.to(y.dtype)
+            col += width

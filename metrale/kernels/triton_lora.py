@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
+
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
 _MAX_SPLITS = 64
@@ -34,8 +36,9 @@ def _lora_shrink(
     x_ptr, a_ptr, slots_ptr, part_ptr,
     K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0)
     sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -63,8 +66,9 @@ def _lora_expand(
     part_ptr, b_ptr, slots_ptr, scales_ptr, y_ptr,
     N, R, n1, n2, stride_y, stride_bs, stride_br, stride_ss,
     T: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -99,8 +103,10 @@ def lora_gather_add(
     token_slots: torch.Tensor,
     scales: torch.Tensor,
     widths: tuple[int, ...],
+    pdl: bool = False,
 ) -> None:
-    """`reference.lora_gather_add` (see there) by the shrink and expand kernels."""
+    """`reference.lora_gather_add` (see there) by the shrink and expand kernels; with `pdl`
+    both launch as programmatic dependents (the decode graph's chain, `PDL_OPS`)."""
     tokens = x.shape[0]
     if tokens == 0:
         return
@@ -121,6 +127,7 @@ def lora_gather_add(
         x, a, token_slots, part, fan_in, rank, k_per_split, x.stride(0), a.stride(0),
         a.stride(1), a.stride(2),
         T=targets, SPLITS=splits, BLOCK_R=block_r, BLOCK_TR=block_tr, BLOCK_K=block_k,
+        PDL=pdl, **pdl_options(pdl),
     )  # fmt: skip
     bounds = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
     block_n = 128
@@ -128,5 +135,142 @@ def lora_gather_add(
         part, b_t, token_slots, scales, y, fan_out, rank, bounds[0], bounds[1], y.stride(0),
         b_t.stride(0), b_t.stride(1), scales.stride(0),
         T=targets, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_R=block_r,
-        BLOCK_TR=block_tr, BLOCK_N=block_n,
+        BLOCK_TR=block_tr, BLOCK_N=block_n, PDL=pdl, **pdl_options(pdl),
+    )  # fmt: skip
+
+
+#: Token rows per tile of the tiled op (one adapter per tile: `tl.dot` over the tile).
+TILE_M = 32
+
+
+@triton.jit
+def _lora_tile_shrink(
+    x_ptr, a_ptr, tiles_ptr, part_ptr,
+    K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
+    T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    sp = tl.program_id(1)
+    start = tl.load(tiles_ptr + tile * 3)
+    count = tl.load(tiles_ptr + tile * 3 + 1)
+    s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < count
+    rows_x = x_ptr + (start + m).to(tl.int64) * stride_x
+    jr = tl.arange(0, BLOCK_TR)
+    j = jr // BLOCK_R
+    r = jr % BLOCK_R
+    jr_mask = (j < T) & (r < R)
+    rows_a = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    acc = tl.zeros((BLOCK_M, BLOCK_TR), dtype=tl.float32)
+    k_start = sp * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        xv = tl.load(
+            rows_x[:, None] + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        av = tl.load(
+            rows_a[:, None] + k[None, :], mask=jr_mask[:, None] & k_mask[None, :], other=0.0
+        )
+        # float32 operands: a bf16/fp16 value is exact in tf32, so tf32 products of them are
+        # exact too (and Triton's interpreter, which has no bf16 dot, runs the same code)
+        xf, af = xv.to(tl.float32), tl.trans(av.to(tl.float32))
+        if IEEE:
+            acc += tl.dot(xf, af, input_precision="ieee")
+        else:
+            acc += tl.dot(xf, af, input_precision="tf32")
+    out = part_ptr + ((start + m).to(tl.int64)[:, None] * SPLITS + sp) * BLOCK_TR + jr[None, :]
+    tl.store(out, acc, mask=m_mask[:, None])
+
+
+@triton.jit
+def _lora_tile_expand(
+    part_ptr, b_ptr, tiles_ptr, scales_ptr, y_ptr,
+    N, R, n1, n2, stride_y, stride_bs, stride_br, stride_ss,
+    T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    tile = tl.program_id(0)
+    nb = tl.program_id(1)
+    start = tl.load(tiles_ptr + tile * 3)
+    count = tl.load(tiles_ptr + tile * 3 + 1)
+    s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < count
+    tokens = (start + m).to(tl.int64)
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    bv = tl.load(
+        b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for jj in tl.static_range(T):
+        xa = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for sp in range(SPLITS):
+            xa += tl.load(
+                part_ptr + (tokens[:, None] * SPLITS + sp) * BLOCK_TR + jj * BLOCK_R + r[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+        xa = xa * tl.load(scales_ptr + s * stride_ss + jj)
+        if IEEE:
+            dj = tl.dot(xa, bv.to(tl.float32), input_precision="ieee")
+        else:  # xa rounded to the weights' dtype first, as the reference does
+            dj = tl.dot(xa.to(bv.dtype).to(tl.float32), bv.to(tl.float32), input_precision="tf32")
+        delta = tl.where(target[None, :] == jj, dj, delta)
+    ptr = y_ptr + tokens[:, None] * stride_y + n[None, :]
+    mask = m_mask[:, None] & n_mask[None, :]
+    yv = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptr, (yv + delta).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def lora_tiles_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    tiles: torch.Tensor,
+    scales: torch.Tensor,
+    widths: tuple[int, ...],
+) -> None:
+    """`reference.lora_tiles_add` (see there): per tile of at most `TILE_M` token rows of one
+    adapter, a split-K shrink and an expand, each one `tl.dot` per tile, so a prefill chunk
+    reads each adapter's A and B once per tile rather than once per token."""
+    num_tiles = tiles.shape[0]
+    if num_tiles == 0 or x.shape[0] == 0:
+        return
+    targets, rank, fan_in = a.shape[1], a.shape[2], a.shape[3]
+    fan_out = y.shape[1]
+    if not 1 <= targets <= 3 or len(widths) != targets or sum(widths) != fan_out:
+        raise ValueError(f"lora_tiles_add: {targets} targets of widths {widths}, y has {fan_out}")
+    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(3) != 1 or b_t.stride(2) != 1:
+        raise ValueError("lora_tiles_add needs unit-stride rows (x, y, a, b_t)")
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_tr = triton.next_power_of_2(targets) * block_r
+    block_k = 64
+    splits = min(_MAX_SPLITS // 4, triton.cdiv(fan_in, _K_PER_SPLIT * 2))
+    k_per_split = triton.cdiv(triton.cdiv(fan_in, splits), block_k) * block_k
+    splits = triton.cdiv(fan_in, k_per_split)
+    ieee = x.dtype == torch.float32
+    part = torch.empty(x.shape[0], splits, block_tr, dtype=torch.float32, device=x.device)
+    _lora_tile_shrink[(num_tiles, splits)](
+        x, a, tiles, part, fan_in, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        a.stride(2),
+        T=targets, SPLITS=splits, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_TR=block_tr,
+        BLOCK_K=block_k, IEEE=ieee,
+    )  # fmt: skip
+    bounds = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
+    block_n = 64
+    _lora_tile_expand[(num_tiles, triton.cdiv(fan_out, block_n))](
+        part, b_t, tiles, scales, y, fan_out, rank, bounds[0], bounds[1], y.stride(0),
+        b_t.stride(0), b_t.stride(1), scales.stride(0),
+        T=targets, SPLITS=splits, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_TR=block_tr,
+        BLOCK_N=block_n, IEEE=ieee,
     )  # fmt: skip

@@ -36,6 +36,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
+    "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
 }
 
 
@@ -43,7 +44,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 #: each waits for the previous kernel on entry, so it may be launched while that one drains).
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "paged_attention",
-     "rotary_write_kv", "qk_norm_rotary_write_kv"}
+     "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add"}
 )  # fmt: skip
 
 

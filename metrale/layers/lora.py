@@ -14,9 +14,11 @@ Invariants:
   the eager segment op reads one target and the gather op one whole group in one launch pair.
   A slot's rows past its rank, and every row of a target it does not adapt, are never read.
 - The routing of one forward (`LoraBatch`) names, per slot present, the token rows that use it
-  (the segment op, eager forwards); or, with `groups` None, only `token_slots`, one device
-  tensor that the gather op (`KernelOps.lora_gather_add`: torch, or Triton on CUDA) reads
-  per row: what a captured decode graph runs, the slot tensor being a graph input. Rows of
+  (the segment op, eager forwards on the CPU); or, with `groups` None, only `token_slots`,
+  one device tensor that the gather op (`KernelOps.lora_gather_add`: torch, or Triton on
+  CUDA) reads per row: what a captured decode graph runs, the slot tensor being a graph
+  input; or its `tiles` (runs of at most `TILE_ROWS` rows of one slot), which the tiled op
+  (`KernelOps.lora_tiles_add`) reads: eager forwards on CUDA. Rows of
   the base model (slot -1) get no delta either way.
 - A slot's stack rows are zero past its rank and for targets it does not adapt (the gather
   op reads all `max_rank` rows of every target).
@@ -47,6 +49,10 @@ LORA_GROUPS = (
 )
 
 
+#: Token rows per tile of the tiled op (`KernelOps.lora_tiles_add`; the Triton kernel's tile).
+TILE_ROWS = 32
+
+
 @dataclass
 class LoraGroup:
     """One layer's stacks of the targets of one base projection (see the module invariants)."""
@@ -68,6 +74,9 @@ class LoraBatch:
     #: None routes by `token_slots` alone (the gather op; what a captured graph runs, since
     #: it reads nothing on the host).
     groups: list[tuple[int, torch.Tensor | None]] | None
+    #: `[n, 3]` int32 on the device: (first token row, row count <= `TILE_ROWS`, slot) of
+    #: each tile of adapted rows (base rows in none): what the tiled op reads (`route`).
+    tiles: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -86,7 +95,14 @@ class LoraBatch:
             for slot in present:
                 idx = np.flatnonzero(per_token == slot)
                 groups.append((slot, torch.from_numpy(idx).to(device)))
-        return cls(torch.from_numpy(per_token).to(device), groups)
+        tiles: list[tuple[int, int, int]] = []
+        first = 0
+        for slot, n in zip(row_slots, query_lens, strict=True):
+            if slot >= 0:
+                tiles += [(first + i, min(TILE_ROWS, n - i), slot) for i in range(0, n, TILE_ROWS)]
+            first += n
+        tile_tensor = torch.tensor(tiles, dtype=torch.int32).reshape(-1, 3).to(device)
+        return cls(torch.from_numpy(per_token).to(device), groups, tile_tensor)
 
 
 def lora_segment_add(
@@ -125,15 +141,15 @@ class LoraSlots:
         dtype: torch.dtype,
         device: torch.device,
         gather_op: Callable[..., None] = reference.lora_gather_add,
-        gather_max_tokens: int = 0,
+        tiles_op: Callable[..., None] | None = None,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable
         projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`);
-        `gather_max_tokens`: eager forwards of at most this many tokens also route by
-        gather (one launch pair per group, whatever the slots present) instead of the
-        segment op's GEMM pairs per slot (0: never; see `route`)."""
+        `tiles_op`: when given (`KernelOps.lora_tiles_add` on CUDA), eager forwards run it,
+        one launch pair per group whatever the slots present, instead of the segment op's
+        GEMM pairs per slot (see `route`)."""
         self.gather_op = gather_op
-        self.gather_max_tokens = gather_max_tokens
+        self.tiles_op = tiles_op
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = dict(shapes)
@@ -180,16 +196,13 @@ class LoraSlots:
         self.batch: LoraBatch | None = None
 
     def route(self, batch: LoraBatch | None) -> LoraBatch | None:
-        """The routing an eager forward runs: `batch` itself (the segment op), or its slot
-        tensor alone (the gather op) when it has at most `gather_max_tokens` token rows. On
-        CUDA the gather kernels beat the segment op's two GEMMs and two index ops per slot,
-        group and layer up to a few thousand tokens (launches, not bytes, bound both); on the
-        CPU the segment op's GEMMs win and the limit is 0."""
-        if batch is None or batch.groups is None:
+        """The routing an eager forward runs: `batch` itself (the segment op), or, with a
+        tiled op, its tiles alone. On CUDA the tiled kernels beat the segment op's two GEMMs
+        and two index ops per slot, group and layer (launches bound those), and read each
+        adapter once per tile, where the per-token gather op reads it once per token."""
+        if batch is None or batch.groups is None or self.tiles_op is None:
             return batch
-        if batch.token_slots.shape[0] > self.gather_max_tokens:
-            return batch
-        return LoraBatch(batch.token_slots, None)
+        return LoraBatch(batch.token_slots, None, batch.tiles)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for g in self.groups.values() for t in (g.a, g.b_t))
@@ -265,10 +278,13 @@ class LoraLayer:
                     f"layer {self.layer_idx}: LoRA targets {layout} at columns "
                     f"{[c for _, c, _ in present]} are not one group's layout"
                 )
-            slots.gather_op(
-                y[:, start : start + sum(group.widths)], x, group.a, group.b_t,
-                batch.token_slots, group.scales, group.widths,
-            )  # fmt: skip
+            out = y[:, start : start + sum(group.widths)]
+            if batch.tiles is not None and slots.tiles_op is not None:
+                slots.tiles_op(out, x, group.a, group.b_t, batch.tiles, group.scales, group.widths)
+            else:
+                slots.gather_op(
+                    out, x, group.a, group.b_t, batch.token_slots, group.scales, group.widths
+                )
             return
         for name, start, width in present:
             key = (self.layer_idx, name)

@@ -41,9 +41,6 @@ from metrale.layers.lora import LORA_TARGETS, LoraSlots
 logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
-#: With the Triton gather op, eager forwards (prefill chunks, mixed batches) of at most this
-#: many token rows route by gather too (`LoraSlots.route`).
-EAGER_GATHER_MAX_TOKENS = 4096
 WEIGHTS_FILE = "adapter_model.safetensors"
 _TENSOR = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.([a-z_]+)"
@@ -444,17 +441,18 @@ class LoraAdapters:
         dtype: torch.dtype = self.dtype  # type: ignore[attr-defined]
         ops = getattr(self, "kernel_ops", None) or KernelOps()
         gather = ops.implementations.get("lora_gather_add", "torch")
+        tiled = ops.implementations.get("lora_tiles_add", "torch").startswith("triton")
         slots = LoraSlots(
             shapes, max_loras, max_lora_rank, dtype, device, gather_op=ops.lora_gather_add,
-            gather_max_tokens=EAGER_GATHER_MAX_TOKENS if gather.startswith("triton") else 0,
+            tiles_op=ops.lora_tiles_add if tiled else None,
         )  # fmt: skip
         attach_slots(module, slots)
         self.lora = LoraManager(slots, max_cpu_loras, dtype)
         logger.info(
             "LoRA: %d device slots of rank <= %d over %d projections (%.1f MiB), host cache "
-            "of %d adapters; decode-graph op: %s (also eager forwards of <= %d tokens)",
+            "of %d adapters; decode-graph op: %s; eager forwards: %s",
             max_loras, max_lora_rank, len(shapes), slots.nbytes() / 2**20, max_cpu_loras,
-            gather, slots.gather_max_tokens,
+            gather, "tiled (triton)" if tiled else "segment GEMMs per slot (torch)",
         )  # fmt: skip
 
     def _lora(self) -> LoraManager:

@@ -331,10 +331,14 @@ class GrammarState:
         batch = states[live[0]]._batch if live else None
         if batch is not None and len(live) > 1:
             batch.batch_fill_next_token_bitmask([states[j]._matcher for j in live], bitmask, live)
-            for j in live:
+            by_extra: dict[int, tuple[Tensor, list[int]]] = {}
+            for j in live:  # rows sharing an extra mask (JSON's no-control row) in one op
                 extra = states[j]._extra_mask
                 if extra is not None:
-                    bitmask[j] &= extra
+                    by_extra.setdefault(id(extra), (extra, []))[1].append(j)
+            for extra, rows in by_extra.values():
+                index = torch.tensor(rows, dtype=torch.int64)
+                bitmask.index_copy_(0, index, bitmask.index_select(0, index) & extra)
             live_set = set(live)
             rest = [j for j in range(len(states)) if j not in live_set]
         else:

@@ -63,6 +63,40 @@ def test_triton_gather_op_equals_reference(
     assert not torch.equal(got, wide)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rank", "widths", "fan_in"), [(8, (300,), 200), (64, (160, 72, 72), 700)])
+def test_triton_tiles_op_equals_reference(
+    dtype: torch.dtype, rank: int, widths: tuple[int, ...], fan_in: int
+) -> None:
+    """Tiles of full and partial length, of three slots, and base rows in no tile."""
+    from metrale.layers.lora import LoraBatch
+
+    g = torch.Generator().manual_seed(rank + 1)
+    slots, fan_out = 3, sum(widths)
+    row_slots, lens = [2, -1, 0, 1, 2], [40, 5, 3, 1, 33]
+    tokens = sum(lens)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.3).to(dtype).to(DEVICE)
+
+    a, b_t = rand(slots, len(widths), rank, fan_in), rand(slots, rank, fan_out)
+    scales = torch.rand(slots, len(widths), generator=g).to(DEVICE) + 0.5
+    batch = LoraBatch.build(row_slots, lens, DEVICE)
+    assert batch is not None and batch.tiles is not None
+    x = rand(tokens, fan_in)
+    wide = rand(tokens, fan_out + 40)
+    want, got = wide.clone().float(), wide.clone()
+    f32 = [t.float() for t in (x, a, b_t)]
+    reference.lora_tiles_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], batch.tiles,
+                             scales, widths)  # fmt: skip
+    triton_lora.lora_tiles_add(got[:, 20 : 20 + fan_out], x, a, b_t, batch.tiles, scales, widths)
+    tol = {"rtol": 2e-2, "atol": 3e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(got, want.to(dtype), **tol)
+    base = batch.token_slots < 0
+    assert torch.equal(got[base], wide[base])
+    assert not torch.equal(got, wide)
+
+
 def test_lora_decode_graphs_give_each_row_its_adapter() -> None:
     variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
     base = build(variant)
@@ -81,6 +115,8 @@ def test_lora_decode_graphs_give_each_row_its_adapter() -> None:
             if hasattr(module, "ops"):
                 module.ops = ops
         model.lora.slots.gather_op = ops.lora_gather_add
+        model.lora.slots.tiles_op = ops.lora_tiles_add
+    assert model.lora.slots.tiles_op is not None  # the prefill runs the tiled kernels
     runner = DecodeGraphRunner(
         model.module, model.kv_cache.layers, model.device, 8, 32, 16, lora=model.lora.slots
     )

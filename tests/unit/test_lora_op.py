@@ -76,18 +76,44 @@ def test_device_routing_by_gather_equals_the_segment_op() -> None:
     assert not torch.equal(out["segment"], y)
 
 
-def test_route_sends_small_eager_forwards_to_the_gather_op_and_large_ones_to_segments() -> None:
+def test_route_gives_eager_forwards_tiles_when_a_tiled_op_is_there() -> None:
     cpu = torch.device("cpu")
-    slots = LoraSlots({(0, "q_proj"): (16, 12)}, 2, 8, torch.float64, cpu, gather_max_tokens=4)
-    small = LoraBatch.build([0, 1], [2, 2], cpu)
-    large = LoraBatch.build([0, 1], [3, 2], cpu)
-    assert small is not None and large is not None
-    routed = slots.route(small)
-    assert routed is not None and routed.groups is None
-    assert torch.equal(routed.token_slots, small.token_slots)
-    assert slots.route(large) is large
-    assert slots.route(None) is None
-    assert LoraSlots({(0, "q_proj"): (16, 12)}, 2, 8, torch.float64, cpu).route(small) is small
+    shapes = {(0, "q_proj"): (16, 12)}
+    batch = LoraBatch.build([0, -1, 1], [40, 3, 2], cpu)
+    assert batch is not None and batch.tiles is not None
+    # rows of one slot cut into tiles of at most TILE_ROWS; the base row is in none
+    assert batch.tiles.tolist() == [[0, 32, 0], [32, 8, 0], [43, 2, 1]]
+    tiled = LoraSlots(shapes, 2, 8, torch.float64, cpu, tiles_op=reference.lora_tiles_add)
+    routed = tiled.route(batch)
+    assert routed is not None and routed.groups is None and routed.tiles is batch.tiles
+    assert tiled.route(None) is None
+    assert LoraSlots(shapes, 2, 8, torch.float64, cpu).route(batch) is batch
+
+
+def test_tiled_op_equals_the_segment_op() -> None:
+    """The tiled routing (reference op) adds what the segment op adds, base rows untouched."""
+    g = torch.Generator().manual_seed(9)
+    cpu = torch.device("cpu")
+    shapes = {(0, "gate_proj"): (16, 24), (0, "up_proj"): (16, 24)}
+    slots = LoraSlots(shapes, 3, 8, torch.float64, cpu, tiles_op=reference.lora_tiles_add)
+    for slot, rank in ((0, 8), (2, 5)):
+        slots.write_slot(slot, {
+            key: (torch.randn(rank, 16, generator=g, dtype=torch.float64),
+                  torch.randn(24, rank, generator=g, dtype=torch.float64), 1.0 + slot)
+            for key in shapes
+        })  # fmt: skip
+    batch = LoraBatch.build([2, -1, 0, 2], [35, 4, 3, 1], cpu)
+    x = torch.randn(43, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(43, 48, generator=g, dtype=torch.float64)
+    targets = [("gate_proj", 0, 24), ("up_proj", 24, 24)]
+    out = {}
+    for name, routed in (("segment", batch), ("tiles", slots.route(batch))):
+        slots.batch = routed
+        out[name] = y.clone()
+        slots.layer(0).add(x, out[name], targets)
+    torch.testing.assert_close(out["tiles"], out["segment"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["tiles"][35:39], y[35:39])
+    assert not torch.equal(out["tiles"], y)
 
 
 def test_a_group_is_added_in_one_gather_call_and_a_foreign_layout_is_refused() -> None:
