@@ -457,8 +457,9 @@ def run(args: argparse.Namespace) -> dict:
         device=args.device,
         out_dir=args.out_dir,
         notes="peers: cold prefill on the same engine (host) and on the restarted engine (disk); "
-        "high-speed swap against the fully resident run, on the CPU (not built on CUDA)"
-        + (f"; {args.notes}" if args.notes else ""),
+        "timed requests find their blocks free (evictions to the tiers happen before the clock "
+        "starts, and are not in any TTFT); high-speed swap against the fully resident run, on "
+        "the CPU (not built on CUDA)" + (f"; {args.notes}" if args.notes else ""),
     )
     print(
         f"cold TTFT {tiers['cold_ttft_ms']:.1f} ms; host tier {tiers['host_ttft_ms']:.1f} ms "

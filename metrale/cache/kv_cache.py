@@ -8,17 +8,23 @@ Invariants:
 - Shapes and dtype are fixed at construction; nothing reallocates them while serving.
 - Block 0 (the null block) exists in every layer and may hold garbage: nothing reads it
   except padded rows, whose outputs are discarded.
+- A batched restore (`write_blocks_bytes`) uses helper threads only to fill its host buffer;
+  every device copy is issued by the calling thread, on its current stream.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 #: Most bytes `write_blocks_bytes` stages on the device at once.
 _STAGING_BYTES = 128 << 20
+#: Threads gathering a restore's payloads into its host buffer.
+_COPY_THREADS = 4
 
 
 class PagedKVCache:
@@ -46,6 +52,8 @@ class PagedKVCache:
             )
             for _ in range(num_layers)
         ]
+        #: Threads of `write_blocks_bytes` (started on the first batched restore).
+        self._copy_pool: ThreadPoolExecutor | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -84,9 +92,7 @@ class PagedKVCache:
             # device, asynchronous so the next chunk's memcpys overlap it (the caching host
             # allocator keeps a pinned buffer until the copies using it are done).
             host = torch.empty((len(chunk), size), dtype=torch.uint8, pin_memory=cuda)
-            rows = host.numpy()
-            for i, payload in enumerate(chunk):
-                rows[i] = np.frombuffer(payload, dtype=np.uint8)
+            self._fill_rows(host.numpy(), chunk)
             staging = host.to(device, non_blocking=True) if cuda else host
             idx = torch.tensor(blocks[first : first + per_chunk], dtype=torch.long, device=device)
             offset = 0
@@ -98,6 +104,22 @@ class PagedKVCache:
                     )
                     t.index_copy_(0, idx, src)
                     offset += n
+
+    def _fill_rows(self, rows: np.ndarray, payloads: Sequence[bytes]) -> None:
+        """`rows[i] = payloads[i]`, on `_COPY_THREADS` threads (numpy releases the GIL for a
+        large copy, so several cores share a restore's memcpys)."""
+
+        def fill(i: int) -> None:
+            rows[i] = np.frombuffer(payloads[i], dtype=np.uint8)
+
+        threads = min(_COPY_THREADS, os.cpu_count() or 1, len(payloads))
+        if threads <= 1:
+            for i in range(len(payloads)):
+                fill(i)
+            return
+        if self._copy_pool is None:
+            self._copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="kv-restore")
+        list(self._copy_pool.map(fill, range(len(payloads))))
 
     def write_block_bytes(self, block: int, payload: bytes) -> None:
         """Inverse of `block_bytes`: the payload's K and V into `block` of every layer."""
