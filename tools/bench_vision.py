@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from metrale import Engine, EngineConfig, SamplingParams
+from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.engine.vision import VisionPrompts
 
@@ -147,11 +148,16 @@ def main() -> None:
                 c,
                 seed=1000 * c,  # type: ignore[arg-type]
             )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{time.strftime('%Y%m%dT%H%M%S')}-vision-{Path(args.config_dir).name}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(json.dumps(record, indent=2))
+    levels_out = record.pop("levels")
+    figures = {c: level["metrale"] for c, level in levels_out.items()}
+    figures["vision_stats"] = record.pop("metrale_vision_stats")
+    peers = {c: level["transformers"] for c, level in levels_out.items() if "transformers" in level}
+    path = write_record(
+        "vision", model_shape=Path(args.config_dir).name, config=record, figures=figures,
+        peer_figures=peers or None, device=args.device, out_dir=args.out,
+        notes="peer: transformers generate (one new token) on the same random weights, one batch of C",
+    )  # fmt: skip
+    print(json.dumps({"figures": figures, "peer_figures": peers}, indent=2))
     print(f"record: {path}")
 
 
