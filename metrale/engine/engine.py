@@ -47,7 +47,8 @@ Invariants:
   preemption and prefix caching never advance it twice. A decode step after one that
   sampled a grammar row is still fed on the device, but its sampler is queued only after
   that step is read back and the matchers advanced, so the host fills the mask while the
-  forward runs (`late_sampled_steps`); a step that cannot be fed reads back first
+  forward runs (`late_sampled_steps`; the rows fill on a worker thread while the step's
+  outputs are built, `grammar_rows_prefilled`); a step that cannot be fed reads back first
   (`host_token_drains`), as a bad word of several tokens always does.
   A constrained row's drafts are cut before the first token its grammar refuses
   (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
@@ -210,6 +211,9 @@ class Engine:
         #: Fed steps of grammar rows whose sampler waited for the step before to be read
         #: back (the mask needs its token on the host); their forwards were not delayed.
         self.late_sampled_steps = 0
+        #: Mask rows of late-sampled steps filled on the grammar worker thread while the
+        #: step's outputs were built.
+        self.grammar_rows_prefilled = 0
         self.async_scheduling = config.async_scheduling and model.supports_device_token_feed()
         if config.async_scheduling and not self.async_scheduling:
             logger.warning(
@@ -517,6 +521,16 @@ class Engine:
             except Exception as exc:  # one bad step must not take the engine down
                 self._step_failed(plan, touched, exc)
                 forward = None
+        prefill: futures.Future[None] | None = None
+        if late_sample and previous is not None:
+            # `previous` committed first: the matchers advance, and the mask rows of this
+            # step fill on a worker thread while the outputs below are built.
+            self._read_back(previous, self._pending, touched)
+            previous = None
+            states = [g for s in plan.sampled if (g := self._grammar_of.get(s.seq_id))]
+            if forward is not None and states:
+                prefill = self.grammar_backend.prefill_async(states)
+                self.grammar_rows_prefilled += len(states)
         for pending in ready:
             self._emit(pending, touched)
         if on_outputs is not None and touched:
@@ -526,6 +540,8 @@ class Engine:
             self._read_back(previous, self._pending, touched)
         if late_sample and forward is not None:
             try:  # `previous` is committed: its tokens are in the outputs and the matchers
+                if prefill is not None:
+                    prefill.result()
                 launched = self._sample_step(plan, _Forward(forward.logits, 0, None))
             except Exception as exc:
                 self._step_failed(plan, touched, exc)

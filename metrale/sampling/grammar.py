@@ -29,7 +29,10 @@ Invariants:
   tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
 - A step's live rows are filled in one call of xgrammar's `BatchGrammarMatcher` (its own
   threads, without the GIL). On CUDA this host work runs while the step's forward computes
-  (the forward is queued before the sampler runs).
+  (the forward is queued before the sampler runs). `prefill_async` fills them ahead on a
+  worker thread (the engine builds outputs meanwhile); a prefilled row is used only while
+  its state stays at the position (synced-list version, accepted count, termination) it was
+  filled at, else the row is filled afresh.
 - No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row),
   `to_device` copies it non-blocking through pinned memory, and the unpack and the mask are
   device ops. The caller's logits are not written.
@@ -142,6 +145,10 @@ class GrammarBackend:
         #: requests with the same spec.
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-grammar")
+        #: Fills bitmasks ahead of a sample (`prefill_async`), apart from the compiles.
+        self._fill_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="metrale-grammar-fill"
+        )
         self._no_control: Tensor | None = None
         #: Fills several rows' bitmasks at once on C++ threads (the GIL released).
         threads = max(1, min(BATCH_FILL_THREADS, os.cpu_count() or 1))
@@ -225,6 +232,13 @@ class GrammarBackend:
         extra = self.no_control_row() if spec.kind in ("json_schema", "json_object") else None
         return GrammarState(matcher, self.stop_token_ids, extra, self._batch)
 
+    def prefill_async(self, states: Sequence[GrammarState]) -> Future[None]:
+        """Fill `states`' next bitmask rows on a worker thread (xgrammar releases the GIL),
+        so the caller's other host work runs meanwhile; wait on the future before the next
+        `fill_rows` / `sync` of any of them (see `GrammarState.prefill_rows`)."""
+        words = bitmask_words(self.vocab_size)
+        return self._fill_executor.submit(GrammarState.prefill_rows, states, words)
+
     def no_control_row(self) -> Tensor:
         """A bitmask row (int32 words) allowing every token without a control character."""
         if self._no_control is None:
@@ -259,6 +273,12 @@ class GrammarState:
         self._drafts_from: int | None = None
         #: Tokens given back to the matcher (`sync` to a list that diverged: rejected drafts).
         self.rollbacks = 0
+        #: Bumped whenever the synced list changes (a prefilled row's validity).
+        self._version = 0
+        #: A bitmask row filled ahead (`prefill_rows`) and the position it is valid at.
+        self._prefilled: tuple[tuple[int, int, bool], Tensor] | None = None
+        #: Rows taken from a prefill instead of filled at sample time (tests, metrics).
+        self.prefill_hits = 0
 
     @property
     def num_seen(self) -> int:
@@ -293,6 +313,8 @@ class GrammarState:
         common = max(0, min(trusted, len(tokens), len(view)))
         while common < len(view) and common < len(tokens) and view[common] == tokens[common]:
             common += 1
+        if common < len(view) or len(tokens) > common:
+            self._version += 1  # the synced list changed: a prefilled row is stale
         del view[common:]
         self._drafts_from = committed
         if common < self._accepted:
@@ -323,10 +345,41 @@ class GrammarState:
             self._matcher.rollback(count)
         return count
 
+    def _position(self) -> tuple[int, int, bool]:
+        """What a fill depends on: the synced list (its version), how much of it the matcher
+        accepted, and termination."""
+        return self._version, self._accepted, bool(self._matcher.is_terminated())
+
+    @staticmethod
+    def prefill_rows(states: Sequence[GrammarState], words: int) -> None:
+        """Fill each state's next bitmask row now and keep it with the position it is valid
+        at; a later `fill_rows` at that same position copies it instead of filling."""
+        host = torch.empty((len(states), words), dtype=torch.int32)
+        GrammarState.fill_rows(host, states)
+        for j, state in enumerate(states):
+            state._prefilled = (state._position(), host[j])
+
     @staticmethod
     def fill_rows(bitmask: Tensor, states: Sequence[GrammarState]) -> None:
-        """`bitmask[j]` for every `states[j]` (each state once): the live ones in one batched
-        xgrammar call (threads), the rest one by one."""
+        """`bitmask[j]` for every `states[j]` (each state once): rows prefilled at the
+        state's current position copied, the other live ones in one batched xgrammar call
+        (threads), the rest one by one."""
+        ahead = []
+        for j, state in enumerate(states):
+            pre, state._prefilled = state._prefilled, None
+            if pre is not None and pre[0] == state._position():
+                bitmask[j] = pre[1]
+                state.prefill_hits += 1
+                ahead.append(j)
+        if ahead:
+            if len(ahead) == len(states):
+                return
+            rest_states = [s for j, s in enumerate(states) if j not in set(ahead)]
+            rest_rows = [j for j in range(len(states)) if j not in set(ahead)]
+            sub = torch.empty((len(rest_rows), bitmask.shape[1]), dtype=bitmask.dtype)
+            GrammarState.fill_rows(sub, rest_states)
+            bitmask.index_copy_(0, torch.tensor(rest_rows, dtype=torch.int64), sub)
+            return
         live = [j for j, state in enumerate(states) if state.live]
         batch = states[live[0]]._batch if live else None
         if batch is not None and len(live) > 1:

@@ -114,6 +114,7 @@ def test_constrained_row_does_not_change_its_neighbours() -> None:
             json.loads(outs[i].outputs[0].text)
     # rows after a grammar row are fed on the device and sampled once the mask is known
     assert llm.engine.late_sampled_steps > 0
+    assert llm.engine.grammar_rows_prefilled > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])

@@ -167,3 +167,30 @@ def test_special_tool_call_marker_is_one_allowed_token() -> None:
         inside[tokenizer.token_to_id("Hello") or 70]
         and not inside[tokenizer.token_to_id("<|im_start|>")]
     )
+
+
+def test_prefilled_rows_are_used_only_at_the_position_they_were_filled_at(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    """A row filled ahead (`prefill_async`) replaces the fill at the same position; after the
+    synced tokens change (an advance, or a rollback to a different list of the same length)
+    it is stale and the row is filled afresh; the masks equal plain fills either way."""
+    prefix = tokenizer.encode('{"k": "', add_special_tokens=False)
+    other = tokenizer.encode('{"k":"', add_special_tokens=False)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))
+
+    def plain(tokens: list[list[int]]) -> torch.Tensor:
+        return apply_grammar_masks(logits, [0, 1], [backend.state(SPEC) for _ in tokens], tokens)
+
+    states = [backend.state(SPEC), backend.state(SPEC)]
+    for state in states:
+        state.sync(prefix)
+    backend.prefill_async(states).result()
+    got = apply_grammar_masks(logits, [0, 1], states, [prefix, prefix])
+    assert [s.prefill_hits for s in states] == [1, 1]
+    torch.testing.assert_close(got, plain([prefix, prefix]), rtol=0, atol=0)
+    backend.prefill_async(states).result()
+    states[1].sync(other)  # a different list: its prefilled row is stale
+    got = apply_grammar_masks(logits, [0, 1], states, [prefix, other])
+    assert [s.prefill_hits for s in states] == [2, 1]
+    torch.testing.assert_close(got, plain([prefix, other]), rtol=0, atol=0)
