@@ -1,5 +1,5 @@
-"""Hot ops chosen by device: the torch references on the CPU, Triton kernels on CUDA where a
-kernel exists and pays.
+"""Hot ops chosen by device: the torch references on the CPU (projections through oneDNN,
+`cpu_linear`), Triton kernels on CUDA where a kernel exists and pays.
 
 Owner: kernels. Layers receive a `KernelOps` at construction and call through it; nothing
 here is global or mutable after selection.
@@ -106,4 +106,20 @@ def kernels_for(
             logger.info("kernels: %s", ops.implementations)
             return ops
     names = [f.name for f in fields(KernelOps) if f.name != "implementations"]
-    return KernelOps(implementations=dict.fromkeys(names, "torch"))
+    impls = dict.fromkeys(names, "torch")
+    if device.type == "cpu":
+        from metrale.kernels import cpu_linear
+
+        if os.environ.get("METRALE_CPU_LINEAR", "onednn") == "torch":
+            logger.info("kernels: CPU projections by F.linear (METRALE_CPU_LINEAR=torch)")
+        elif not cpu_linear.available():
+            logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
+        else:
+            impls.update(linear="onednn", silu_mul_linear="onednn")
+            logger.info("kernels: CPU projections by oneDNN (float32/bfloat16; others F.linear)")
+            return KernelOps(
+                linear=cpu_linear.linear,
+                silu_mul_linear=cpu_linear.silu_mul_linear,
+                implementations=impls,
+            )
+    return KernelOps(implementations=impls)
