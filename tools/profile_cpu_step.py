@@ -73,11 +73,12 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=64)
     parser.add_argument("--osl", type=int, default=64)
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (opt-in)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.size, Path(tmp) / args.size)
-        llm = LLM(str(path), device="cpu", load_format="dummy", num_kv_blocks=64)
+        llm = LLM(str(path), device="cpu", dtype=args.dtype, load_format="dummy", num_kv_blocks=64)
         engine = llm.engine
         prompt = list(range(6, 6 + args.isl))
         params = SamplingParams(temperature=0, max_tokens=args.osl, min_tokens=args.osl)
@@ -126,7 +127,7 @@ def main() -> None:
     record = write_record(
         "profile-cpu-step",
         model_shape=f"qwen3-{args.size}-random",
-        config={"isl": args.isl, "osl": args.osl, "threads": args.threads,
+        config={"isl": args.isl, "osl": args.osl, "threads": args.threads, "dtype": args.dtype,
                 "requests": args.requests, "size": SIZES[args.size]},
         figures=figures,
         device="cpu",
