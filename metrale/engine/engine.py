@@ -34,11 +34,13 @@ Invariants:
 - Speculative decoding (`self.speculation`, see `engine/speculation.py`): drafts are
   proposed only before a step planned from the known tokens; a step that could speculate
   drains the pipeline instead of being fed (counted in `spec_stats.drained_for_spec`).
-- LoRA: a request's `adapter_id` must name an adapter the engine has loaded (0: the base
+- LoRA (the registry surface in `engine_lora.py`): a request's `adapter_id` must name an
+  adapter the engine has loaded (0: the base
   model), else the request is refused; its draft-lookup tenant is the request's with the
   adapter appended, so adapters never share lookup state. An adapter is unloaded only while
   no unfinished request uses it (`unload_lora_adapter` refuses otherwise).
-- Structured output (`SamplingParams.structured_outputs`): `add_request` parses the grammar
+- Structured output (`SamplingParams.structured_outputs`; compiles, matchers and draft cuts
+  in `engine_grammar.py`): `add_request` parses the grammar
   (a spec xgrammar refuses is an `InvalidRequestError`, nothing queued) and its compile runs
   on the grammar backend's worker thread (cached by spec,
   `metrale.sampling.grammar.GrammarBackend`); the request's sequences wait, not `ready`,
@@ -58,7 +60,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,8 @@ from typing import Any
 import torch
 
 from metrale.config import EngineConfig
+from metrale.engine.engine_grammar import EngineGrammar
+from metrale.engine.engine_lora import EngineLora
 from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_model_dir: re-exported)
     BUNDLED_MODEL_DIR,
     BUNDLED_MODEL_NAME,
@@ -80,7 +83,7 @@ from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_m
     resolve_model_dir,
 )
 from metrale.engine.output import ChoiceState, RequestState
-from metrale.engine.request import LoRARequest, RequestOutput
+from metrale.engine.request import RequestOutput
 from metrale.engine.speculation import Speculation
 from metrale.engine.vision import check_vision, vision_prompts_for
 from metrale.errors import InvalidRequestError
@@ -130,7 +133,7 @@ class _InFlight:
     started: float = 0.0
 
 
-class Engine:
+class Engine(EngineLora, EngineGrammar):
     def __init__(
         self,
         config: EngineConfig,
@@ -253,13 +256,6 @@ class Engine:
             return self.config.model
         return Path(self.model_dir).name
 
-    @property
-    def grammar_backend(self) -> GrammarBackend:
-        """The structured-output compiler over this model's vocabulary (built on first use)."""
-        if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
-
     def default_sampling_params(self) -> SamplingParams:
         """`SamplingParams()` with the model's generation-config defaults applied."""
         return self.sampling_defaults.sampling_params()
@@ -359,66 +355,6 @@ class Engine:
         self.requests[request_id] = state
         for choice in state.choices:
             self._choice_of[choice.seq.seq_id] = (state, choice)
-
-    # ------------------------------------------------------------------ LoRA
-
-    def load_lora_adapter(self, name: str, path: str, adapter_id: int | None = None) -> int:
-        """Register the PEFT adapter at `path` as `name` (checked in full first: a bad one
-        raises and changes nothing); returns its id, the `adapter_id` of its requests
-        (`adapter_id` when given: the server hands ids out so none is reused across engine
-        restarts)."""
-        return self.model.load_lora(name, path, adapter_id)
-
-    def lora_adapter_list(self) -> list[tuple[str, int, str]]:
-        """The registered adapters as (name, id, directory), picklable."""
-        return [(e.name, int(e.adapter_id), str(e.path)) for e in self.model.lora_adapters()]
-
-    def unload_lora_adapter(self, name: str) -> int:
-        """Forget adapter `name`. Refused (InvalidRequestError) while an unfinished request
-        uses it, queued or running: unloading never cuts a request short."""
-        entry = self.lora_adapter(name)
-        if entry is None:
-            raise InvalidRequestError(f"LoRA adapter {name!r} is not loaded", param="lora_name")
-        users = sum(
-            1
-            for st in self.requests.values()
-            if any(c.seq.adapter_id == entry.adapter_id for c in st.choices)
-        )
-        if users:
-            raise InvalidRequestError(
-                f"LoRA adapter {name!r} is in use by {users} unfinished request(s); unload it "
-                "once they finish",
-                param="lora_name",
-            )
-        return self.model.unload_lora(name)
-
-    def lora_adapter(self, name: str) -> Any:
-        """The registered adapter called `name` (`name`, `adapter_id`, `path`), or None."""
-        return next((e for e in self.model.lora_adapters() if e.name == name), None)
-
-    def lora_adapter_id(self, request: LoRARequest) -> int:
-        """The id of `request`'s adapter, loading it on first use (offline `lora_request`)."""
-        entry = self.lora_adapter(request.lora_name)
-        if entry is None:
-            return self.load_lora_adapter(request.lora_name, request.lora_path)
-        if Path(entry.path) != Path(request.lora_path):
-            raise InvalidRequestError(
-                f"LoRA adapter {request.lora_name!r} is loaded from {entry.path}, not "
-                f"{request.lora_path}",
-                param="lora_request",
-            )
-        return int(entry.adapter_id)
-
-    def lora_stats(self) -> dict[str, int]:
-        """The slot pool's counters plus the sequences waiting for a slot (empty: no LoRA)."""
-        stats = dict(self.model.lora_stats())
-        if stats:
-            stats["waiting_for_slot"] = self.scheduler.stats.lora_waiting_for_slot
-        return stats
-
-    def _check_adapter(self, adapter_id: int) -> None:
-        if not any(e.adapter_id == adapter_id for e in self.model.lora_adapters()):
-            raise InvalidRequestError(f"LoRA adapter id {adapter_id} is not loaded", param="model")
 
     def check_prompt(
         self,
@@ -644,69 +580,6 @@ class Engine:
         if self._grammar_of:
             committed = [self._advance_grammar(c) for c in committed]
         return _Pending(out, committed)
-
-    def _attach_grammars(
-        self, seqs: Sequence[SchedSequence], spec: GrammarSpec, compiled: Any
-    ) -> None:
-        for seq in seqs:
-            self._grammar_of[seq.seq_id] = self.grammar_backend.state(spec, compiled)
-            seq.ready = True
-
-    @property
-    def grammar_drained_steps(self) -> int:
-        return self.host_token_drains.get("structured output", 0)
-
-    def _host_token_need(self, sampled: list[SchedSequence]) -> str | None:
-        """Why a step after `sampled` cannot be fed on the device, if one of its rows masks
-        by tokens only the host knows: a grammar, or a bad word of several tokens."""
-        if self._grammar_of and any(s.seq_id in self._grammar_of for s in sampled):
-            return "structured output"
-        if any(s.params.needs_known_output for s in sampled):
-            return "bad words"
-        return None
-
-    def _poll_compiles(self, touched: dict[str, RequestState]) -> None:
-        """Requests whose grammar finished compiling: their matchers, and admission; a
-        compile that failed ends its request with the error."""
-        for request_id, (future, spec) in list(self._compiling.items()):
-            if not future.done():
-                continue
-            del self._compiling[request_id]
-            state = self.requests.get(request_id)
-            if state is None:
-                continue
-            error = future.exception()
-            if error is None:
-                self._attach_grammars([c.seq for c in state.choices], spec, future.result())
-                continue
-            state.error = str(error)
-            for choice in state.choices:
-                self.scheduler.finish(choice.seq, "error")
-                choice.close("error", None)
-            touched[request_id] = state
-
-    def _cut_drafts(self) -> None:
-        """Drafts of constrained rows end before the first token their grammar refuses (the
-        verifier would reject it; cutting saves its compute and KV)."""
-        for seq in self.scheduler.running:
-            grammar = self._grammar_of.get(seq.seq_id)
-            if grammar is not None and seq.spec_token_ids:
-                keep = grammar.valid_prefix(seq.output_token_ids, seq.spec_token_ids)
-                if keep < len(seq.spec_token_ids):
-                    self.grammar_drafts_cut += len(seq.spec_token_ids) - keep
-                    del seq.spec_token_ids[keep:]
-
-    def _advance_grammar(self, c: Committed) -> Committed:
-        """Advance a constrained sequence's matcher over its committed tokens; a grammar that
-        has terminated (a stop token accepted, e.g. under `ignore_eos`) ends the sequence."""
-        grammar = self._grammar_of.get(c.seq.seq_id)
-        if grammar is None:
-            return c
-        grammar.sync(c.seq.output_token_ids)
-        if grammar.terminated and not c.seq.is_finished:
-            self.scheduler.finish(c.seq, "stop")
-            return dataclasses.replace(c, finished=True)
-        return c
 
     def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
         """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
