@@ -32,15 +32,12 @@ from metrale.server.structured import (
     request_grammar,
     responses_text_format,
 )
+from metrale.server.tool_parsers import ToolCallStream, ToolParser, detect_parser, get_parser
 from metrale.server.tools import (
     ToolCall,
-    ToolCallStream,
     ToolChoice,
-    ToolParser,
     anthropic_tool_choice,
     anthropic_tools,
-    detect_parser,
-    get_parser,
     normalize_tool_choice,
     normalize_tools,
     responses_tool_choice,

@@ -294,7 +294,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.max_prompt_tokens is not None and args.max_prompt_tokens < 1:
         raise InvalidRequestError("--max-prompt-tokens must be >= 1", param="max_prompt_tokens")
     from metrale.server.reasoning import get_reasoning_parser
-    from metrale.server.tools import get_parser
+    from metrale.server.tool_parsers import get_parser
 
     if args.tool_call_parser:
         get_parser(args.tool_call_parser)  # an unknown name fails here, naming the choices

@@ -144,7 +144,8 @@ def test_spec_validation() -> None:
 def test_special_tool_call_marker_is_one_allowed_token() -> None:
     """Mistral's `[TOOL_CALLS]` is a special token: the tool-call grammar allows that token
     (not only its spelling in plain-text pieces), and other special tokens stay out."""
-    from metrale.server.tools import ToolChoice, get_parser, normalize_tools
+    from metrale.server.tool_parsers import get_parser
+    from metrale.server.tools import ToolChoice, normalize_tools
 
     tokenizer = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     tokenizer.backend.add_special_tokens(["[TOOL_CALLS]"])

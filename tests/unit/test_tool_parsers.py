@@ -14,12 +14,10 @@ import pytest
 from metrale import LLM, SamplingParams
 from metrale.errors import InvalidRequestError
 from metrale.server.reasoning import ReasoningStream, get_reasoning_parser
+from metrale.server.tool_parsers import ToolCallStream, detect_parser, get_parser
 from metrale.server.tools import (
-    ToolCallStream,
     ToolChoice,
     anthropic_tool_choice,
-    detect_parser,
-    get_parser,
     normalize_tool_choice,
     normalize_tools,
 )
