@@ -384,6 +384,11 @@ def lora_gather_add(
         start += width
 
 
+#: Most token rows of one tile of `lora_tiles_add` (the Triton kernel's row tile; the routing
+#: cuts each sequence's rows into tiles of at most this many, `metrale.layers.lora`).
+LORA_TILE_ROWS = 32
+
+
 def lora_tiles_add(
     y: torch.Tensor,
     x: torch.Tensor,

@@ -20,15 +20,59 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.reference import LORA_TILE_ROWS as TILE_ROWS
 from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
 _MAX_SPLITS = 64
+
+
+class _Geometry(NamedTuple):
+    """The launch shape of one group op: targets, rank, feature counts, tile sizes, the K
+    splits and the targets' column bounds."""
+
+    targets: int
+    rank: int
+    fan_in: int
+    fan_out: int
+    block_r: int
+    block_tr: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    bounds: tuple[int, int]
+
+
+def _geometry(
+    op: str, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+    widths: tuple[int, ...], block_k: int | None, k_per_split: int, max_splits: int,
+) -> _Geometry:  # fmt: skip
+    """Check a group op's operands and lay out its launches (`block_k` None: 64 when the
+    rank rows are many, else 128)."""
+    targets, rank, fan_in = a.shape[1], a.shape[2], a.shape[3]
+    fan_out = y.shape[1]
+    if not 1 <= targets <= 3 or len(widths) != targets or sum(widths) != fan_out:
+        raise ValueError(f"{op}: {targets} targets of widths {widths}, y has {fan_out}")
+    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(3) != 1 or b_t.stride(2) != 1:
+        raise ValueError(f"{op} needs unit-stride rows (x, y, a, b_t)")
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_tr = triton.next_power_of_2(targets) * block_r
+    if block_k is None:
+        block_k = 64 if block_tr >= 128 else 128
+    splits = min(max_splits, triton.cdiv(fan_in, k_per_split))
+    per_split = triton.cdiv(triton.cdiv(fan_in, splits), block_k) * block_k
+    cum = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
+    return _Geometry(
+        targets, rank, fan_in, fan_out, block_r, block_tr, block_k,
+        triton.cdiv(fan_in, per_split), per_split, (cum[0], cum[1]),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -110,37 +154,21 @@ def lora_gather_add(
     tokens = x.shape[0]
     if tokens == 0:
         return
-    targets, rank, fan_in = a.shape[1], a.shape[2], a.shape[3]
-    fan_out = y.shape[1]
-    if not 1 <= targets <= 3 or len(widths) != targets or sum(widths) != fan_out:
-        raise ValueError(f"lora_gather_add: {targets} targets of widths {widths}, y has {fan_out}")
-    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(3) != 1 or b_t.stride(2) != 1:
-        raise ValueError("lora_gather_add needs unit-stride rows (x, y, a, b_t)")
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_tr = triton.next_power_of_2(targets) * block_r
-    block_k = 64 if block_tr >= 128 else 128
-    splits = min(_MAX_SPLITS, triton.cdiv(fan_in, _K_PER_SPLIT))
-    k_per_split = triton.cdiv(triton.cdiv(fan_in, splits), block_k) * block_k
-    splits = triton.cdiv(fan_in, k_per_split)
-    part = torch.empty(tokens, splits, block_tr, dtype=torch.float32, device=x.device)
-    _lora_shrink[(tokens, splits)](
-        x, a, token_slots, part, fan_in, rank, k_per_split, x.stride(0), a.stride(0),
+    g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
+    part = torch.empty(tokens, g.splits, g.block_tr, dtype=torch.float32, device=x.device)
+    _lora_shrink[(tokens, g.splits)](
+        x, a, token_slots, part, g.fan_in, g.rank, g.k_per_split, x.stride(0), a.stride(0),
         a.stride(1), a.stride(2),
-        T=targets, SPLITS=splits, BLOCK_R=block_r, BLOCK_TR=block_tr, BLOCK_K=block_k,
+        T=g.targets, SPLITS=g.splits, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr, BLOCK_K=g.block_k,
         PDL=pdl, **pdl_options(pdl),
     )  # fmt: skip
-    bounds = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
     block_n = 128
-    _lora_expand[(tokens, triton.cdiv(fan_out, block_n))](
-        part, b_t, token_slots, scales, y, fan_out, rank, bounds[0], bounds[1], y.stride(0),
+    _lora_expand[(tokens, triton.cdiv(g.fan_out, block_n))](
+        part, b_t, token_slots, scales, y, g.fan_out, g.rank, *g.bounds, y.stride(0),
         b_t.stride(0), b_t.stride(1), scales.stride(0),
-        T=targets, SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_R=block_r,
-        BLOCK_TR=block_tr, BLOCK_N=block_n, PDL=pdl, **pdl_options(pdl),
+        T=g.targets, SPLITS=g.splits, SPLITS_P2=triton.next_power_of_2(g.splits),
+        BLOCK_R=g.block_r, BLOCK_TR=g.block_tr, BLOCK_N=block_n, PDL=pdl, **pdl_options(pdl),
     )  # fmt: skip
-
-
-#: Token rows per tile of the tiled op (one adapter per tile: `tl.dot` over the tile).
-TILE_M = 32
 
 
 @triton.jit
@@ -240,37 +268,25 @@ def lora_tiles_add(
     scales: torch.Tensor,
     widths: tuple[int, ...],
 ) -> None:
-    """`reference.lora_tiles_add` (see there): per tile of at most `TILE_M` token rows of one
+    """`reference.lora_tiles_add` (see there): per tile of at most `reference.LORA_TILE_ROWS` token rows of one
     adapter, a split-K shrink and an expand, each one `tl.dot` per tile, so a prefill chunk
     reads each adapter's A and B once per tile rather than once per token."""
     num_tiles = tiles.shape[0]
     if num_tiles == 0 or x.shape[0] == 0:
         return
-    targets, rank, fan_in = a.shape[1], a.shape[2], a.shape[3]
-    fan_out = y.shape[1]
-    if not 1 <= targets <= 3 or len(widths) != targets or sum(widths) != fan_out:
-        raise ValueError(f"lora_tiles_add: {targets} targets of widths {widths}, y has {fan_out}")
-    if x.stride(1) != 1 or y.stride(1) != 1 or a.stride(3) != 1 or b_t.stride(2) != 1:
-        raise ValueError("lora_tiles_add needs unit-stride rows (x, y, a, b_t)")
-    block_r = max(16, triton.next_power_of_2(rank))
-    block_tr = triton.next_power_of_2(targets) * block_r
-    block_k = 64
-    splits = min(_MAX_SPLITS // 4, triton.cdiv(fan_in, _K_PER_SPLIT * 2))
-    k_per_split = triton.cdiv(triton.cdiv(fan_in, splits), block_k) * block_k
-    splits = triton.cdiv(fan_in, k_per_split)
+    g = _geometry("lora_tiles_add", y, x, a, b_t, widths, 64, 2 * _K_PER_SPLIT, _MAX_SPLITS // 4)
     ieee = x.dtype == torch.float32
-    part = torch.empty(x.shape[0], splits, block_tr, dtype=torch.float32, device=x.device)
-    _lora_tile_shrink[(num_tiles, splits)](
-        x, a, tiles, part, fan_in, rank, k_per_split, x.stride(0), a.stride(0), a.stride(1),
-        a.stride(2),
-        T=targets, SPLITS=splits, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_TR=block_tr,
-        BLOCK_K=block_k, IEEE=ieee,
+    part = torch.empty(x.shape[0], g.splits, g.block_tr, dtype=torch.float32, device=x.device)
+    _lora_tile_shrink[(num_tiles, g.splits)](
+        x, a, tiles, part, g.fan_in, g.rank, g.k_per_split, x.stride(0), a.stride(0),
+        a.stride(1), a.stride(2),
+        T=g.targets, SPLITS=g.splits, BLOCK_M=TILE_ROWS, BLOCK_R=g.block_r,
+        BLOCK_TR=g.block_tr, BLOCK_K=g.block_k, IEEE=ieee,
     )  # fmt: skip
-    bounds = [sum(widths[: j + 1]) for j in range(targets)] + [fan_out] * (3 - targets)
     block_n = 64
-    _lora_tile_expand[(num_tiles, triton.cdiv(fan_out, block_n))](
-        part, b_t, tiles, scales, y, fan_out, rank, bounds[0], bounds[1], y.stride(0),
+    _lora_tile_expand[(num_tiles, triton.cdiv(g.fan_out, block_n))](
+        part, b_t, tiles, scales, y, g.fan_out, g.rank, *g.bounds, y.stride(0),
         b_t.stride(0), b_t.stride(1), scales.stride(0),
-        T=targets, SPLITS=splits, BLOCK_M=TILE_M, BLOCK_R=block_r, BLOCK_TR=block_tr,
-        BLOCK_N=block_n, IEEE=ieee,
+        T=g.targets, SPLITS=g.splits, BLOCK_M=TILE_ROWS, BLOCK_R=g.block_r,
+        BLOCK_TR=g.block_tr, BLOCK_N=block_n, IEEE=ieee,
     )  # fmt: skip

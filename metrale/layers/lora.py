@@ -49,8 +49,8 @@ LORA_GROUPS = (
 )
 
 
-#: Token rows per tile of the tiled op (`KernelOps.lora_tiles_add`; the Triton kernel's tile).
-TILE_ROWS = 32
+#: Token rows per tile of the tiled op (`KernelOps.lora_tiles_add`; the kernels' row tile).
+TILE_ROWS = reference.LORA_TILE_ROWS
 
 
 @dataclass

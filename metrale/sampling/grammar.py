@@ -364,21 +364,21 @@ class GrammarState:
         """`bitmask[j]` for every `states[j]` (each state once): rows prefilled at the
         state's current position copied, the other live ones in one batched xgrammar call
         (threads), the rest one by one."""
-        ahead = []
+        ahead: list[int] = []
+        unfilled: list[int] = []
         for j, state in enumerate(states):
             pre, state._prefilled = state._prefilled, None
             if pre is not None and pre[0] == state._position():
                 bitmask[j] = pre[1]
                 state.prefill_hits += 1
                 ahead.append(j)
-        if ahead:
-            if len(ahead) == len(states):
-                return
-            rest_states = [s for j, s in enumerate(states) if j not in set(ahead)]
-            rest_rows = [j for j in range(len(states)) if j not in set(ahead)]
-            sub = torch.empty((len(rest_rows), bitmask.shape[1]), dtype=bitmask.dtype)
-            GrammarState.fill_rows(sub, rest_states)
-            bitmask.index_copy_(0, torch.tensor(rest_rows, dtype=torch.int64), sub)
+            else:
+                unfilled.append(j)
+        if ahead:  # fill the others into a scratch and put each row in its place
+            if unfilled:
+                sub = torch.empty((len(unfilled), bitmask.shape[1]), dtype=bitmask.dtype)
+                GrammarState.fill_rows(sub, [states[j] for j in unfilled])
+                bitmask.index_copy_(0, torch.tensor(unfilled, dtype=torch.int64), sub)
             return
         live = [j for j, state in enumerate(states) if state.live]
         batch = states[live[0]]._batch if live else None
