@@ -5,10 +5,10 @@ Owner: kernels. `linear` and `silu_mul_linear` are the CPU entries of `KernelOps
 `KernelOps.silu_mul_linear` (`kernels_for` on a CPU device), unless the environment sets
 `METRALE_CPU_LINEAR=torch` or this torch build lacks the op (then the torch reference, logged).
 
-Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, MKL's float32 GEMV reads
-weights at ~14 GB/s, oneDNN's at ~27-30 GB/s with two threads; at 16-256 rows oneDNN is 2-2.5x
-faster too (tools/profile_cpu_step.py and the issue 26 record). Decode on the CPU is bound by
-those weight reads.
+Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, oneDNN reads the weights
+about twice as fast as MKL's float32 GEMV, at one row and at 16-256 rows alike
+(`tools/bench_cpu_gemv.py`, bench/records/20261201T214331-cpu-gemv-*). Decode on the CPU is
+bound by those weight reads.
 
 Invariants:
 - The same function as `reference.linear` in float32 arithmetic (no reduced precision): the
@@ -27,7 +27,7 @@ from metrale.kernels import reference
 
 _DTYPES = (torch.float32, torch.bfloat16)
 #: Weights smaller than this (elements) run `F.linear`: oneDNN's ~15 us per call is more than
-#: MKL spends on them (one row: 2x faster at 131K elements, slower at 65K in the tiny model).
+#: MKL spends on them (the crossover, measured by hand here, lies between 65K and 131K).
 MIN_ELEMENTS = 131072
 
 
