@@ -145,8 +145,8 @@ def _decode_rows(
     host = meta.seq_lens_host[:nd]
     max_len = max(host) if host else int(meta.seq_lens[:nd].max())
     nblocks = (max_len + block_size - 1) // block_size
-    # index_select over the flat table: the same rows as `k_cache[tables]`, several times faster on the
-    # CPU than advanced indexing (it was 10% of a small model's decode step).
+    # index_select over the flat table: the same rows as `k_cache[tables]`, several times
+    # faster on the CPU than advanced indexing (it was 10% of a small model's decode step).
     flat = meta.block_tables[:nd, :nblocks].reshape(-1).long()
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, flat).reshape(nd, nblocks * block_size, heads, dim).to(q.dtype)
