@@ -10,6 +10,10 @@ Invariants:
   except padded rows, whose outputs are discarded.
 - A batched restore (`write_blocks_bytes`) uses helper threads only to fill its host buffer;
   every device copy is issued by the calling thread, on its current stream.
+- `block_payload` issues its device-to-host copy on the current stream, so a later kernel
+  that overwrites the block (stream order) cannot race it; the payload's event says when the
+  host side may read it. A `HostBlock` payload restores by one host-to-device DMA from its
+  own (pinned) tensor, with no host memcpy.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from metrale.cache.kv_tiers import HostBlock, Payload
 
 #: Most bytes `write_blocks_bytes` stages on the device at once.
 _STAGING_BYTES = 128 << 20
@@ -67,12 +73,27 @@ class PagedKVCache:
         parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
         return torch.cat(parts).cpu().numpy().tobytes()
 
-    def write_blocks_bytes(self, blocks: Sequence[int], payloads: Sequence[bytes]) -> None:
-        """`write_block_bytes` for many blocks at once: payloads are gathered, in chunks of at
-        most `_STAGING_BYTES`, into one host buffer (pinned on CUDA; one memcpy each), copied
-        to the pool's device in one transfer, then scattered with one `index_copy_` per layer
-        tensor, so a restored prefix costs a few kernels per chunk instead of one copy per
-        layer tensor and block."""
+    def block_payload(self, block: int) -> HostBlock:
+        """`block_bytes` as a `HostBlock`: the parts joined on the device, then one
+        asynchronous copy into a host tensor (pinned on CUDA, with the event after it); on
+        the CPU a plain copy."""
+        parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
+        flat = torch.cat(parts)
+        if flat.device.type != "cuda":
+            return HostBlock(flat)
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return HostBlock(host, ready)
+
+    def write_blocks_bytes(self, blocks: Sequence[int], payloads: Sequence[Payload]) -> None:
+        """`write_block_bytes` for many blocks at once, in chunks of at most `_STAGING_BYTES`:
+        `bytes` payloads are gathered into one host buffer (pinned on CUDA; one memcpy each)
+        and copied to the device in one transfer; `HostBlock` payloads are copied straight
+        from their tensors (a DMA each from pinned memory, no host memcpy). Each chunk is then
+        scattered with one `index_copy_` per layer tensor, so a restored prefix costs a few
+        kernels per chunk instead of one copy per layer tensor and block."""
         if len(blocks) != len(payloads):
             raise ValueError(f"{len(blocks)} blocks for {len(payloads)} payloads")
         device = self.layers[0][0].device
@@ -85,15 +106,9 @@ class PagedKVCache:
                     f"a KV block payload of {len(payload)} bytes; this pool's are {size}"
                 )
         per_chunk = max(1, _STAGING_BYTES // size)
-        cuda = device.type == "cuda"
         for first in range(0, len(blocks), per_chunk):
             chunk = payloads[first : first + per_chunk]
-            # Host side: plain memcpys into one (pinned, on CUDA) buffer; then one copy to the
-            # device, asynchronous so the next chunk's memcpys overlap it (the caching host
-            # allocator keeps a pinned buffer until the copies using it are done).
-            host = torch.empty((len(chunk), size), dtype=torch.uint8, pin_memory=cuda)
-            self._fill_rows(host.numpy(), chunk)
-            staging = host.to(device, non_blocking=True) if cuda else host
+            staging = self._stage(chunk, size, device)
             idx = torch.tensor(blocks[first : first + per_chunk], dtype=torch.long, device=device)
             offset = 0
             for kv in self.layers:
@@ -104,6 +119,29 @@ class PagedKVCache:
                     )
                     t.index_copy_(0, idx, src)
                     offset += n
+
+    def _stage(self, chunk: Sequence[Payload], size: int, device: torch.device) -> torch.Tensor:
+        """`[len(chunk), size]` uint8 rows of the payloads on `device`. Bytes go through plain
+        memcpys into one (pinned, on CUDA) buffer and one asynchronous copy, so the next
+        chunk's memcpys overlap it (the caching host allocator keeps a pinned buffer until
+        the copies using it are done); host blocks are copied row by row from their own
+        tensors."""
+        cuda = device.type == "cuda"
+        raw = [i for i, p in enumerate(chunk) if isinstance(p, bytes)]
+        if len(raw) == len(chunk):
+            host = torch.empty((len(chunk), size), dtype=torch.uint8, pin_memory=cuda)
+            self._fill_rows(host.numpy(), chunk)  # type: ignore[arg-type]
+            return host.to(device, non_blocking=True) if cuda else host
+        staging = torch.empty((len(chunk), size), dtype=torch.uint8, device=device)
+        for i, p in enumerate(chunk):
+            if isinstance(p, HostBlock):
+                staging[i].copy_(p.data, non_blocking=True)
+        if raw:
+            host = torch.empty((len(raw), size), dtype=torch.uint8, pin_memory=cuda)
+            self._fill_rows(host.numpy(), [chunk[i] for i in raw])  # type: ignore[misc]
+            idx = torch.tensor(raw, dtype=torch.long).to(device, non_blocking=True)
+            staging.index_copy_(0, idx, host.to(device, non_blocking=True))
+        return staging
 
     def _fill_rows(self, rows: np.ndarray, payloads: Sequence[bytes]) -> None:
         """`rows[i] = payloads[i]`, on `_COPY_THREADS` threads (numpy releases the GIL for a

@@ -23,6 +23,10 @@ Invariants:
 - `stats` counts blocks and bytes per tier, hits and misses per tier, spills, corrupt files,
   and per tier the bytes restored into device blocks and the host wall time that took
   (`restore_bytes`, `restore_seconds`: the restore bandwidth; the caller times it).
+- A payload is `bytes` or a `HostBlock`: a flat uint8 host tensor (pinned when the pool is on
+  CUDA) that a device-to-host copy fills asynchronously. The host tier keeps either as given,
+  so a block offloaded from a CUDA pool is never turned into Python bytes unless it goes to
+  disk (`payload_bytes` waits for its copy first), and its restore is a DMA from that tensor.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 #: Disk file header: magic, version, fingerprint length; then the fingerprint, the payload's
@@ -50,6 +56,31 @@ _TAIL = struct.Struct("<32sQ")
 _SUFFIX = ".kvb"
 #: Threads reading (and checksumming) disk-tier files for one restore.
 _DISK_READERS = 8
+
+
+@dataclass
+class HostBlock:
+    """One block's K and V of every layer as a flat uint8 host tensor. `ready` is the CUDA
+    event recorded after the device-to-host copy that fills `data` (None: already filled)."""
+
+    data: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def __len__(self) -> int:
+        return self.data.numel()
+
+
+#: What a tier keeps for one block.
+Payload = bytes | HostBlock
+
+
+def payload_bytes(payload: Payload) -> bytes:
+    """The payload as bytes (a `HostBlock`'s copy is waited for first)."""
+    if isinstance(payload, bytes):
+        return payload
+    if payload.ready is not None:
+        payload.ready.synchronize()
+    return payload.data.numpy().tobytes()
 
 
 def chain_keys(tokens: Sequence[int], block_size: int, namespace: int) -> list[bytes]:
@@ -92,9 +123,9 @@ class HostTier:
     def __init__(self, capacity: int, stats: TierStats) -> None:
         self.capacity = capacity
         self.stats = stats
-        self.items: OrderedDict[bytes, bytes] = OrderedDict()
+        self.items: OrderedDict[bytes, Payload] = OrderedDict()
 
-    def put(self, key: bytes, payload: bytes) -> list[tuple[bytes, bytes]]:
+    def put(self, key: bytes, payload: Payload) -> list[tuple[bytes, Payload]]:
         """Store `payload`; returns the (key, payload) pairs pushed out to make room."""
         stale = self.items.pop(key, None)
         if stale is not None:  # a newer copy of the same block replaces it
@@ -113,7 +144,7 @@ class HostTier:
         self.stats.blocks = len(self.items)
         return out
 
-    def take(self, key: bytes) -> bytes | None:
+    def take(self, key: bytes) -> Payload | None:
         payload = self.items.pop(key, None)
         if payload is not None:
             self.stats.bytes -= len(payload)
@@ -337,14 +368,14 @@ class KvTiers:
             else None
         )
 
-    def put(self, key: bytes, payload: bytes) -> None:
+    def put(self, key: bytes, payload: Payload) -> None:
         """Keep an evicted block (host first; what the host pushes out goes to disk). A block
         evicted again while its older copy sits on disk replaces that copy."""
         if self.disk is not None:
             self.disk.discard(key)
         for old, data in self.host.put(key, payload):
             if self.disk is not None:
-                self.disk.put(old, data)
+                self.disk.put(old, payload_bytes(data))
 
     def contains(self, key: bytes) -> bool:
         return key in self.host.items or (self.disk is not None and self.disk.contains(key))
@@ -358,7 +389,7 @@ class KvTiers:
             n += 1
         return n
 
-    def take(self, key: bytes) -> tuple[bytes, str] | None:
+    def take(self, key: bytes) -> tuple[Payload, str] | None:
         """(payload, tier name) of a block, removed from its tier (the caller writes it back
         into a device block, which the prefix cache holds from then on); None on a miss."""
         payload = self.host.take(key)
@@ -375,11 +406,11 @@ class KvTiers:
         self.stats.disk.hits += 1
         return payload, "disk"
 
-    def take_many(self, keys: Sequence[bytes]) -> list[tuple[bytes, str]]:
+    def take_many(self, keys: Sequence[bytes]) -> list[tuple[Payload, str]]:
         """`take` of `keys` in order, up to the first miss; the disk tier's files are read
         and checksummed on `_DISK_READERS` threads at once. A block read after the first miss
         (its chain is broken: the caller recomputes from there) goes back to the host tier."""
-        found: list[tuple[bytes, str] | Future[bytes | None]] = []
+        found: list[tuple[Payload, str] | Future[bytes | None]] = []
         for key in keys:
             payload = self.host.take(key)
             if payload is not None:
@@ -392,7 +423,7 @@ class KvTiers:
                     self.stats.disk.misses += 1
                 break
             found.append(self.disk.take_async(key))
-        out: list[tuple[bytes, str]] = []
+        out: list[tuple[Payload, str]] = []
         broken = False
         for key, item in zip(keys, found, strict=False):
             if isinstance(item, Future):

@@ -234,7 +234,7 @@ class PagedKvLifecycle:
         assert self.kv_tiers is not None and self.prefix_cache is not None
         namespace, path = self.prefix_cache.path_of(node)
         key = chain_keys(path, self.block_size, namespace)[-1]
-        self.kv_tiers.put(key, self.kv_cache.block_bytes(node.block))
+        self.kv_tiers.put(key, self.kv_cache.block_payload(node.block))
 
     def reclaim_prefix_blocks(self, n: int) -> int:
         return self.prefix_cache.evict(n) if self.prefix_cache is not None else 0

@@ -34,6 +34,33 @@ def test_batched_restore_on_cuda_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -
         assert torch.equal(k1[ids], k2[targets]) and torch.equal(v1[ids], v2[targets])
 
 
+def test_pinned_host_blocks_restore_bit_exact_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The offload path's payloads: pinned host tensors filled by an asynchronous copy, then
+    restored by a DMA each; mixed with bytes payloads (the disk tier's), across chunks."""
+    from metrale.cache.kv_tiers import payload_bytes
+
+    def pool() -> kv_cache.PagedKVCache:
+        return kv_cache.PagedKVCache(4, 64, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
+
+    src = pool()
+    for k, v in src.layers:
+        k.normal_()
+        v.normal_()
+    ids = list(range(1, 40))
+    payloads = [src.block_payload(b) if b % 3 else src.block_bytes(b) for b in ids]
+    assert all(p.data.is_pinned() for p in payloads if not isinstance(p, bytes))
+    for k, v in src.layers:  # overwrites after the copies were issued must not reach them
+        k[1:40].zero_()
+        v[1:40].zero_()
+    monkeypatch.setattr(kv_cache, "_STAGING_BYTES", 5 * len(payloads[0]))  # 8 chunks
+    dst = pool()
+    targets = [63 - b for b in ids]
+    dst.write_blocks_bytes(targets, payloads)
+    torch.cuda.synchronize()
+    assert [dst.block_bytes(t) for t in targets] == [payload_bytes(p) for p in payloads]
+    assert all(any(x != 0 for x in payload_bytes(p)[:64]) for p in payloads)
+
+
 def test_host_tier_on_cuda_gives_the_cold_tokens() -> None:
     variant = next(v for v in DENSE_VARIANTS if v.name == "llama-gqa2")
     path = str(build(variant))

@@ -142,3 +142,41 @@ def test_many_blocks_written_at_once_equal_one_at_a_time(monkeypatch) -> None:  
     assert [many.block_bytes(b) for b in (9, 3, 7, 2, 5)] == payloads
     with pytest.raises(ValueError, match="payload of"):
         many.write_blocks_bytes([1], [payloads[0][:-4]])
+
+
+def test_host_block_payloads_restore_like_bytes_and_spill_to_disk_as_bytes(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """`block_payload` (the offload path's tensor payload) holds `block_bytes`'s bytes; a
+    restore mixing host blocks and bytes (host and disk tiers) writes the same blocks; a host
+    block pushed to the disk tier is stored as its bytes."""
+    import torch
+
+    from metrale.cache import kv_cache
+    from metrale.cache.kv_tiers import HostBlock, KvTiers, payload_bytes
+
+    def pool() -> kv_cache.PagedKVCache:
+        return kv_cache.PagedKVCache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu"))
+
+    src = pool()
+    for k, v in src.layers:
+        k.normal_()
+        v.normal_()
+    blocks = [src.block_payload(b) for b in (1, 2, 3, 4, 5)]
+    assert all(isinstance(p, HostBlock) for p in blocks)
+    assert [payload_bytes(p) for p in blocks] == [src.block_bytes(b) for b in (1, 2, 3, 4, 5)]
+    mixed = [blocks[0], src.block_bytes(2), blocks[2], src.block_bytes(4), blocks[4]]
+    size = len(blocks[0])
+    monkeypatch.setattr(kv_cache, "_STAGING_BYTES", 2 * size)  # chunks of 2, 2, 1
+    dst = pool()
+    dst.write_blocks_bytes([9, 3, 7, 2, 5], mixed)
+    assert [dst.block_bytes(b) for b in (9, 3, 7, 2, 5)] == [
+        src.block_bytes(b) for b in (1, 2, 3, 4, 5)
+    ]
+    tiers = KvTiers(2 * size, tmp_path, 8 * size, b"fp")
+    for i, p in enumerate(blocks):
+        tiers.put(bytes([i]) * 20, p)
+    tiers.flush()
+    assert tiers.stats.host.blocks == 2 and tiers.stats.disk.blocks == 3
+    got = tiers.take(bytes([0]) * 20)
+    assert got is not None and got == (src.block_bytes(1), "disk")
