@@ -14,11 +14,16 @@ Invariants:
   that overwrites the block (stream order) cannot race it; the payload's event says when the
   host side may read it. A `HostBlock` payload restores by one host-to-device DMA from its
   own (pinned) tensor, with no host memcpy.
+- On CUDA those tensors are rows of pinned slabs (`PinnedRows`), so the host tier's bytes
+  are the pinned bytes (the caching host allocator would round each block up to a power of
+  two). A row returns to its slab when its payload is collected; every copy into or out of
+  a row is issued on the pool's one stream, so a reused row's new copy runs after the old.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +36,34 @@ from metrale.cache.kv_tiers import HostBlock, Payload
 _STAGING_BYTES = 128 << 20
 #: Threads gathering a restore's payloads into its host buffer.
 _COPY_THREADS = 4
+
+
+class PinnedRows:
+    """Pinned host rows of `row_bytes`, carved from slabs of `rows_per_slab` (allocated as
+    needed, never returned); a row goes back to the free list when the `HostBlock` holding
+    it is collected."""
+
+    def __init__(self, row_bytes: int, rows_per_slab: int = 64) -> None:
+        self.row_bytes = row_bytes
+        self.rows_per_slab = rows_per_slab
+        self.slabs: list[torch.Tensor] = []
+        self.free: list[tuple[int, int]] = []
+
+    def payload(self) -> HostBlock:
+        if not self.free:
+            slab = torch.empty((self.rows_per_slab, self.row_bytes), dtype=torch.uint8,
+                               pin_memory=True)  # fmt: skip
+            self.slabs.append(slab)
+            n = len(self.slabs) - 1
+            self.free.extend((n, r) for r in range(self.rows_per_slab - 1, -1, -1))
+        slab_id, row = self.free.pop()
+        block = HostBlock(self.slabs[slab_id][row])
+        weakref.finalize(block, self.free.append, (slab_id, row))
+        return block
+
+    @property
+    def pinned_bytes(self) -> int:
+        return len(self.slabs) * self.rows_per_slab * self.row_bytes
 
 
 class PagedKVCache:
@@ -60,6 +93,8 @@ class PagedKVCache:
         ]
         #: Threads of `write_blocks_bytes` (started on the first batched restore).
         self._copy_pool: ThreadPoolExecutor | None = None
+        #: Pinned rows of `block_payload` on CUDA (made on the first offload).
+        self._pinned: PinnedRows | None = None
 
     @staticmethod
     def bytes_per_block(
@@ -75,17 +110,19 @@ class PagedKVCache:
 
     def block_payload(self, block: int) -> HostBlock:
         """`block_bytes` as a `HostBlock`: the parts joined on the device, then one
-        asynchronous copy into a host tensor (pinned on CUDA, with the event after it); on
-        the CPU a plain copy."""
+        asynchronous copy into a pinned row (CUDA, with the event after it); on the CPU a
+        plain copy."""
         parts = [t[block].reshape(-1).view(torch.uint8) for kv in self.layers for t in kv]
         flat = torch.cat(parts)
         if flat.device.type != "cuda":
             return HostBlock(flat)
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return HostBlock(host, ready)
+        if self._pinned is None:
+            self._pinned = PinnedRows(flat.numel())
+        payload = self._pinned.payload()
+        payload.data.copy_(flat, non_blocking=True)
+        payload.ready = torch.cuda.Event()
+        payload.ready.record()
+        return payload
 
     def write_blocks_bytes(self, blocks: Sequence[int], payloads: Sequence[Payload]) -> None:
         """`write_block_bytes` for many blocks at once, in chunks of at most `_STAGING_BYTES`:
