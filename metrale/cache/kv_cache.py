@@ -15,8 +15,8 @@ Invariants:
   host side may read it. A `HostBlock` payload restores by one host-to-device DMA from its
   own (pinned) tensor, with no host memcpy.
 - On CUDA those tensors are rows of pinned slabs (`PinnedRows`), so the host tier's bytes
-  are the pinned bytes (the caching host allocator would round each block up to a power of
-  two). A row returns to its slab when its payload is collected; every copy into or out of
+  are the pinned bytes, within one row a slab (the caching host allocator rounds each
+  allocation up to a power of two: a slab is sized to one). A row returns to its slab when its payload is collected; every copy into or out of
   a row is issued on the pool's one stream, so a reused row's new copy runs after the old.
 """
 
@@ -38,14 +38,20 @@ _STAGING_BYTES = 128 << 20
 _COPY_THREADS = 4
 
 
-class PinnedRows:
-    """Pinned host rows of `row_bytes`, carved from slabs of `rows_per_slab` (allocated as
-    needed, never returned); a row goes back to the free list when the `HostBlock` holding
-    it is collected."""
+#: Bytes of one pinned slab of `PinnedRows` (a power of two: the caching host allocator
+#: rounds every allocation up to one).
+_SLAB_BYTES = 256 << 20
 
-    def __init__(self, row_bytes: int, rows_per_slab: int = 64) -> None:
+
+class PinnedRows:
+    """Pinned host rows of `row_bytes`, carved from slabs of as many rows as fit in a
+    power-of-two allocation (allocated as needed, never returned); a row goes back to the
+    free list when the `HostBlock` holding it is collected."""
+
+    def __init__(self, row_bytes: int) -> None:
         self.row_bytes = row_bytes
-        self.rows_per_slab = rows_per_slab
+        slab = max(_SLAB_BYTES, 1 << (row_bytes - 1).bit_length())
+        self.rows_per_slab = slab // row_bytes
         self.slabs: list[torch.Tensor] = []
         self.free: list[tuple[int, int]] = []
 

@@ -60,7 +60,7 @@ def test_pinned_host_blocks_restore_bit_exact_on_cuda(monkeypatch: pytest.Monkey
     assert [dst.block_bytes(t) for t in targets] == [payload_bytes(p) for p in payloads]
     assert all(any(x != 0 for x in payload_bytes(p)[:64]) for p in payloads)
     rows = src._pinned
-    assert rows is not None and len(rows.slabs) == 1  # 26 host blocks in one 64-row slab
+    assert rows is not None and len(rows.slabs) == 1  # 26 host blocks in one slab
     assert len(rows.free) == rows.rows_per_slab - 26
     del payloads
     assert len(rows.free) == rows.rows_per_slab  # collected payloads give their rows back
