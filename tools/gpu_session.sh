@@ -11,7 +11,8 @@
 #        translate (NLLB-200-distilled-600M shape, random weights, bf16 beam 4 at batch 1 and 32
 #        against transformers generate, issue 18)
 #        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
-#        bandwidth, high-speed swap decode on the CPU; KV_DISK_DIR picks the disk, default /var/tmp)
+#        bandwidth, high-speed swap decode at a 32k context against the resident run;
+#        KV_DISK_DIR picks the disk, default /var/tmp)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        hybridttft (issue 15) vision (issue 21)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
@@ -97,10 +98,11 @@ for part in $PARTS; do
     echo "rc=$?"; tail -8 "$OUT/translate.log"
     ;;
   kvtiers)
-    stamp KV tiers: qwen3-8b 8k prefix from host and disk tiers vs cold, high-speed swap on CPU
-    timeout 300 python3 -m metrale.cli bench kv-tiers --config-dir bench/configs/qwen3-8b \
+    stamp KV tiers: qwen3-8b 8k prefix from host and disk tiers vs cold, high-speed swap at 32k
+    timeout 540 python3 -m metrale.cli bench kv-tiers --config-dir bench/configs/qwen3-8b \
       --shape qwen3-8b --device cuda --dtype bfloat16 --prompt-len 8192 --repeats 3 \
-      --disk-dir "${KV_DISK_DIR:-/var/tmp}" --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
+      --disk-dir "${KV_DISK_DIR:-/var/tmp}" --hss-device cuda --hss-config-dir bench/configs/qwen3-8b \
+      --hss-window-blocks 64 --hss-context-tokens 32768 --hss-decode-tokens 32 --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
     echo "rc=$?"; tail -5 "$OUT/kvtiers.log"; grep -iE "Error|FAILED" "$OUT/kvtiers.log" | tail -3
     ;;
   lora)

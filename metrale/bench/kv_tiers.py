@@ -24,11 +24,11 @@ Method (one engine, then a second one on the same disk directory):
   dropped from the page cache the same way and read back (read).
 - Restore bandwidth: bytes restored per tier over the host wall time of the restore loop
   (the tier stats `restore_bytes` / `restore_seconds`).
-- High-speed swap: built for the CPU path only (refused on CUDA: the kernels read device
-  blocks only). Whatever `--device` is, this part runs on the CPU with `--hss-config-dir`
-  (a tiny shape): batch-1 decode tok/s over a context 8x the resident window, with
-  high-speed swap and fully resident (no prefix cache on either), and whether their greedy
-  tokens are identical.
+- High-speed swap: on `--hss-device` (default cpu) with `--hss-config-dir`: batch-1 decode
+  tok/s over a `--hss-context-tokens` context (default 8x the resident window), with
+  high-speed swap (a pool of about two windows; eager on CUDA, where each layer gathers its
+  host blocks) and fully resident (graphs on CUDA; no prefix cache on either), and whether
+  their greedy tokens are identical.
 Figures are medians over `--repeats`.
 """
 
@@ -371,12 +371,13 @@ def hss_part(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = prepare_model_dir(args.hss_config_dir)
     window = args.hss_window_blocks
     block_size = 16
-    context = 8 * (1 + window) * block_size
+    context = args.hss_context_tokens or 8 * (1 + window) * block_size
     prompt_len = context - args.hss_decode_tokens
+    cuda = args.hss_device == "cuda"
     base = dict(
-        model=str(model_dir), device="cpu", dtype="float32", load_format="dummy",
-        max_model_len=context + 16, enable_prefix_caching=False, block_size=block_size,
-        max_num_seqs=1,
+        model=str(model_dir), device=args.hss_device, load_format="dummy",
+        dtype="bfloat16" if cuda else "float32", max_model_len=context + 16,
+        enable_prefix_caching=False, block_size=block_size, max_num_seqs=1,
     )  # fmt: skip
     gen = torch.Generator().manual_seed(1)
     resident_engine = Engine(EngineConfig(**base, num_kv_blocks=context // block_size + 8))
@@ -398,9 +399,9 @@ def hss_part(args: argparse.Namespace) -> dict[str, Any]:
     assert hss is not None
     med = statistics.median
     return {
-        "built_on_cuda": False,
-        "why": "high-speed swap is CPU-only: the CUDA attention kernels read device blocks only "
-        "(attach_high_speed_swap refuses CUDA); this figure is the CPU reference path",
+        "device": args.hss_device,
+        "dtype": base["dtype"],
+        "host_block_reads": hss.host_block_reads,
         "shape": Path(args.hss_config_dir).name,
         "context_tokens": context,
         "window_tokens": (1 + window) * block_size,
@@ -451,6 +452,7 @@ def run(args: argparse.Namespace) -> dict:
             "disk_dir_parent": str(work.parent),
             "hss_config_dir": str(args.hss_config_dir),
             "hss_window_blocks": args.hss_window_blocks,
+            "hss_device": args.hss_device,
             "threads": torch.get_num_threads(),
         },
         figures=figures,
@@ -482,10 +484,10 @@ def run(args: argparse.Namespace) -> dict:
         print(f"high-speed swap part FAILED: {hss['error']}")
     elif hss is not None:
         print(
-            f"high-speed swap (CPU, {hss['shape']}, {hss['context_tokens']}-token context, "
-            f"{hss['window_tokens']}-token window): {hss['hss_decode_tok_s']:.1f} tok/s vs "
-            f"resident {hss['resident_decode_tok_s']:.1f} ({hss['hss_over_resident']:.2f}x), "
-            f"tokens identical: {hss['tokens_identical']}; not built on CUDA"
+            f"high-speed swap ({hss['device']}, {hss['shape']}, {hss['context_tokens']}-token "
+            f"context, {hss['window_tokens']}-token window): {hss['hss_decode_tok_s']:.1f} tok/s "
+            f"vs resident {hss['resident_decode_tok_s']:.1f} ({hss['hss_over_resident']:.2f}x), "
+            f"tokens identical: {hss['tokens_identical']}"
         )
     print(f"record: {path}")
     return figures
@@ -517,6 +519,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip /proc/sys/vm/drop_caches (fadvise DONTNEED on the files only)")  # fmt: skip
     parser.add_argument("--hss-config-dir", default="bench/configs/tiny-2k")
     parser.add_argument("--hss-window-blocks", type=int, default=8)
+    parser.add_argument("--hss-device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--hss-context-tokens", type=int, default=0,
+                        help="high-speed swap context (0: 8x the resident window)")  # fmt: skip
     parser.add_argument("--hss-decode-tokens", type=int, default=128,
                         help="decode tokens timed per run (0 skips high-speed swap)")  # fmt: skip
     parser.add_argument("--out-dir", default="bench/records")

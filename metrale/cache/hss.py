@@ -13,9 +13,19 @@ Invariants:
   the attention op needs no layer index.
 - A block is copied bit for bit: attention over a host block computes what it would over the
   device block.
+- On CUDA the host tensors are pinned and `store` copies asynchronously on the current stream
+  (the device block may be freed at once: whatever overwrites it runs after the copy). The
+  CUDA attention kernels read device blocks only, so a forward there carries an `HssStaging`
+  (`staging`): per layer, each sequence's blocks (resident ones by a device copy, host ones by
+  one DMA per run of consecutive host ids) are gathered into one scratch cache in table
+  order, and attention runs over that with the staging's tables. The scratch is one pair of
+  tensors reused by every layer, sized for the forward's blocks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -35,24 +45,31 @@ class HostKvPool:
     def __init__(self, kv: PagedKVCache, initial_blocks: int = 16) -> None:
         self.kv = kv
         self.capacity = initial_blocks
-        shape = (initial_blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self.cuda = kv.layers[0][0].device.type == "cuda"
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.empty(shape, dtype=kv.dtype), torch.empty(shape, dtype=kv.dtype))
-            for _ in kv.layers
+            (self._empty(initial_blocks), self._empty(initial_blocks)) for _ in kv.layers
         ]
         self._index = {k.data_ptr(): i for i, (k, _) in enumerate(kv.layers)}
         self._free = list(range(initial_blocks - 1, -1, -1))
         #: Blocks moved to the host, and blocks read back by attention (per layer read).
         self.stored_blocks = 0
         self.held = 0
+        #: Host-to-device copies `HssStaging.stage` issued (one per run of host blocks).
+        self.host_block_reads = 0
+
+    def _empty(self, blocks: int) -> torch.Tensor:
+        kv = self.kv
+        shape = (blocks, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        return torch.empty(shape, dtype=kv.dtype, pin_memory=self.cuda)
 
     def _grow(self) -> None:
+        if self.cuda:  # copies into (and out of) the old tensors may still be in flight
+            torch.cuda.current_stream().synchronize()
         old = self.capacity
         self.capacity *= 2
         grown = []
         for k, v in self.layers:
-            nk = torch.empty((self.capacity, *k.shape[1:]), dtype=k.dtype)
-            nv = torch.empty((self.capacity, *v.shape[1:]), dtype=v.dtype)
+            nk, nv = self._empty(self.capacity), self._empty(self.capacity)
             nk[:old].copy_(k)
             nv[:old].copy_(v)
             grown.append((nk, nv))
@@ -65,8 +82,8 @@ class HostKvPool:
             self._grow()
         host = self._free.pop()
         for (hk, hv), (k, v) in zip(self.layers, self.kv.layers, strict=True):
-            hk[host].copy_(k[device_block])
-            hv[host].copy_(v[device_block])
+            hk[host].copy_(k[device_block], non_blocking=self.cuda)
+            hv[host].copy_(v[device_block], non_blocking=self.cuda)
         self.stored_blocks += 1
         self.held += 1
         return host
@@ -77,3 +94,83 @@ class HostKvPool:
 
     def layer_tensors(self, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.layers[self._index[k_cache.data_ptr()]]
+
+    def staging(
+        self, tables: list[list[int]], seq_lens: list[int], device: torch.device
+    ) -> HssStaging:
+        """The per-layer gather plan of one forward whose sequence `b` attends to its first
+        `seq_lens[b]` positions through `tables[b]` (entries < 0 are host blocks)."""
+        bs = self.kv.block_size
+        width = max((-(-n // bs) for n in seq_lens), default=1)
+        scratch_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+        dev_src: list[int] = []
+        dev_dst: list[int] = []
+        runs: list[list[int]] = []  # [first host id, first scratch block, blocks]
+        next_block = 1  # scratch block 0 stays the null block of padded table entries
+        for b, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
+            used = table[: -(-n // bs)]
+            for i, entry in enumerate(used):
+                scratch_tables[b, i] = next_block + i
+                if entry >= 0:
+                    dev_src.append(entry)
+                    dev_dst.append(next_block + i)
+                    continue
+                host = host_id_of(entry)
+                last = runs[-1] if runs else None
+                if (
+                    last is not None
+                    and last[0] + last[2] == host
+                    and last[1] + last[2] == next_block + i
+                ):
+                    last[2] += 1
+                else:
+                    runs.append([host, next_block + i, 1])
+            next_block += len(used)
+        ids = torch.tensor([*dev_src, *dev_dst], dtype=torch.long).to(device, non_blocking=True)
+        shape = (next_block, self.kv.block_size, self.kv.num_kv_heads, self.kv.head_dim)
+        return HssStaging(
+            pool=self,
+            tables=scratch_tables.to(device, non_blocking=True),
+            dev_src=ids[: len(dev_src)],
+            dev_dst=ids[len(dev_src) :],
+            host_runs=[(h, d, n) for h, d, n in runs],
+            scratch=(
+                torch.empty(shape, dtype=self.kv.dtype, device=device),
+                torch.empty(shape, dtype=self.kv.dtype, device=device),
+            ),
+        )
+
+
+@dataclass
+class HssStaging:
+    """One CUDA forward's high-speed-swap gather: every sequence's blocks in table order in
+    one scratch cache (`tables` index it), filled layer by layer by `stage`."""
+
+    pool: HostKvPool
+    tables: torch.Tensor
+    dev_src: torch.Tensor
+    dev_dst: torch.Tensor
+    #: (first host id, first scratch block, blocks) of each run of consecutive host blocks.
+    host_runs: list[tuple[int, int, int]]
+    scratch: tuple[torch.Tensor, torch.Tensor]
+
+    def stage(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """The scratch caches holding this layer's blocks, and `meta` (an
+        `AttentionMetadata`, typed loosely: `kernels` is not below `cache`) reading them."""
+        host_k, host_v = self.pool.layer_tensors(k_cache)
+        for cache, host, scratch in (
+            (k_cache, host_k, self.scratch[0]),
+            (v_cache, host_v, self.scratch[1]),
+        ):
+            if self.dev_src.numel():
+                scratch.index_copy_(0, self.dev_dst, cache.index_select(0, self.dev_src))
+            for first, at, n in self.host_runs:
+                scratch[at : at + n].copy_(host[first : first + n], non_blocking=True)
+        self.pool.host_block_reads += len(self.host_runs)
+        return (
+            self.scratch[0],
+            self.scratch[1],
+            replace(meta, block_tables=self.tables, host_kv=None),
+        )

@@ -61,7 +61,8 @@ class AttentionMetadata:
     #: `kernels`); None without one.
     ssm_verify: Any = None
     #: High-speed swap: the `metrale.cache.hss.HostKvPool` holding the blocks whose table
-    #: entries are negative; None when no row has any.
+    #: entries are negative (the CPU reference reads them there), or on CUDA the forward's
+    #: `HssStaging` (the Triton op gathers each layer's blocks through it); None otherwise.
     host_kv: Any = None
 
     @property

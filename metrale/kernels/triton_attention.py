@@ -131,10 +131,13 @@ def paged_attention(
     (`meta.decode_query_len` rows each: 1 for decode, k + 1 for a speculative verify step) go
     to the split-context decode kernel, the rest (rows from `query_start_loc[num_decode]` on)
     to the varlen prefill kernel. A batch of decode rows only reads no host data
-    (graph-capturable).
+    (graph-capturable). With high-speed swap (`meta.host_kv`, a `metrale.cache.hss.HssStaging`)
+    both kernels read the staging's scratch cache instead (eager forwards only).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if meta.host_kv is not None:  # high-speed swap: this layer's blocks gathered on the device
+        k_cache, v_cache, meta = meta.host_kv.stage(k_cache, v_cache, meta)
     out = torch.empty_like(q)
     num_decode = meta.num_decode
     if num_decode:

@@ -458,12 +458,15 @@ def _capture_graphs(
     kernels: dict[str, str],
 ) -> None:
     """Capture decode graphs when every op on the decode path is capturable."""
-    if model.ssm_pool is not None or not kernels.get("paged_attention", "").startswith("triton"):
-        logger.warning(
-            "CUDA graphs disabled: %s; decode runs eagerly (slower)",
-            "recurrent layers use reference ops" if model.ssm_pool is not None
-            else "the attention op is not capturable",
-        )  # fmt: skip
+    why = (
+        "recurrent layers use reference ops" if model.ssm_pool is not None
+        else "the attention op is not capturable"
+        if not kernels.get("paged_attention", "").startswith("triton")
+        else "high-speed swap gathers host blocks per layer" if model.hss is not None
+        else None
+    )  # fmt: skip
+    if why is not None:
+        logger.warning("CUDA graphs disabled: %s; decode runs eagerly (slower)", why)
         return
     spec = config.speculative()
     # Verify steps of k drafts replay their own graphs (k + 1 token rows per sequence).

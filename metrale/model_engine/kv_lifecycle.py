@@ -99,8 +99,6 @@ class PagedKvLifecycle:
                 param="high_speed_swap_blocks_per_seq",
             )
         problems = [
-            ("the device is not the CPU (the CUDA kernels read device blocks only)",
-             self.device.type != "cpu"),
             ("prefix caching is on", self.prefix_cache is not None),
             ("the model has recurrent layers", self.has_ssm_layers()),
             ("the CUDA graphs are on", self.graph_runner is not None),
@@ -108,7 +106,7 @@ class PagedKvLifecycle:
         for why, bad in problems:
             if bad:
                 raise InvalidRequestError(
-                    f"high_speed_swap is built for the CPU reference path only, and {why}",
+                    f"high_speed_swap is refused: {why}",
                     param="high_speed_swap",
                 )
         self.hss = HostKvPool(self.kv_cache)

@@ -468,6 +468,13 @@ class TransformerModel(
             index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
             batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
         batch.meta.host_kv = self.hss
+        if self.hss is not None and self.hss.cuda:  # the Triton kernels read device blocks
+            tables = [r.seq.block_table for r in rows]
+            batch.meta.host_kv = (
+                self.hss.staging(tables, batch.meta.seq_lens_host, self.device)
+                if any(b < 0 for t in tables for b in t)
+                else None
+            )
         positions, kwargs = self._vision_batch(rows, batch.meta.positions)
         args = (batch.input_ids, positions, batch.meta, self.main_kv_layers)
         if self.ssm_pool is not None:

@@ -83,3 +83,27 @@ def test_host_tier_on_cuda_gives_the_cold_tokens() -> None:
     assert again.num_cached_tokens > 0 and stats["offload_host_hits"] > 0
     assert stats["offload_host_restore_bytes"] > 0
     assert again.outputs[0].token_ids == want
+
+
+def test_high_speed_swap_on_cuda_matches_the_resident_run() -> None:
+    """A sequence 8x longer than its device window, its older blocks in pinned host memory
+    and gathered per layer for the Triton kernels, gives the resident run's tokens."""
+    variant = next(v for v in DENSE_VARIANTS if v.name == "llama-gqa2")
+    path = str(build(variant))
+    prompts = [list(range(6, 6 + 120)), list(range(300, 300 + 90))]
+    params = SamplingParams(temperature=0, max_tokens=80, min_tokens=80, logprobs=2)
+    resident = LLM(path, device="cuda", dtype="float32", num_kv_blocks=128, block_size=8,
+                   enable_prefix_caching=False).generate(prompts, params)  # fmt: skip
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=24, block_size=8,
+              enable_prefix_caching=False, high_speed_swap=True,
+              high_speed_swap_blocks_per_seq=2, max_prefill_chunk=16)  # fmt: skip
+    swapped = llm.generate(prompts, params)
+    for a, b in zip(swapped, resident, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        pairs = zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs)
+        for tok, x, y in pairs:
+            assert abs(x[tok].logprob - y[tok].logprob) < 1e-3
+    model = llm.engine.model
+    assert model.hss is not None and model.hss.cuda and model.hss.stored_blocks > 40
+    assert model.hss.host_block_reads > 0 and model.hss.held == 0
+    assert all(k.is_pinned() for k, _ in model.hss.layers)
