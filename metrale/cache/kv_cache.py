@@ -63,7 +63,7 @@ class PinnedRows:
             n = len(self.slabs) - 1
             self.free.extend((n, r) for r in range(self.rows_per_slab - 1, -1, -1))
         slab_id, row = self.free.pop()
-        block = HostBlock(self.slabs[slab_id][row])
+        block = HostBlock(self.slabs[slab_id][row], slab=self.slabs[slab_id], row=row)
         weakref.finalize(block, self.free.append, (slab_id, row))
         return block
 
@@ -151,8 +151,9 @@ class PagedKVCache:
         per_chunk = max(1, _STAGING_BYTES // size)
         for first in range(0, len(blocks), per_chunk):
             chunk = payloads[first : first + per_chunk]
-            staging = self._stage(chunk, size, device)
-            idx = torch.tensor(blocks[first : first + per_chunk], dtype=torch.long, device=device)
+            staging, order = self._stage(chunk, size, device)
+            targets = [blocks[first + i] for i in order]
+            idx = torch.tensor(targets, dtype=torch.long).to(device, non_blocking=True)
             offset = 0
             for kv in self.layers:
                 for t in kv:
@@ -163,28 +164,48 @@ class PagedKVCache:
                     t.index_copy_(0, idx, src)
                     offset += n
 
-    def _stage(self, chunk: Sequence[Payload], size: int, device: torch.device) -> torch.Tensor:
-        """`[len(chunk), size]` uint8 rows of the payloads on `device`. Bytes go through plain
-        memcpys into one (pinned, on CUDA) buffer and one asynchronous copy, so the next
-        chunk's memcpys overlap it (the caching host allocator keeps a pinned buffer until
-        the copies using it are done); host blocks are copied row by row from their own
-        tensors."""
+    def _stage(
+        self, chunk: Sequence[Payload], size: int, device: torch.device
+    ) -> tuple[torch.Tensor, list[int]]:
+        """`[len(chunk), size]` uint8 rows of the payloads on `device`, and the order they are
+        in (row j holds `chunk[order[j]]`). Bytes come first: plain memcpys into one (pinned,
+        on CUDA) buffer and one asynchronous copy, so the next chunk's memcpys overlap it
+        (the caching host allocator keeps a pinned buffer until the copies using it are
+        done). Host blocks follow, sorted by slab and row, so each run of adjacent pinned
+        rows is one DMA."""
         cuda = device.type == "cuda"
-        raw = [i for i, p in enumerate(chunk) if isinstance(p, bytes)]
+
+        def key(i: int) -> tuple[int, int, int]:
+            p = chunk[i]
+            if isinstance(p, bytes):
+                return (0, 0, i)
+            return (1, p.slab.data_ptr(), p.row) if p.slab is not None else (2, 0, i)
+
+        order = sorted(range(len(chunk)), key=key)
+        raw = [i for i in order if isinstance(chunk[i], bytes)]
         if len(raw) == len(chunk):
             host = torch.empty((len(chunk), size), dtype=torch.uint8, pin_memory=cuda)
             self._fill_rows(host.numpy(), chunk)  # type: ignore[arg-type]
-            return host.to(device, non_blocking=True) if cuda else host
+            return (host.to(device, non_blocking=True) if cuda else host), order
         staging = torch.empty((len(chunk), size), dtype=torch.uint8, device=device)
-        for i, p in enumerate(chunk):
-            if isinstance(p, HostBlock):
-                staging[i].copy_(p.data, non_blocking=True)
         if raw:
             host = torch.empty((len(raw), size), dtype=torch.uint8, pin_memory=cuda)
             self._fill_rows(host.numpy(), [chunk[i] for i in raw])  # type: ignore[misc]
-            idx = torch.tensor(raw, dtype=torch.long).to(device, non_blocking=True)
-            staging.index_copy_(0, idx, host.to(device, non_blocking=True))
-        return staging
+            staging[: len(raw)].copy_(host, non_blocking=True)
+        j = len(raw)
+        while j < len(order):
+            p = chunk[order[j]]
+            assert isinstance(p, HostBlock)
+            n = 1
+            while p.slab is not None and j + n < len(order):
+                q = chunk[order[j + n]]
+                if not (isinstance(q, HostBlock) and q.slab is p.slab and q.row == p.row + n):
+                    break
+                n += 1
+            src = p.data if n == 1 else p.slab[p.row : p.row + n]  # type: ignore[index]
+            staging[j : j + n].copy_(src, non_blocking=True)
+            j += n
+        return staging, order
 
     def _fill_rows(self, rows: np.ndarray, payloads: Sequence[bytes]) -> None:
         """`rows[i] = payloads[i]`, on `_COPY_THREADS` threads (numpy releases the GIL for a

@@ -65,6 +65,10 @@ class HostBlock:
 
     data: torch.Tensor
     ready: torch.cuda.Event | None = None
+    #: The pinned slab `data` is row `row` of (None: a tensor of its own), so a restore can
+    #: copy runs of adjacent rows at once.
+    slab: torch.Tensor | None = None
+    row: int = 0
 
     def __len__(self) -> int:
         return self.data.numel()

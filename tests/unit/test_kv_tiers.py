@@ -180,3 +180,42 @@ def test_host_block_payloads_restore_like_bytes_and_spill_to_disk_as_bytes(
     assert tiers.stats.host.blocks == 2 and tiers.stats.disk.blocks == 3
     got = tiers.take(bytes([0]) * 20)
     assert got is not None and got == (src.block_bytes(1), "disk")
+
+
+def test_restore_copies_runs_of_slab_rows_into_the_right_blocks(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Host blocks that are rows of one slab (the CUDA offload's layout) are restored in
+    slab order, runs of adjacent rows at once, each into its own target block."""
+    import torch
+
+    from metrale.cache import kv_cache
+    from metrale.cache.kv_tiers import HostBlock
+
+    def pool() -> kv_cache.PagedKVCache:
+        return kv_cache.PagedKVCache(2, 12, 4, 2, 8, torch.float32, torch.device("cpu"))
+
+    src = pool()
+    for k, v in src.layers:
+        k.normal_()
+        v.normal_()
+    size = len(src.block_bytes(1))
+    slab = torch.empty((8, size), dtype=torch.uint8)
+    rows = [5, 4, 3, 0, 7, 1]  # evicted leaf first: rows run backwards along the prefix
+    for b, r in enumerate(rows, start=1):
+        slab[r] = torch.frombuffer(bytearray(src.block_bytes(b)), dtype=torch.uint8)
+    payloads = [HostBlock(slab[r], slab=slab, row=r) for r in rows]
+    payloads[3] = src.block_bytes(4)  # one from the disk tier among them
+    copies: list[int] = []
+    real = torch.Tensor.copy_
+
+    def counted(self, other, non_blocking=False):  # type: ignore[no-untyped-def]
+        copies.append(other.shape[0] if other.dim() == 2 else 1)
+        return real(self, other, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    dst = pool()
+    dst.write_blocks_bytes([11, 10, 9, 8, 7, 6], payloads)
+    monkeypatch.undo()
+    assert [dst.block_bytes(b) for b in (11, 10, 9, 8, 7, 6)] == [
+        src.block_bytes(b) for b in range(1, 7)
+    ]
+    assert 3 in copies  # rows 3, 4, 5 in one copy
