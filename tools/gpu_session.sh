@@ -12,7 +12,7 @@
 #        against transformers generate, issue 18)
 #        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
 #        bandwidth, high-speed swap decode at a 32k context against the resident run;
-#        KV_DISK_DIR picks the disk, default /var/tmp)
+#        KV_DISK_DIR picks the disk, default /var/tmp) kvprofile (the host-tier hit's TTFT in parts)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        hybridttft (issue 15) vision (issue 21)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
@@ -104,6 +104,12 @@ for part in $PARTS; do
       --disk-dir "${KV_DISK_DIR:-/var/tmp}" --hss-device cuda --hss-config-dir bench/configs/qwen3-8b \
       --hss-window-blocks 64 --hss-context-tokens 32768 --hss-decode-tokens 32 --out-dir "$OUT" >"$OUT/kvtiers.log" 2>&1
     echo "rc=$?"; tail -5 "$OUT/kvtiers.log"; grep -iE "Error|FAILED" "$OUT/kvtiers.log" | tail -3
+    ;;
+  kvprofile)
+    stamp "KV tiers: where a host-tier hit's TTFT goes (qwen3-8b, 8k prefix, profile of one warm request)"
+    timeout 240 python3 tools/profile_kv_restore.py --config-dir bench/configs/qwen3-8b \
+      --prompt-len 8192 --repeats 3 --out-dir "$OUT" >"$OUT/kvprofile.log" 2>&1
+    echo "rc=$?"; grep -A8 '"summary"' "$OUT/kvprofile.log"; tail -1 "$OUT/kvprofile.log"
     ;;
   lora)
     stamp multi-LoRA: 8 rank-16 adapters at C=64 and batch-1 decode, against the base model
