@@ -40,7 +40,8 @@ from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver, fork_state
 from metrale.model_engine.encdec_graphs import EncDecStepGraphs
 from metrale.model_engine.traits import BeamReq, Model, SequenceState, Stream, blocks_needed
-from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGeneration
+from metrale.models.m2m100 import CrossKv, M2M100ForConditionalGeneration
+from metrale.models.m2m100_config import M2M100Config
 
 logger = logging.getLogger(__name__)
 
