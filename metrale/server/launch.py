@@ -47,6 +47,7 @@ from metrale.server.serve_flags import (
     add_server_arguments,
     add_vllm_compat_flags,
 )
+
 # `_check_vllm_compat_flags`: the name the API-surface tests import from here.
 from metrale.server.serve_flags import check_vllm_compat_flags as _check_vllm_compat_flags
 

@@ -20,16 +20,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from metrale.engine.request import CompletionOutput, RequestOutput
-from metrale.server.protocol.openai import (
+from metrale.server.protocol.openai import CompletionRequest
+from metrale.server.protocol.openai_output import (
     CompletionLogprobs,
-    CompletionRequest,
     finish_reason,
     merge_completion_logprobs,
     prompt_logprobs_json,
 )
 from metrale.server.routes.common import open_generation, request_body
-from metrale.server.routes.jobs import SYSTEM_FINGERPRINT, Job, Outputs, collect, event_stream
-from metrale.server.streaming import EventStreamResponse, sse
+from metrale.server.routes.jobs import SYSTEM_FINGERPRINT, Job, Outputs, event_stream
+from metrale.server.streaming import sse
 from metrale.tokenizer.fim import fim_prompt
 
 router = APIRouter()
@@ -63,10 +63,8 @@ async def create_completion(request: Request) -> Response:
     job = Job(state, request_id, streams, prompts, params.n, gen.tracker, model=gen.model_name)
     view = _CompletionView(job, req, echo, echo_only)
     if req.stream:
-        return EventStreamResponse(
-            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    await collect(request, job)
+        return gen.stream(view.events(), job.close)
+    await gen.wait(job.run_to_end(), job.close)
     return JSONResponse(view.response())
 
 

@@ -1,6 +1,6 @@
 """What the OpenAI generation routes share: `Job` (one HTTP request's engine streams, the
-outputs so far, usage, and its close), the SSE body of a streamed answer (`event_stream`), and
-the wait for a non-streamed one (`collect`).
+outputs so far, usage, and its close) and the SSE body of a streamed answer (`event_stream`);
+the answer itself is `Generation.stream` / `Generation.wait`'s (`routes/common.py`).
 
 Owner: server. Invariants:
 - A job closes once however it ends (finished, error, disconnect): what still runs is
@@ -16,16 +16,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
-
 from metrale.engine.async_engine import RequestStream
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import MetraleError
 from metrale.server.errors import InternalServerError, error_body
 from metrale.server.metrics import RequestTracker
-from metrale.server.protocol.openai import usage
+from metrale.server.protocol.openai_output import usage
 from metrale.server.state import ServerState
-from metrale.server.streaming import ClientDisconnected, merge_streams, sse, until_disconnected
+from metrale.server.streaming import merge_streams, sse
 
 SYSTEM_FINGERPRINT = "fp_metrale"
 
@@ -131,14 +129,4 @@ async def event_stream(
     finally:
         await body.aclose()
         await merged.aclose()
-        job.close()
-
-
-async def collect(request: Request, job: Job) -> None:
-    try:
-        await until_disconnected(request, job.run_to_end())
-    except ClientDisconnected:
-        job.tracker.client_left()
-        raise
-    finally:
         job.close()

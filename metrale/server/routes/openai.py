@@ -40,17 +40,16 @@ from metrale.server.chat_output import ChatOutputPlan, openai_plan
 from metrale.server.errors import safe_text
 from metrale.server.media import template_messages, vision_inputs
 from metrale.server.protocol.common import unsupported
-from metrale.server.protocol.openai import (
-    ChatCompletionRequest,
+from metrale.server.protocol.openai import ChatCompletionRequest, chat_messages
+from metrale.server.protocol.openai_output import (
     chat_logprobs_content,
-    chat_messages,
     finish_reason,
     prompt_logprobs_json,
 )
 from metrale.server.routes.common import open_generation, request_body
-from metrale.server.routes.jobs import SYSTEM_FINGERPRINT, Job, Outputs, collect, event_stream
+from metrale.server.routes.jobs import SYSTEM_FINGERPRINT, Job, Outputs, event_stream
 from metrale.server.state import ServerState, server_state
-from metrale.server.streaming import EventStreamResponse, sse
+from metrale.server.streaming import sse
 
 router = APIRouter()
 
@@ -145,10 +144,8 @@ async def create_chat_completion(request: Request) -> Response:
     echoed = echoed if isinstance(echoed, str) else ""
     view = _ChatView(job, req, plan, text, echoed)
     if req.stream:
-        return EventStreamResponse(
-            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    await collect(request, job)
+        return gen.stream(view.events(), job.close)
+    await gen.wait(job.run_to_end(), job.close)
     return JSONResponse(view.response())
 
 
