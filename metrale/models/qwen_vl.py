@@ -34,8 +34,8 @@ from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.moe import SparseMoeBlock
 from metrale.model_config import ModelConfig
 from metrale.models.llama import DecoderStack, LlamaForCausalLM
-from metrale.models.loader import ExpertShard, StackedShard, WeightMapping
-from metrale.models.moe import Qwen3MoeDecoderLayer
+from metrale.models.loader import StackedShard, WeightMapping
+from metrale.models.moe import Qwen3MoeDecoderLayer, qwen3_moe_experts
 from metrale.models.qwen_vl_vision import (
     Qwen3VisionTower,
     VisionTower,
@@ -207,10 +207,5 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def weight_mapping(self) -> WeightMapping:
         mapping = super().weight_mapping()
-        inter = int(self.config.raw.get("moe_intermediate_size") or 0)
-        mapping.experts = [
-            ExpertShard("gate_up_proj", "gate_proj", 0, inter),
-            ExpertShard("gate_up_proj", "up_proj", inter, inter),
-            ExpertShard("down_proj", "down_proj", 0, self.config.hidden_size),
-        ]
+        mapping.experts = qwen3_moe_experts(self.config)
         return mapping
