@@ -183,19 +183,29 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, ops: KernelOps) -> None:
-        super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6, ops)
-        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6, ops)
-        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, True, cfg.hidden_act, ops)
+class _PreNormBlock(nn.Module):
+    """A vision block's residual order: attention over `norm1(x)`, then the MLP over
+    `norm2(x)`, each added to the stream (the norms and MLP are the tower's kind)."""
+
+    norm1: nn.Module
+    norm2: nn.Module
+    attn: VisionAttention
+    mlp: nn.Module
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
+
+
+class VisionBlock(_PreNormBlock):
+    def __init__(self, cfg: VisionConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, 1e-6, ops)
+        self.norm2 = RMSNorm(cfg.hidden_size, 1e-6, ops)
+        self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, True, cfg.hidden_act, ops)
 
 
 class PatchEmbed(nn.Module):
@@ -241,6 +251,24 @@ def vision_rotary_positions(grids: Sequence[tuple[int, int, int]], merge: int) -
     return torch.cat(out)
 
 
+def rope_inv_freq(cfg: VisionConfig) -> torch.Tensor:
+    """The towers' rotary inverse frequencies: `head_dim / 4` of them, applied to each of the
+    two position streams of `vision_rotary_positions`."""
+    spatial = cfg.hidden_size // cfg.num_heads // 2
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+
+
+def rope_angles(
+    grids: Sequence[tuple[int, int, int]], merge: int, inv_freq: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """`[patches, head_dim]` rotary angles of every patch: the first position stream's
+    angles, then the second's, the pair repeated for `rotate_half`."""
+    pos = vision_rotary_positions(grids, merge).to(device)
+    freqs = pos[..., None].float() * inv_freq  # [n, 2, head_dim / 4]
+    freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
+    return torch.cat([freqs, freqs], dim=-1)
+
+
 def window_order(
     grids: Sequence[tuple[int, int, int]], merge: int, window: int
 ) -> tuple[torch.Tensor, list[int]]:
@@ -271,10 +299,7 @@ class VisionTower(nn.Module):
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList([VisionBlock(cfg, ops) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg, ops)
-        head_dim = cfg.hidden_size // cfg.num_heads
-        spatial = head_dim // 2
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """`pixels` `[patches, C*T*p*p]` of every image in order -> `[merged tokens, out]`."""
@@ -289,10 +314,7 @@ class VisionTower(nn.Module):
         order, window_lens = window_order(grids, cfg.spatial_merge_size, max(window, 1))
         order = order.to(x.device)
         frames = [h * w for t, h, w in grids for _ in range(t)]
-        pos = vision_rotary_positions(grids, cfg.spatial_merge_size).to(x.device)
-        freqs = pos[..., None].float() * self.inv_freq  # [n, 2, head_dim / 4]
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        angles = torch.cat([freqs, freqs], dim=-1)
+        angles = rope_angles(grids, cfg.spatial_merge_size, self.inv_freq, x.device)
 
         def permute(t: torch.Tensor) -> torch.Tensor:
             return t.view(n // unit, unit, -1).index_select(0, order).reshape(n, -1)
@@ -319,19 +341,13 @@ class Qwen3VisionMlp(nn.Module):
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
 
 
-class Qwen3VisionBlock(nn.Module):
+class Qwen3VisionBlock(_PreNormBlock):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
         self.attn = VisionAttention(cfg.hidden_size, cfg.num_heads)
         self.mlp = Qwen3VisionMlp(cfg)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int]
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, segments)
-        return x + self.mlp(self.norm2(x))
 
 
 class Qwen3PatchMerger(nn.Module):
@@ -389,10 +405,7 @@ class Qwen3VisionTower(nn.Module):
         self.deepstack_merger_list = nn.ModuleList(
             [Qwen3PatchMerger(cfg, post_shuffle_norm=True) for _ in cfg.deepstack_visual_indexes]
         )
-        head_dim = cfg.hidden_size // cfg.num_heads
-        spatial = head_dim // 2
-        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         """`[merged tokens, out * (1 + DeepStack levels)]`: the merger's rows, then each level's."""
@@ -401,10 +414,7 @@ class Qwen3VisionTower(nn.Module):
         index, weight = bilinear_taps(grids, cfg.spatial_merge_size, self.side)
         pos = (self.pos_embed(index.to(x.device)) * weight.to(x.device)[:, :, None]).sum(1)
         x = x + pos.to(x.dtype)
-        rc = vision_rotary_positions(grids, cfg.spatial_merge_size).to(x.device)
-        freqs = rc[..., None].float() * self.inv_freq
-        freqs = torch.cat([freqs[:, 0], freqs[:, 1]], dim=-1)
-        angles = torch.cat([freqs, freqs], dim=-1)
+        angles = rope_angles(grids, cfg.spatial_merge_size, self.inv_freq, x.device)
         cos, sin = angles.cos(), angles.sin()
         frames = [h * w for t, h, w in grids for _ in range(t)]
         levels: list[torch.Tensor] = []
