@@ -14,7 +14,8 @@ Owner: model-engine. Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -129,6 +130,19 @@ class BeamBackend(Protocol):
     def vocab_size(self) -> int: ...
 
 
+@contextmanager
+def freed_on_raise(free: Callable[[SequenceState], None]) -> Iterator[list[SequenceState]]:
+    """A list for the sequences a `beam_start_batch` makes: if the block raises, each one
+    in it is freed (`free`) before the exception goes on, so a failed start holds nothing."""
+    seqs: list[SequenceState] = []
+    try:
+        yield seqs
+    except BaseException:
+        for seq in seqs:
+            free(seq)
+        raise
+
+
 def fork_state(seq: SequenceState, child: SequenceState) -> SequenceState:
     """Make `child` (a fresh sequence) a copy of `seq`'s KV view; the caller increfs."""
     child.tokens = list(seq.tokens)
@@ -179,14 +193,9 @@ class DecoderOnlyBeamBackend:
         return seq
 
     def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
-        seqs: list[SequenceState] = []
-        try:
+        with freed_on_raise(self.free_sequence) as seqs:
             for req in reqs:
                 seqs.append(self.beam_start(req))
-        except BaseException:
-            for seq in seqs:
-                self.free_sequence(seq)
-            raise
         return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:
