@@ -170,7 +170,7 @@ class _Holder:
 
 def _vision_config(model_dir: Path) -> Any:
     from metrale.models.config import read_config_json
-    from metrale.models.qwen_vl import parse_vision_config
+    from metrale.models.qwen_vl_vision import parse_vision_config
 
     return parse_vision_config(read_config_json(model_dir))
 

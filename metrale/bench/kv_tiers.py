@@ -2,7 +2,7 @@
 cache's host tier and, after a restart, from its disk tier, against a cold prefill; the disk's
 own bandwidth; and decode tok/s with high-speed swap against the fully resident run.
 
-Owner: bench.
+Owner: bench. The page-cache drop and the disk probe are `disk.py`'s.
 
 Method (one engine, then a second one on the same disk directory):
 - The device KV pool holds ~1.5 prompts (`num_kv_blocks`), so a second long prompt evicts the
@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import logging
-import os
 import shutil
 import statistics
 import tempfile
@@ -48,6 +47,7 @@ from typing import Any
 
 import torch
 
+from metrale.bench.disk import disk_bandwidth, drop_page_cache
 from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.bench.ttft import time_to_first_token
@@ -57,92 +57,6 @@ from metrale.engine.engine import Engine
 from metrale.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_CHUNK = 8 << 20
-
-
-def drop_page_cache(paths: list[Path], global_drop: bool = True) -> dict[str, Any]:
-    """Push `paths` out of the page cache: fsync + `posix_fadvise(DONTNEED)` each, then (with
-    `global_drop`) write 3 to `/proc/sys/vm/drop_caches` where that is allowed. Returns what
-    worked."""
-    os.sync()
-    advised = 0
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            advised += 1
-        finally:
-            os.close(fd)
-    if not global_drop:
-        return {"fadvise_dontneed_files": advised, "drop_caches": "not tried (--no-drop-caches)"}
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        dropped: bool | str = True
-    except OSError as exc:
-        dropped = f"not writable: {exc.strerror}"
-    return {"fadvise_dontneed_files": advised, "drop_caches": dropped}
-
-
-def filesystem_of(path: Path) -> dict[str, str]:
-    """The mount holding `path` (from /proc/mounts: its mount point, type and source), so a
-    record says whether its "disk" was a disk (tmpfs or overlay-on-RAM would not be)."""
-    best = {"mount": "", "type": "unknown", "source": "unknown"}
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best
-    resolved = str(path.resolve())
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1]
-        inside = resolved == mount or resolved.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best["mount"]):
-            best = {"mount": mount, "type": parts[2], "source": parts[0]}
-    return best
-
-
-def disk_bandwidth(directory: Path, size_mb: int, global_drop: bool = True) -> dict[str, Any]:
-    """Write `size_mb` MiB to a file in `directory` (8 MiB writes, then fsync), drop it from
-    the page cache, read it back; GB/s both ways (1 GB = 1e9 bytes)."""
-    path = directory / "bandwidth-probe.bin"
-    chunk = os.urandom(_CHUNK)
-    n = max(1, (size_mb << 20) // _CHUNK)
-    start = time.perf_counter()
-    with path.open("wb", buffering=0) as f:
-        for _ in range(n):
-            f.write(chunk)
-        os.fsync(f.fileno())
-    write_s = time.perf_counter() - start
-    cache = drop_page_cache([path], global_drop)
-    start = time.perf_counter()
-    read = 0
-    with path.open("rb", buffering=0) as f:
-        while data := f.read(_CHUNK):
-            read += len(data)
-    read_s = time.perf_counter() - start
-    path.unlink()
-    size = n * _CHUNK
-    return {
-        "bytes": size,
-        "filesystem": filesystem_of(directory),
-        "write_gb_s": size / write_s / 1e9,
-        "read_gb_s": read / read_s / 1e9,
-        "method": "8 MiB buffered writes + fsync; read after fsync + posix_fadvise(DONTNEED)"
-        + (
-            " + drop_caches"
-            if cache["drop_caches"] is True
-            else f" (drop_caches {cache['drop_caches']})"
-        ),
-        "page_cache": cache,
-    }
 
 
 def make_room(engine: Engine, tokens: int) -> None:

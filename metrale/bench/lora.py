@@ -30,7 +30,7 @@ from metrale.bench.offline import _engine, _engine_info, _print_table, _sync, va
 from metrale.bench.record import write_record
 from metrale.engine.engine import Engine
 from metrale.layers.lora import LORA_TARGETS
-from metrale.model_engine.lora import adaptable_shapes
+from metrale.model_engine.lora_peft import adaptable_shapes
 from metrale.sampling.params import SamplingParams
 
 

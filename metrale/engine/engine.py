@@ -2,7 +2,9 @@
 
 Owner: engine. `add_request` validates and queues; `step` plans one forward, launches it and
 its sampler, builds the previous step's outputs while the device computes, then commits this
-step's tokens to the scheduler; `abort_request` ends a request wherever it is.
+step's tokens to the scheduler; `abort_request` ends a request wherever it is. The device
+side of a step (forward, sampler, commit) is `engine_forward.py`'s; turning committed tokens
+into outputs, and what a failed step or a finished request releases, `engine_outputs.py`'s.
 
 Invariants:
 - Validation happens entirely before any state changes: a bad request raises a clear error
@@ -69,11 +71,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from metrale.config import EngineConfig
+from metrale.engine.engine_forward import EngineForward, _Forward
 from metrale.engine.engine_grammar import EngineGrammar
 from metrale.engine.engine_lora import EngineLora
+from metrale.engine.engine_outputs import EngineOutputs, _Pending
 from metrale.engine.intake import (  # noqa: F401  (BUNDLED_MODEL_DIR, resolve_model_dir: re-exported)
     BUNDLED_MODEL_DIR,
     BUNDLED_MODEL_NAME,
@@ -88,14 +90,14 @@ from metrale.engine.speculation import Speculation
 from metrale.engine.vision import check_vision, vision_prompts_for
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
-from metrale.model_engine.traits import FeedSource, Model, PrefillSlice
+from metrale.model_engine.traits import Model
 from metrale.progress import LoadProgress, load_progress
 from metrale.sampling.defaults import SamplingDefaults, describe, load_sampling_defaults
 from metrale.sampling.grammar import GrammarBackend, GrammarState
 from metrale.sampling.params import SamplingParams, derive_choice_seed
-from metrale.sampling.sampler import SampledBatch, Sampler, SamplerOutput, SamplingRow
+from metrale.sampling.sampler import SampledBatch, Sampler
 from metrale.sampling.structured import GrammarSpec
-from metrale.scheduler.core import Committed, Scheduler, SchedulerConfig
+from metrale.scheduler.core import Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
 from metrale.spec.proposer import Proposer
@@ -103,24 +105,6 @@ from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Pending:
-    """Tokens of a step, committed to the scheduler but not yet turned into outputs."""
-
-    out: SamplerOutput
-    committed: list[Committed]
-
-
-@dataclass
-class _Forward:
-    """A launched forward whose logits are not sampled yet."""
-
-    logits: torch.Tensor | None
-    #: Tokens of each row sampled but not in its output yet (see `Engine._sample_step`).
-    pending: int
-    pending_tokens: torch.Tensor | None
 
 
 @dataclass
@@ -133,7 +117,7 @@ class _InFlight:
     started: float = 0.0
 
 
-class Engine(EngineLora, EngineGrammar):
+class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
     def __init__(
         self,
         config: EngineConfig,
@@ -506,152 +490,3 @@ class Engine(EngineLora, EngineGrammar):
         except Exception as exc:
             self._step_failed(step.plan, touched, exc)
         self._last_read = time.perf_counter()
-
-    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = []
-        for rid, state in touched.items():
-            if state.finished:
-                outputs.append(state.to_output())
-                self._retire(rid, state)
-            elif not state.final_only:
-                outputs.append(state.to_output())
-        return outputs
-
-    def _step_failed(
-        self, plan: StepPlan, touched: dict[str, RequestState], exc: Exception
-    ) -> None:
-        logger.error(
-            "step failed; ending its %d sequences",
-            len(plan.decode) + len(plan.prefill),
-            exc_info=exc,
-        )
-        self._fail_plan(plan, touched, f"internal error: {type(exc).__name__}: {exc}")
-
-    def _forward_step(self, plan: StepPlan, previous: _InFlight | None) -> _Forward:
-        """The forward of `plan`, queued on the device (no host sync). A fed plan reads its
-        input tokens from `previous`, the step launched before it and not yet read back."""
-        if plan.feed_rows is None:
-            return _Forward(self._forward(plan), 0, None)
-        assert previous is not None
-        feed = previous.batch.token_ids
-        logits = self.model.decode_batch_fed(
-            [FeedSource(from_row=r) for r in plan.feed_rows],
-            [s.state for s in plan.decode],  # type: ignore[misc]
-            feed=feed,
-        )
-        pending_tokens = None
-        if any(s.params.uses_penalties for s in plan.decode):  # they count that token
-            index = torch.tensor(plan.feed_rows, dtype=torch.int64)
-            pending_tokens = feed.index_select(0, index.to(feed.device, non_blocking=True))
-        return _Forward(logits, 1, pending_tokens)
-
-    def _sample_step(self, plan: StepPlan, forward: _Forward) -> SampledBatch | None:
-        """The sampler of `plan` over `forward`'s logits, queued with the copy of the sampled
-        tokens to the host. `forward.pending`: tokens of each row sampled but not yet in its
-        output (1 for a fed step sampled before the step it feeds from is read back)."""
-        sampled = plan.sampled
-        if not sampled:
-            return None
-        assert forward.logits is not None
-        rows = [
-            SamplingRow(
-                params=s.params,
-                output_token_ids=s.output_token_ids,
-                prompt_token_ids=s.prompt_token_ids,
-                seed=s.seed,
-                eos_token_ids=s.eos_token_ids,
-                pending=forward.pending,
-                grammar=self._grammar_of.get(s.seq_id),
-            )
-            for s in sampled
-        ]
-        if plan.is_verify:
-            batch = self.sampler.verify(forward.logits, rows, plan.sampled_drafts)
-        else:
-            batch = self.sampler.sample(forward.logits, rows, forward.pending_tokens)
-        batch.start_copy()
-        return batch
-
-    def _commit(self, plan: StepPlan, batch: SampledBatch) -> _Pending:
-        """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
-        at EOS, stop tokens or their length); their outputs are built by `_emit`."""
-        out = batch.to_host()
-        committed = self.scheduler.commit(plan, out.token_ids, out.emitted)
-        if self._grammar_of:
-            committed = [self._advance_grammar(c) for c in committed]
-        return _Pending(out, committed)
-
-    def _emit(self, pending: _Pending, touched: dict[str, RequestState]) -> None:
-        """Turn committed tokens into request state: text, stop strings, logprobs, finishes."""
-        out = pending.out
-        unsamplable = set(out.unsamplable_rows)
-        for c in pending.committed:
-            entry = self._choice_of.get(c.seq.seq_id)
-            if entry is None:  # aborted since the step ran
-                continue
-            state, choice = entry
-            if choice.finish_reason is not None:
-                # Ended (stop string, abort) after this token was already computed: drop it.
-                continue
-            i = c.row
-            touched[state.request_id] = state
-            if i in unsamplable:
-                # Every token was masked or non-finite: end this choice, not the batch.
-                self.scheduler.finish(c.seq, "error")
-                state.error = "no token could be sampled (all logits masked or not finite)"
-                choice.close("error", None)
-                continue
-            top = out.top_logprobs[i] if out.top_logprobs is not None else None
-            if state.add_token(choice, c.token, out.logprobs[i], out.ranks[i], top):
-                assert choice.stops is not None
-                self.scheduler.finish(c.seq, "stop", choice.stops.stop_reason)
-                choice.close("stop", choice.stops.stop_reason)
-            elif c.finished:
-                choice.close(c.seq.finish_reason or "stop", c.seq.stop_reason)
-
-    def _forward(self, plan: StepPlan) -> torch.Tensor | None:
-        decode_tokens = [s.output_token_ids[-1] for s in plan.decode]
-        decode_states = [s.state for s in plan.decode]
-        slices = [
-            PrefillSlice(w.seq.all_tokens, w.seq.state, w.start, w.length, w.is_last)  # type: ignore[arg-type]
-            for w in plan.prefill
-        ]
-        if plan.is_verify:
-            result = self.model.mixed_verify_batch(
-                decode_tokens,
-                plan.drafts,
-                decode_states,
-                slices,  # type: ignore[arg-type]
-            )
-        else:
-            result = self.model.mixed_forward_batch(decode_tokens, decode_states, slices)  # type: ignore[arg-type]
-        blocks = [] if result.decode_logits is None else [result.decode_logits]
-        blocks += [p for p in result.prefill_logits if p is not None]
-        if len(blocks) == 1:  # a decode-only step: no copy of [rows, vocab] logits
-            return blocks[0]
-        return torch.cat(blocks) if blocks else None
-
-    def _fail_plan(self, plan: StepPlan, touched: dict[str, RequestState], message: str) -> None:
-        for seq in [*plan.decode, *(w.seq for w in plan.prefill)]:
-            self.scheduler.finish(seq, "error")
-            entry = self._choice_of.get(seq.seq_id)
-            if entry is not None:
-                state, choice = entry
-                state.error = message
-                choice.close("error", None)
-                touched[state.request_id] = state
-
-    def _close_choice(self, seq: SchedSequence, touched: dict[str, RequestState]) -> None:
-        entry = self._choice_of.get(seq.seq_id)
-        if entry is None:
-            return
-        state, choice = entry
-        choice.close(seq.finish_reason or "abort", seq.stop_reason)
-        touched[state.request_id] = state
-
-    def _retire(self, request_id: str, state: RequestState) -> None:
-        self.requests.pop(request_id, None)
-        for choice in state.choices:
-            self._choice_of.pop(choice.seq.seq_id, None)
-            self._grammar_of.pop(choice.seq.seq_id, None)
-            self.speculation.forget(choice.seq)

@@ -2,8 +2,8 @@
 `AsyncEngine`, so the server's Python never competes with the engine loop for one GIL.
 
 Owner: engine. The process transport of the engine handle (`metrale.engine.handle`): the rules
-of intake, delivery and death live in `HandleBase`; this module adds the child, the pipe and the
-output deltas. The parent (the server) holds an `EngineProcess`: `add_request` returns a
+of intake, delivery and death live in `HandleBase`; this module adds the child and the pipe (the
+output deltas it carries are `output_delta.py`'s). The parent (the server) holds an `EngineProcess`: `add_request` returns a
 `RequestStream`, `snapshot` gives the metrics' gauges, `begin_drain` / `abort_all` /
 `shutdown` serve a graceful exit, `info` and `tokenizer` describe the model. The child runs
 `_child_main`: it loads the model, then loops over commands and steps.
@@ -67,7 +67,8 @@ from metrale.engine.handle import (
     apply_control,
     settle_call,
 )
-from metrale.engine.request import CompletionOutput, PositionLogprobs, RequestOutput
+from metrale.engine.output_delta import Assembly, DeltaEncoder, OutputDelta, apply_delta
+from metrale.engine.request import RequestOutput
 from metrale.engine.snapshot import EngineInfo, EngineSnapshot, SnapshotTaker, engine_info
 from metrale.errors import EngineDeadError, MetraleError
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -80,142 +81,6 @@ _STALL_WAIT_S = 0.005
 _SNAPSHOT_INTERVAL_S = 0.1
 #: How long `shutdown` waits for the child to exit before terminating it.
 _EXIT_WAIT_S = 10.0
-
-
-@dataclass
-class ChoiceDelta:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclass
-class OutputDelta:
-    """What one step added to one request's `RequestOutput`."""
-
-    request_id: str
-    finished: bool
-    choices: list[ChoiceDelta]
-    num_cached_tokens: int
-    metrics: dict[str, float]
-    error: str | None
-    #: Sent once, in the first delta after the prompt was scored.
-    prompt_logprobs: list[PositionLogprobs | None] | None
-    #: Sent once, in the request's first delta (the engine tokenized a text prompt).
-    prompt_token_ids: list[int] | None
-    #: An embedding request's vector, in its final delta.
-    embedding: list[float] | None = None
-
-
-@dataclass
-class _Sent:
-    """How much of each choice of one request the parent already has."""
-
-    text: list[int]
-    tokens: list[int]
-    logprobs: list[int]
-    prompt_logprobs: bool = False
-
-
-class DeltaEncoder:
-    """Child side: turns cumulative outputs into deltas against what was sent before."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, _Sent] = {}
-
-    def encode(self, output: RequestOutput) -> OutputDelta:
-        n = len(output.outputs)
-        sent = self._sent.get(output.request_id)
-        first = sent is None
-        if sent is None:
-            sent = self._sent[output.request_id] = _Sent([0] * n, [0] * n, [0] * n)
-        choices = []
-        for i, c in enumerate(output.outputs):
-            logprobs = None
-            if c.logprobs is not None:
-                logprobs = c.logprobs[sent.logprobs[i] :]
-                sent.logprobs[i] = len(c.logprobs)
-            choices.append(
-                ChoiceDelta(
-                    c.index,
-                    c.text[sent.text[i] :],
-                    c.token_ids[sent.tokens[i] :],
-                    logprobs,
-                    c.cumulative_logprob,
-                    c.finish_reason,
-                    c.stop_reason,
-                )
-            )
-            sent.text[i], sent.tokens[i] = len(c.text), len(c.token_ids)
-        prompt_logprobs = None
-        if output.prompt_logprobs is not None and not sent.prompt_logprobs:
-            prompt_logprobs, sent.prompt_logprobs = output.prompt_logprobs, True
-        if output.finished:
-            del self._sent[output.request_id]
-        return OutputDelta(
-            output.request_id, output.finished, choices, output.num_cached_tokens,
-            dict(output.metrics), output.error, prompt_logprobs,
-            list(output.prompt_token_ids) if first else None,
-            output.embedding if output.finished else None,
-        )  # fmt: skip
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-
-
-@dataclass
-class _Assembly:
-    """Parent side: one request's cumulative output so far."""
-
-    stream: RequestStream
-    prompt: str | None
-    prompt_token_ids: list[int]
-    last: RequestOutput | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-
-
-def _apply_delta(assembly: _Assembly, delta: OutputDelta) -> RequestOutput:
-    """The next cumulative output: fresh lists and strings, the previous one left as it was."""
-    before = {c.index: c for c in assembly.last.outputs} if assembly.last else {}
-    outputs = []
-    for d in delta.choices:
-        prev = before.get(d.index)
-        logprobs = None
-        if d.logprobs is not None:
-            logprobs = [*(prev.logprobs or [] if prev else []), *d.logprobs]
-        outputs.append(
-            CompletionOutput(
-                index=d.index,
-                text=(prev.text if prev else "") + d.text,
-                token_ids=[*(prev.token_ids if prev else []), *d.token_ids],
-                cumulative_logprob=d.cumulative_logprob,
-                logprobs=logprobs,
-                finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason,
-            )
-        )
-    if delta.prompt_logprobs is not None:
-        assembly.prompt_logprobs = delta.prompt_logprobs
-    if delta.prompt_token_ids is not None:
-        assembly.prompt_token_ids = delta.prompt_token_ids
-    output = RequestOutput(
-        request_id=delta.request_id,
-        prompt=assembly.prompt,
-        prompt_token_ids=assembly.prompt_token_ids,
-        outputs=outputs,
-        finished=delta.finished,
-        prompt_logprobs=assembly.prompt_logprobs,
-        num_cached_tokens=delta.num_cached_tokens,
-        metrics=delta.metrics,
-        error=delta.error,
-        embedding=delta.embedding,
-    )
-    assembly.last = output
-    return output
 
 
 # ----------------------------------------------------------------------------- child
@@ -340,10 +205,10 @@ class _ChildLoop:
 class _PendingAdd:
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
-    assembly: _Assembly
+    assembly: Assembly
 
 
-class EngineProcess(HandleBase[_Assembly]):
+class EngineProcess(HandleBase[Assembly]):
     """The parent's handle on the engine process: the process transport of `HandleBase`."""
 
     def __init__(self, config: EngineConfig, *, start_timeout: float | None = None) -> None:
@@ -438,7 +303,7 @@ class EngineProcess(HandleBase[_Assembly]):
         ids = list(add.prompt_token_ids) if add.prompt_token_ids is not None else None
         if ids is None and prompt is not None and not isinstance(prompt, str):
             ids = list(prompt)
-        assembly = _Assembly(stream, text, ids or [])
+        assembly = Assembly(stream, text, ids or [])
         with self._lock:
             refusal = self._dead or self._draining
             if refusal is None and request_id in self._pending:
@@ -512,7 +377,7 @@ class EngineProcess(HandleBase[_Assembly]):
 
     # ------------------------------------------------------------- HandleBase hooks
 
-    def _stream_of(self, entry: _Assembly) -> RequestStream:
+    def _stream_of(self, entry: Assembly) -> RequestStream:
         return entry.stream
 
     def _take_unanswered(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]]:
@@ -526,7 +391,7 @@ class EngineProcess(HandleBase[_Assembly]):
         self._snapshot = replace(self._snapshot, alive=False)
 
 
-def _put_deltas(items: list[tuple[_Assembly, OutputDelta]]) -> None:
+def _put_deltas(items: list[tuple[Assembly, OutputDelta]]) -> None:
     """On the streams' event loop: rebuild each cumulative output and queue it."""
     for assembly, delta in items:
-        assembly.stream._queue.put_nowait(_apply_delta(assembly, delta))
+        assembly.stream._queue.put_nowait(apply_delta(assembly, delta))

@@ -43,7 +43,7 @@ from metrale.model_engine.beam import (
 )
 from metrale.model_engine.encdec_model import EncoderDecoderModel, load_encoder_decoder
 from metrale.model_engine.factory import resolve_device, resolve_dtype
-from metrale.models.m2m100 import is_encoder_decoder_dir
+from metrale.models.m2m100_config import is_encoder_decoder_dir
 from metrale.tokenizer.sentencepiece_vocab import SentencePieceVocab, has_sentencepiece_layout
 from metrale.tokenizer.tokenizer import Tokenizer
 

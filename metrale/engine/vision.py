@@ -34,7 +34,7 @@ from typing import Any
 
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.vision import VisionInputs, VisionItem, content_digest, mrope_positions
-from metrale.models.qwen_vl import VisionConfig
+from metrale.models.qwen_vl_vision import VisionConfig
 from metrale.models.vision_processor import ImageLimits, QwenVLImageProcessor, decode_image
 
 IMAGE_PART_TYPES = ("image_url", "image", "input_image")

@@ -37,10 +37,12 @@ from metrale.cache.kv_cache import PagedKVCache
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps, kernels_for
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
-from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver, fork_state
+from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver
+from metrale.model_engine.beam_backend import fork_state, freed_on_raise
 from metrale.model_engine.encdec_graphs import EncDecStepGraphs
 from metrale.model_engine.traits import BeamReq, Model, SequenceState, Stream, blocks_needed
-from metrale.models.m2m100 import CrossKv, M2M100Config, M2M100ForConditionalGeneration
+from metrale.models.m2m100 import CrossKv, M2M100ForConditionalGeneration
+from metrale.models.m2m100_config import M2M100Config
 
 logger = logging.getLogger(__name__)
 
@@ -193,8 +195,7 @@ class EncoderDecoderModel(Model):
     def beam_start_batch(self, reqs: Sequence[BeamRequest]) -> list[SequenceState]:
         """`beam_start` of every request, their sources encoded together; a raise frees
         every sequence made."""
-        seqs: list[SequenceState] = []
-        try:
+        with freed_on_raise(self.free_sequence) as seqs:
             for req in reqs:
                 if req.source is None:
                     raise InvalidRequestError(
@@ -212,10 +213,6 @@ class EncoderDecoderModel(Model):
                 # A longer decoder prompt: feed all but its last token, one at a time.
                 for tok in req.prompt[:-1]:
                     self.decode_batch([tok], [seq])
-        except BaseException:
-            for seq in seqs:
-                self.free_sequence(seq)
-            raise
         return seqs
 
     def beam_fork(self, seq: SequenceState) -> SequenceState:

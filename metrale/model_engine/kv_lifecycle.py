@@ -189,13 +189,7 @@ class PagedKvLifecycle:
             return 0
         self.prefix_cache.touch(match.nodes)
         matched = len(blocks) * self.block_size
-        seq.tokens = list(tokens[:reused])
-        seq.seq_len = seq.kv_valid_tokens = reused
-        seq.cached_prefix_tokens = matched
-        seq.cached_prefix_blocks = len(blocks)
-        seq.prefix_ref_tokens = list(tokens[:matched])
-        seq.reused_prefix_tokens = reused
-        seq.prefix_lookup_skip = True
+        seq.adopt_cached_prefix(tokens, reused, matched, len(blocks))
         return reused
 
     def _restore_from_tiers(self, tokens: Sequence[int], start: int, namespace: int) -> list[int]:

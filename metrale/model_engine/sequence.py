@@ -284,6 +284,20 @@ class SequenceState:
         """A host-only state: no device resources, no SSM slot, every counter zeroed."""
         return cls(slot_idx=slot_idx)
 
+    def adopt_cached_prefix(
+        self, tokens: Sequence[int], reused: int, matched: int, num_blocks: int
+    ) -> None:
+        """Record a prefix-cache hit: the first `reused` tokens' KV is read from the cache
+        (`num_blocks` blocks of `block_table` came from it, matching `matched` tokens, whose
+        refs a failed prefill releases), and the chunk-0 lookup replays as a skip."""
+        self.tokens = list(tokens[:reused])
+        self.seq_len = self.kv_valid_tokens = reused
+        self.cached_prefix_tokens = matched
+        self.cached_prefix_blocks = num_blocks
+        self.prefix_ref_tokens = list(tokens[:matched])
+        self.reused_prefix_tokens = reused
+        self.prefix_lookup_skip = True
+
     def ssm_slot_idx(self) -> int | None:
         """The SSM pool slot this sequence holds, or None; decode batches sort by it."""
         return None if self.ssm_slot is None else self.ssm_slot.idx()

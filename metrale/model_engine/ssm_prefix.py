@@ -116,13 +116,7 @@ class SsmPrefixCaching:
         store.touch(match.snapshot, seq.session_hash)
         match.snapshot.hits += 1
         store.restore(match.snapshot, pool, slot)
-        seq.tokens = list(tokens[:reused])
-        seq.seq_len = seq.kv_valid_tokens = reused
-        seq.cached_prefix_tokens = reused
-        seq.cached_prefix_blocks = len(blocks)
-        seq.prefix_ref_tokens = list(tokens[:reused])
-        seq.reused_prefix_tokens = reused
-        seq.prefix_lookup_skip = True
+        seq.adopt_cached_prefix(tokens, reused, reused, len(blocks))
         seq.marconi_skip_to = reused
         store.stats.hits += 1
         store.stats.hit_tokens += reused

@@ -1,5 +1,5 @@
-"""The M2M100 / NLLB encoder-decoder (`M2M100ForConditionalGeneration`): configuration,
-module and checkpoint loading.
+"""The M2M100 / NLLB encoder-decoder (`M2M100ForConditionalGeneration`): module and
+checkpoint loading (its `config.json` is `m2m100_config.py`'s).
 
 Owner: models. `metrale.model_engine.encdec_model.EncoderDecoderModel` drives it: it runs
 `encode` once per request, `cross_kv` once per request, and `decode` over the rows of every
@@ -24,12 +24,11 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -39,102 +38,9 @@ from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.models.loader import checkpoint_files, iter_tensors
+from metrale.models.m2m100_config import ACTIVATIONS, M2M100Config
 
 logger = logging.getLogger(__name__)
-
-#: `model_type` values served by this module.
-ENCDEC_MODEL_TYPES = frozenset({"m2m_100", "nllb"})
-ARCHITECTURE = "M2M100ForConditionalGeneration"
-
-_ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
-
-@dataclass(frozen=True)
-class M2M100Config:
-    vocab_size: int
-    d_model: int
-    encoder_layers: int
-    decoder_layers: int
-    encoder_attention_heads: int
-    decoder_attention_heads: int
-    encoder_ffn_dim: int
-    decoder_ffn_dim: int
-    activation_function: str
-    scale_embedding: bool
-    pad_token_id: int
-    eos_token_id: int
-    bos_token_id: int
-    decoder_start_token_id: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    raw: dict[str, Any]
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> M2M100Config:
-        model_type = raw.get("model_type")
-        if model_type not in ENCDEC_MODEL_TYPES:
-            raise CheckpointError(f"model_type {model_type!r} is not an M2M100/NLLB model")
-        if raw.get("activation_function", "relu") not in _ACTIVATIONS:
-            raise CheckpointError(
-                f"activation_function {raw.get('activation_function')!r} is not supported "
-                f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
-            )
-        for key in ("vocab_size", "d_model", "encoder_layers", "decoder_layers"):
-            if key not in raw:
-                raise CheckpointError(f"config.json of an M2M100 model lacks {key!r}")
-        heads_e = int(raw.get("encoder_attention_heads", 16))
-        heads_d = int(raw.get("decoder_attention_heads", 16))
-        d = int(raw["d_model"])
-        if d % heads_e or d % heads_d:
-            raise CheckpointError(f"d_model {d} is not divisible by the attention head counts")
-        eos = raw.get("eos_token_id", 2)
-        return cls(
-            vocab_size=int(raw["vocab_size"]),
-            d_model=d,
-            encoder_layers=int(raw["encoder_layers"]),
-            decoder_layers=int(raw["decoder_layers"]),
-            encoder_attention_heads=heads_e,
-            decoder_attention_heads=heads_d,
-            encoder_ffn_dim=int(raw.get("encoder_ffn_dim", 4 * d)),
-            decoder_ffn_dim=int(raw.get("decoder_ffn_dim", 4 * d)),
-            activation_function=str(raw.get("activation_function", "relu")),
-            scale_embedding=bool(raw.get("scale_embedding", False)),
-            pad_token_id=int(raw.get("pad_token_id", 1)),
-            eos_token_id=int(eos[0] if isinstance(eos, list) else eos),
-            bos_token_id=int(raw.get("bos_token_id", 0)),
-            decoder_start_token_id=int(raw.get("decoder_start_token_id", 2)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 1024)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-            raw=raw,
-        )
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> M2M100Config:
-        path = Path(model_dir) / "config.json"
-        try:
-            raw = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path}: cannot read config.json ({exc})") from exc
-        return cls.from_dict(raw)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.decoder_attention_heads
-
-
-def is_encoder_decoder_dir(model_dir: str | Path) -> bool:
-    """Whether `model_dir`'s config.json names an M2M100/NLLB model."""
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text()).get("model_type") in ENCDEC_MODEL_TYPES
-    except (OSError, json.JSONDecodeError):
-        return False
 
 
 def sinusoidal_table(num_embeddings: int, dim: int, padding_idx: int) -> torch.Tensor:
@@ -253,7 +159,7 @@ class _FeedForward(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(d, ffn)
         self.fc2 = nn.Linear(ffn, d)
-        self.act = _ACTIVATIONS[act]
+        self.act = ACTIVATIONS[act]
 
 
 class EncoderLayer(nn.Module):
@@ -265,7 +171,7 @@ class EncoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.act = _ACTIVATIONS[cfg.activation_function]
+        self.act = ACTIVATIONS[cfg.activation_function]
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """`x` `[B, S, d]`; `key_mask` `[B, S]` True where a key may be attended (None: all)."""
@@ -295,7 +201,7 @@ class DecoderLayer(nn.Module):
         self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
         self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
         self.final_layer_norm = nn.LayerNorm(d)
-        self.act = _ACTIVATIONS[cfg.activation_function]
+        self.act = ACTIVATIONS[cfg.activation_function]
         self.ops = ops
 
     def forward(self, x: torch.Tensor, attn: DecoderAttention, layer: int) -> torch.Tensor:

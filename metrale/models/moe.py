@@ -79,6 +79,17 @@ class Qwen3MoeStack(DecoderStack):
     layer_class = Qwen3MoeDecoderLayer
 
 
+def qwen3_moe_experts(cfg: ModelConfig) -> list[ExpertShard]:
+    """Where Qwen3-MoE's expert projections (gate, up, down) go in the fused `gate_up_proj` /
+    `down_proj` stacks (Qwen3-VL-MoE's text decoder is the same)."""
+    inter = int(cfg.raw.get("moe_intermediate_size") or 0)
+    return [
+        ExpertShard("gate_up_proj", "gate_proj", 0, inter),
+        ExpertShard("gate_up_proj", "up_proj", inter, inter),
+        ExpertShard("down_proj", "down_proj", 0, cfg.hidden_size),
+    ]
+
+
 class MixtralStack(DecoderStack):
     layer_class = MixtralDecoderLayer
 
@@ -88,12 +99,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def weight_mapping(self) -> WeightMapping:
         mapping = super().weight_mapping()
-        inter = int(self.config.raw.get("moe_intermediate_size") or 0)
-        mapping.experts = [
-            ExpertShard("gate_up_proj", "gate_proj", 0, inter),
-            ExpertShard("gate_up_proj", "up_proj", inter, inter),
-            ExpertShard("down_proj", "down_proj", 0, self.config.hidden_size),
-        ]
+        mapping.experts = qwen3_moe_experts(self.config)
         return mapping
 
 

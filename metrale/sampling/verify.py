@@ -55,6 +55,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -196,47 +197,16 @@ def _expand(row: SamplingRow, draft: list[int]) -> list[SamplingRow]:
     Only penalties read the tokens themselves; for other rows position `j` counts the drafts
     as `pending` (step = row.step + j for min_tokens and the seeded counter) and shares the
     output list, so expanding costs no copy of the output."""
-    params = row.params
-    if row.grammar is not None:
-        # The grammar mask at position j needs the drafts before it (the matcher is synced
-        # to each position's tokens in order), as penalties do.
-        output = list(row.output_token_ids)
-        return [
-            SamplingRow(
-                params=params,
-                output_token_ids=output + draft[:j],
-                prompt_token_ids=row.prompt_token_ids,
-                seed=row.seed,
-                eos_token_ids=row.eos_token_ids,
-                pending=row.pending,
-                grammar=row.grammar,
-                grammar_committed=len(output),
-            )
-            for j in range(len(draft) + 1)
-        ]
-    if not params.uses_penalties:
-        return [
-            SamplingRow(
-                params=params,
-                output_token_ids=row.output_token_ids,
-                prompt_token_ids=row.prompt_token_ids,
-                seed=row.seed,
-                eos_token_ids=row.eos_token_ids,
-                pending=row.pending + j,
-            )
-            for j in range(len(draft) + 1)
-        ]
+    positions = range(len(draft) + 1)
+    if row.grammar is None and not row.params.uses_penalties:
+        return [replace(row, pending=row.pending + j) for j in positions]
+    # Penalties and the grammar mask read the drafts before position j (a grammar row's
+    # matcher is synced to each position's tokens in order, its own `grammar_committed`).
     output = list(row.output_token_ids)
+    committed = len(output) if row.grammar is not None else None
     return [
-        SamplingRow(
-            params=params,
-            output_token_ids=output + draft[:j],
-            prompt_token_ids=row.prompt_token_ids,
-            seed=row.seed,
-            eos_token_ids=row.eos_token_ids,
-            pending=row.pending,
-        )
-        for j in range(len(draft) + 1)
+        replace(row, output_token_ids=output + draft[:j], grammar_committed=committed)
+        for j in positions
     ]
 
 

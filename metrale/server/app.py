@@ -44,6 +44,7 @@ from metrale.server.errors import (
 )
 from metrale.server.metrics import ServerMetrics, endpoint_label
 from metrale.server.routes import anthropic as anthropic_routes
+from metrale.server.routes import completions as completion_routes
 from metrale.server.routes import embeddings as embeddings_routes
 from metrale.server.routes import lora as lora_routes
 from metrale.server.routes import openai as openai_routes
@@ -232,6 +233,7 @@ def create_app(
         )
 
     app.include_router(openai_routes.router)
+    app.include_router(completion_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(embeddings_routes.router)

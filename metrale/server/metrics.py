@@ -66,6 +66,14 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
+def _by_label(name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    """A counter family with one series per `label` value, in `values`' order."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
 def endpoint_label(path: str) -> str:
     return path if path in KNOWN_ENDPOINTS else "other"
 
@@ -142,12 +150,10 @@ class _EngineCollector(Collector):
             "tokens (the mask needs them on the host; the forward did not wait)",
             snap.late_sampled_steps,
         )
-        preempt = CounterMetricFamily(
-            "metrale_preemptions", "sequences preempted, by mode", labels=["mode"]
-        )
-        preempt.add_metric(["recompute"], stats.preemptions_recompute)
-        preempt.add_metric(["swap"], stats.preemptions_swap)
-        yield preempt
+        yield _by_label(
+            "metrale_preemptions", "sequences preempted, by mode", "mode",
+            {"recompute": stats.preemptions_recompute, "swap": stats.preemptions_swap},
+        )  # fmt: skip
         yield counter("metrale_prefix_cache_queries", "prefix cache lookups", stats.prefix_queries)
         yield counter(
             "metrale_prefix_cache_hits",
@@ -175,14 +181,10 @@ class _EngineCollector(Collector):
             cache.get("bypassed_lookups", 0),
         )
         yield from _offload_metrics(cache)
-        swapped = CounterMetricFamily(
-            "metrale_swapped_blocks",
-            "KV blocks moved to and from host memory",
-            labels=["direction"],
-        )
-        swapped.add_metric(["out"], stats.swapped_out_blocks)
-        swapped.add_metric(["in"], stats.swapped_in_blocks)
-        yield swapped
+        yield _by_label(
+            "metrale_swapped_blocks", "KV blocks moved to and from host memory", "direction",
+            {"out": stats.swapped_out_blocks, "in": stats.swapped_in_blocks},
+        )  # fmt: skip
         yield counter(
             "metrale_swap_spills",
             "swap records written to --swap-spill-dir because the host swap space was full",
@@ -193,12 +195,10 @@ class _EngineCollector(Collector):
             "swap preemptions turned into recompute because swap space was full",
             stats.swap_fallbacks,
         )
-        forwards = CounterMetricFamily(
-            "metrale_forwards", "model forwards, by path (graph replay or eager)", labels=["path"]
-        )
-        forwards.add_metric(["graph"], snap.graph_forwards)
-        forwards.add_metric(["eager"], snap.eager_forwards)
-        yield forwards
+        yield _by_label(
+            "metrale_forwards", "model forwards, by path (graph replay or eager)", "path",
+            {"graph": snap.graph_forwards, "eager": snap.eager_forwards},
+        )  # fmt: skip
         yield from _snapshot_metrics(snap.prefix_cache)
         yield from _spec_metrics(snap)
         yield from _lora_metrics(snap)
@@ -244,15 +244,13 @@ def _offload_metrics(cache: dict[str, int]) -> Iterator[Metric]:
         for tier in ("host", "disk"):
             family.add_metric([tier], cache.get(f"offload_{tier}_{name}", 0))
         yield family
-    restore = CounterMetricFamily(
+    yield _by_label(
         "metrale_kv_offload_restore_seconds",
         "host wall time of restoring blocks from each offload tier (restore_bytes over this: "
         "the restore bandwidth)",
-        labels=["tier"],
+        "tier",
+        {tier: cache.get(f"offload_{tier}_restore_us", 0) / 1e6 for tier in ("host", "disk")},
     )
-    for tier in ("host", "disk"):
-        restore.add_metric([tier], cache.get(f"offload_{tier}_restore_us", 0) / 1e6)
-    yield restore
     yield CounterMetricFamily(
         "metrale_kv_offload_corrupt",
         "disk-tier block files refused (bad header or checksum); their blocks are recomputed",
@@ -287,16 +285,14 @@ def _snapshot_metrics(cache: dict[str, int]) -> Iterator[Metric]:
         yield family(
             f"metrale_ssm_snapshot_{suffix}", doc, value=cache.get(f"ssm_snapshot_{key}", 0)
         )
-    misses = CounterMetricFamily(
+    yield _by_label(
         "metrale_ssm_snapshot_misses",
         "hybrid prefix lookups that reused nothing, by cause (cold: nothing cached; "
         "no_snapshot: KV cached without a state; evicted: its snapshot was evicted; "
         "wrong_adapter: only another adapter or tenant holds it)",
-        labels=["cause"],
+        "cause",
+        {cause: cache.get(f"ssm_snapshot_miss_{cause}", 0) for cause in MISS_CAUSES},
     )
-    for cause in MISS_CAUSES:
-        misses.add_metric([cause], cache.get(f"ssm_snapshot_miss_{cause}", 0))
-    yield misses
 
 
 def _spec_metrics(snap: EngineSnapshot) -> Iterator[Metric]:

@@ -41,10 +41,7 @@ from metrale.server.protocol.common import unsupported
 from metrale.server.reasoning import THINK_END, THINK_START
 from metrale.server.routes.common import Generation, open_generation, request_body
 from metrale.server.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
     sse,
-    until_disconnected,
 )
 from metrale.server.tools import ToolCall
 
@@ -215,16 +212,8 @@ async def create_message(request: Request) -> Response:
     job = _MessageJob(gen, message_id, text, ids, params, plan, pictures)
     await job.start()
     if req.stream:
-        return EventStreamResponse(
-            _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    try:
-        await until_disconnected(request, _drain(job))
-    except ClientDisconnected:
-        gen.tracker.client_left()
-        raise
-    finally:
-        job.close()
+        return gen.stream(_events(job), job.close)
+    await gen.wait(_drain(job), job.close)
     content: list[dict[str, Any]] = []
     answer_plan = plan.answer_plan()
     reasoning: str | None = None

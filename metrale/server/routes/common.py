@@ -2,7 +2,7 @@
 
 Owner: server. `open_generation` reads, parses and checks a generation body and starts its
 metrics tracker; `Generation.add` hands its prompts to the engine with the body's speculation
-fields; `render_chat` turns chat messages into the prompt text and token ids.
+fields, and `Generation.stream` / `Generation.wait` answer it (streamed, or after the wait); `render_chat` turns chat messages into the prompt text and token ids.
 
 Invariants:
 - The order of the opening is the same on every route: tracker started, body read (413 past
@@ -21,12 +21,13 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
+from starlette.responses import Response
 
 from metrale.engine.handle import RequestStream
 from metrale.errors import InvalidRequestError
@@ -41,7 +42,7 @@ from metrale.server.state import (
     request_tenant,
     server_state,
 )
-from metrale.server.streaming import ClientDisconnected
+from metrale.server.streaming import ClientDisconnected, EventStreamResponse, until_disconnected
 from metrale.tokenizer.tokenizer import Tokenizer
 
 
@@ -190,6 +191,22 @@ class Generation(Generic[BodyT]):
             session_id=body.session(),
             vision=vision,
         )
+
+    def stream(self, events: AsyncIterator[str], close: Callable[[], None]) -> Response:
+        """A streamed answer of `events`: `close` runs however the stream ends, and a client
+        that leaves is counted (`RequestTracker.client_left`)."""
+        return EventStreamResponse(events, on_close=close, on_disconnect=self.tracker.client_left)
+
+    async def wait(self, work: Awaitable[R], close: Callable[[], None]) -> R:
+        """A non-streamed answer's wait: `work`'s result, unless the client leaves first
+        (counted, then `ClientDisconnected` raised); `close` runs however it ends."""
+        try:
+            return await until_disconnected(self.request, work)
+        except ClientDisconnected:
+            self.tracker.client_left()
+            raise
+        finally:
+            close()
 
 
 async def open_generation(request: Request, body_type: type[BodyT]) -> Generation[BodyT]:

@@ -1,5 +1,6 @@
 """OpenAI routes: `/v1/models` (the base model, then each LoRA adapter with `parent` the
-base), `/v1/completions`, `/v1/chat/completions`.
+base) and `/v1/chat/completions` (`/v1/completions` is `completions.py`'s; the job and stream
+machinery both use is `jobs.py`'s).
 
 Owner: server. Each handler parses and validates the body, tokenizes (chat template for chat),
 hands one engine request per prompt to `AsyncEngine`, and answers with one JSON body or an SSE
@@ -25,47 +26,30 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from metrale.engine.async_engine import RequestStream
-from metrale.engine.request import CompletionOutput, RequestOutput
-from metrale.errors import MetraleError, NotFoundError
+from metrale.engine.request import CompletionOutput
+from metrale.errors import NotFoundError
 from metrale.server.chat_output import ChatOutputPlan, openai_plan
-from metrale.server.errors import InternalServerError, error_body, safe_text
+from metrale.server.errors import safe_text
 from metrale.server.media import template_messages, vision_inputs
-from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import unsupported
-from metrale.server.protocol.openai import (
-    ChatCompletionRequest,
-    CompletionLogprobs,
-    CompletionRequest,
+from metrale.server.protocol.openai import ChatCompletionRequest, chat_messages
+from metrale.server.protocol.openai_output import (
     chat_logprobs_content,
-    chat_messages,
     finish_reason,
-    merge_completion_logprobs,
     prompt_logprobs_json,
-    usage,
 )
 from metrale.server.routes.common import open_generation, request_body
+from metrale.server.routes.jobs import SYSTEM_FINGERPRINT, Job, Outputs, event_stream
 from metrale.server.state import ServerState, server_state
-from metrale.server.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
-    merge_streams,
-    sse,
-    until_disconnected,
-)
-from metrale.tokenizer.fim import fim_prompt
-
-SYSTEM_FINGERPRINT = "fp_metrale"
+from metrale.server.streaming import sse
 
 router = APIRouter()
 
@@ -114,303 +98,6 @@ async def get_model(request: Request, model_id: str) -> JSONResponse:
     return JSONResponse(_model_card(state, model_id))
 
 
-# ------------------------------------------------------------------ shared machinery
-
-
-@dataclass
-class _Job:
-    """One HTTP generation request: its engine streams and what has been produced so far."""
-
-    state: ServerState
-    request_id: str
-    streams: list[RequestStream]
-    prompts: Sequence[tuple[str | None, list[int]]]
-    n: int
-    tracker: RequestTracker
-    created: int = field(default_factory=lambda: int(time.time()))
-    finals: list[RequestOutput | None] = field(default_factory=list)
-    #: The `model` the answer names: the served model, or the LoRA adapter asked for.
-    model: str = ""
-
-    def __post_init__(self) -> None:
-        self.finals = [None] * len(self.streams)
-
-    def record(self, index: int, output: RequestOutput) -> None:
-        self.finals[index] = output
-        self.tracker.on_tokens(self.completion_tokens())
-        if output.error is not None:
-            raise InternalServerError(f"generation failed: {output.error}")
-
-    def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for o in self.finals if o is not None for c in o.outputs)
-
-    def all_finished(self) -> bool:
-        return all(o is not None and o.finished for o in self.finals)
-
-    def usage(self, count_completion: bool = True) -> dict[str, Any]:
-        return usage(
-            sum(len(ids) for _, ids in self.prompts),
-            self.completion_tokens() if count_completion else 0,
-            sum(o.num_cached_tokens for o in self.finals if o is not None),
-        )
-
-    async def run_to_end(self) -> None:
-        merged = merge_streams(self.streams)
-        try:
-            async for index, output in merged:
-                self.record(index, output)
-        finally:
-            await merged.aclose()
-
-    def close(self) -> None:
-        """Abort what is still running and account the request in the metrics (idempotent)."""
-        for stream in self.streams:
-            stream.abort()
-        reasons = []
-        for output in self.finals:
-            choices = output.outputs if output is not None else []
-            reasons += [c.finish_reason or "abort" for c in choices]
-            reasons += ["abort"] * (self.n - len(choices))
-        self.tracker.finish(
-            sum(len(ids) for _, ids in self.prompts),
-            sum(o.num_cached_tokens for o in self.finals if o is not None),
-            self.completion_tokens(),
-            reasons,
-        )
-
-    def choices(self) -> list[tuple[int, int, RequestOutput, CompletionOutput]]:
-        """(choice index, prompt index, request output, choice) of every finished choice."""
-        result = []
-        for p, output in enumerate(self.finals):
-            assert output is not None
-            for choice in output.outputs:
-                result.append((p * self.n + choice.index, p, output, choice))
-        return result
-
-
-async def _error_frames(exc: BaseException) -> AsyncIterator[str]:
-    yield sse(error_body(exc))
-    yield sse("[DONE]")
-
-
-Outputs = AsyncIterator[tuple[int, RequestOutput]]
-
-
-async def _event_stream(
-    job: _Job,
-    frames: Callable[[Outputs], AsyncIterator[str]],
-    usage_chunk: Callable[[], dict[str, Any]] | None,
-) -> AsyncIterator[str]:
-    """A streaming response: the frames `frames` makes of the job's merged outputs, then the
-    usage chunk when the request asks for one, then `[DONE]`; on any error an error frame and
-    `[DONE]` instead of the rest. The merged streams and the job close however it ends."""
-    merged = merge_streams(job.streams)
-    body = frames(merged)
-    try:
-        async for frame in body:
-            yield frame
-        if usage_chunk is not None:
-            yield sse(usage_chunk())
-        yield sse("[DONE]")
-    except (MetraleError, Exception) as exc:
-        async for frame in _error_frames(exc):
-            yield frame
-    finally:
-        await body.aclose()
-        await merged.aclose()
-        job.close()
-
-
-async def _collect(request: Request, job: _Job) -> None:
-    try:
-        await until_disconnected(request, job.run_to_end())
-    except ClientDisconnected:
-        job.tracker.client_left()
-        raise
-    finally:
-        job.close()
-
-
-# ------------------------------------------------------------------------ completions
-
-
-@router.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
-async def create_completion(request: Request) -> Response:
-    gen = await open_generation(request, CompletionRequest)
-    state, req = gen.state, gen.body
-    prompt = req.prompt
-    if req.suffix:  # fill-in-the-middle, in the model's own FIM layout
-        texts = [prompt] if isinstance(prompt, str) else prompt
-        prompt = [fim_prompt(state.tokenizer, p, req.suffix) for p in texts]
-    prompts = await gen.completion_prompts(
-        prompt,
-        add_special_tokens=req.add_special_tokens is not False,
-        truncate=req.truncate if req.truncate_prompt_tokens is not None else None,
-    )
-    echo = bool(req.echo)
-    echo_only = echo and req.max_tokens == 0
-    params = req.sampling_params(
-        max_tokens=1 if echo_only else req.max_tokens,
-        logprobs=req.logprobs,
-        prompt_logprobs=req.prompt_logprobs
-        if req.prompt_logprobs is not None
-        else (req.logprobs if echo else None),
-        defaults=state.sampling_defaults,
-    )
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await gen.add(request_id, prompts, params)
-    job = _Job(state, request_id, streams, prompts, params.n, gen.tracker, model=gen.model_name)
-    view = _CompletionView(job, req, echo, echo_only)
-    if req.stream:
-        return EventStreamResponse(
-            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    await _collect(request, job)
-    return JSONResponse(view.response())
-
-
-class _CompletionView:
-    """Renders a completions job as one JSON body or as SSE chunks."""
-
-    def __init__(self, job: _Job, req: CompletionRequest, echo: bool, echo_only: bool) -> None:
-        self.job = job
-        self.req = req
-        self.echo = echo
-        self.echo_only = echo_only
-        self.tokenizer = job.state.tokenizer
-
-    def _prompt_text(self, prompt: int) -> str:
-        text, ids = self.job.prompts[prompt]
-        return text if text is not None else self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def _logprobs(self) -> CompletionLogprobs | None:
-        if self.req.logprobs is None:
-            return None
-        return CompletionLogprobs(
-            self.tokenizer, self.req.logprobs, as_ids=bool(self.req.return_tokens_as_token_ids)
-        )
-
-    def _extras(self, prompt: int, output: RequestOutput, first: bool) -> dict[str, Any]:
-        """vLLM's extension fields of a choice (or of its first chunk): `prompt_logprobs`,
-        `prompt_token_ids` (with `return_token_ids`)."""
-        extras: dict[str, Any] = {}
-        if first and self.req.prompt_logprobs is not None:
-            extras["prompt_logprobs"] = prompt_logprobs_json(
-                self.tokenizer, output.prompt_logprobs, bool(self.req.return_tokens_as_token_ids)
-            )
-        if first and self.req.return_token_ids:
-            extras["prompt_token_ids"] = self.job.prompts[prompt][1]
-        return extras
-
-    def _echo_block(self, builder: CompletionLogprobs, prompt: int, output: RequestOutput) -> Any:
-        ids = self.job.prompts[prompt][1]
-        scored = output.prompt_logprobs or [None] * len(ids)
-        return builder.block(ids, scored)
-
-    def _finish(self, choice: CompletionOutput) -> str | None:
-        if choice.finish_reason is None:
-            return None
-        return "length" if self.echo_only else finish_reason(choice.finish_reason)
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.job.request_id,
-            "object": "text_completion",
-            "created": self.job.created,
-            "model": self.job.model or self.job.state.model_name,
-            "system_fingerprint": SYSTEM_FINGERPRINT,
-            "choices": choices,
-        }
-
-    def response(self) -> dict[str, Any]:
-        choices = []
-        for index, prompt, output, choice in self.job.choices():
-            text = self._prompt_text(prompt) if self.echo else ""
-            builder = self._logprobs()
-            block = None
-            if builder is not None:
-                if self.echo:
-                    block = self._echo_block(builder, prompt, output)
-                if not self.echo_only:
-                    generated = builder.block(choice.token_ids, choice.logprobs or [])
-                    block = (
-                        generated if block is None else merge_completion_logprobs(block, generated)
-                    )
-            if not self.echo_only:
-                text += choice.text
-            entry = {
-                "index": index,
-                "text": text,
-                "logprobs": block,
-                "finish_reason": self._finish(choice),
-                **self._extras(prompt, output, first=True),
-            }
-            if self.req.return_token_ids:
-                entry["token_ids"] = [] if self.echo_only else choice.token_ids
-            choices.append(entry)
-        choices.sort(key=lambda c: c["index"])
-        body = self._envelope(choices)
-        body["usage"] = self.job.usage(count_completion=not self.echo_only)
-        return body
-
-    def events(self) -> AsyncIterator[str]:
-        usage = self._usage_chunk if self.req.include_usage else None
-        return _event_stream(self.job, self._frames, usage)
-
-    def _usage_chunk(self) -> dict[str, Any]:
-        final = self._envelope([])
-        final["usage"] = self.job.usage(count_completion=not self.echo_only)
-        return final
-
-    async def _frames(self, merged: Outputs) -> AsyncIterator[str]:
-        job = self.job
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        builders: dict[int, CompletionLogprobs | None] = {}
-        done: set[int] = set()
-        async for prompt, output in merged:
-            job.record(prompt, output)
-            for choice in output.outputs:
-                index = prompt * job.n + choice.index
-                if index in done:
-                    continue
-                first = index not in builders
-                if first:
-                    builders[index] = self._logprobs()
-                builder = builders[index]
-                text = self._prompt_text(prompt) if first and self.echo else ""
-                block = (
-                    self._echo_block(builder, prompt, output)
-                    if first and self.echo and builder is not None
-                    else None
-                )
-                if not self.echo_only:
-                    start_t, start_k = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    text += choice.text[start_t:]
-                    if builder is not None and (text or choice.finished):
-                        new = builder.block(
-                            choice.token_ids[start_k:], (choice.logprobs or [])[start_k:]
-                        )
-                        block = new if block is None else merge_completion_logprobs(block, new)
-                reason = self._finish(choice)
-                if not text and reason is None:
-                    continue  # nothing visible yet (held back for a possible stop string)
-                entry = {"index": index, "text": text, "logprobs": block, "finish_reason": reason}
-                entry.update(self._extras(prompt, output, index not in sent_text))
-                if self.req.return_token_ids:
-                    start_k = sent_tokens.get(index, 0)
-                    entry["token_ids"] = [] if self.echo_only else choice.token_ids[start_k:]
-                sent_text[index] = len(choice.text)
-                sent_tokens[index] = len(choice.token_ids)
-                chunk = self._envelope([entry])
-                if reason is not None:
-                    done.add(index)
-                    last = job.all_finished() and len(done) == len(job.finals) * job.n
-                    if last and not self.req.include_usage:
-                        chunk["usage"] = job.usage(count_completion=not self.echo_only)
-                yield sse(chunk)
-
-
 # ------------------------------------------------------------------- chat completions
 
 
@@ -448,7 +135,7 @@ async def create_chat_completion(request: Request) -> Response:
     streams = await gen.add(
         request_id, [(text, ids)], params, prompt_param="messages", vision=pictures
     )
-    job = _Job(
+    job = Job(
         state, request_id, streams, [(text, ids)], params.n, gen.tracker, model=gen.model_name
     )
     # vLLM's `echo`: the answer starts with the final message when it is the assistant's.
@@ -457,17 +144,15 @@ async def create_chat_completion(request: Request) -> Response:
     echoed = echoed if isinstance(echoed, str) else ""
     view = _ChatView(job, req, plan, text, echoed)
     if req.stream:
-        return EventStreamResponse(
-            view.events(), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    await _collect(request, job)
+        return gen.stream(view.events(), job.close)
+    await gen.wait(job.run_to_end(), job.close)
     return JSONResponse(view.response())
 
 
 class _ChatView:
     def __init__(
         self,
-        job: _Job,
+        job: Job,
         req: ChatCompletionRequest,
         plan: ChatOutputPlan,
         prompt: str,
@@ -562,7 +247,7 @@ class _ChatView:
 
     def events(self) -> AsyncIterator[str]:
         usage = self._usage_chunk if self.req.include_usage else None
-        return _event_stream(self.job, self._frames, usage)
+        return event_stream(self.job, self._frames, usage)
 
     def _usage_chunk(self) -> dict[str, Any]:
         final = self._envelope("chat.completion.chunk", [])

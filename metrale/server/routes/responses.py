@@ -47,10 +47,7 @@ from metrale.server.protocol.responses import (
 from metrale.server.routes.common import open_generation, request_body
 from metrale.server.state import ServerState, server_state
 from metrale.server.streaming import (
-    ClientDisconnected,
-    EventStreamResponse,
     sse,
-    until_disconnected,
 )
 from metrale.server.tools import ToolCall, responses_function_item
 
@@ -181,16 +178,8 @@ async def create_response(request: Request) -> Response:
     (stream,) = await gen.add(request_id, [(text, ids)], params, prompt_param="input")
     job = _ResponseJob(state, req, stream, len(ids), gen.tracker, turns, plan, text)
     if req.stream:
-        return EventStreamResponse(
-            _events(job), on_close=job.close, on_disconnect=gen.tracker.client_left
-        )
-    try:
-        await until_disconnected(request, job.run_to_end())
-    except ClientDisconnected:
-        gen.tracker.client_left()
-        raise
-    finally:
-        job.close()
+        return gen.stream(_events(job), job.close)
+    await gen.wait(job.run_to_end(), job.close)
     return JSONResponse(job.finished_object())
 
 
