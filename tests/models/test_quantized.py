@@ -18,7 +18,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from metrale import LLM, SamplingParams
-from metrale.errors import CheckpointError
+from metrale.errors import CheckpointError, InvalidRequestError
+from metrale.kernels import reference
+from metrale.layers.fp8_linear import Fp8Linear
+from metrale.model_engine import fp8_weights
 from tests.helpers.checkpoints import DENSE_VARIANTS, build, load_hf
 from tests.helpers.engine_checks import assert_no_leaks
 from tests.helpers.parity import assert_matches, hf_greedy, mixed_prompts
@@ -140,3 +143,70 @@ def test_fp8_weight_without_its_scale_is_refused(tmp_path: Path) -> None:
     save_file(tensors, str(file))
     with pytest.raises(CheckpointError, match=r"o_proj\.weight' has no scale"):
         LLM(str(fp8), device="cpu")
+
+
+# -------------------------------------------------------------------------------------------
+# FP8 weights kept in FP8 (the CUDA path), run here with the torch reference ops
+# -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_fp8_weights_kept_in_fp8_give_the_dequantized_tokens(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The layer side of the CUDA path on the CPU: projections become `Fp8Linear` (weights
+    and scales as stored, fused q/k/v and gate/up parts in place) and `linear_fp8` (here the
+    reference) gives transformers' tokens on the dequantized weights."""
+    fp8, ref = fp8_checkpoint(tmp_path, kind)
+    real_plan = fp8_weights.plan
+
+    def plan_on_cpu(config, quant, device):  # type: ignore[no-untyped-def]
+        return real_plan(config, quant, torch.device("cuda"))
+
+    monkeypatch.setattr(fp8_weights, "plan", plan_on_cpu)
+    prompts = mixed_prompts(3)
+    llm = LLM(str(fp8), device="cpu", dtype="float32", num_kv_blocks=120)
+    module = llm.engine.model.module
+    layers = [m for m in module.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * _num_layers(ref)
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert llm.engine.load_report.weight_dtype.startswith("fp8 e4m3")
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=5)
+    outs = llm.generate(prompts, params)
+    hf = load_hf(ref)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert_matches(out, hf_greedy(hf, prompt, 12))
+    assert_no_leaks(llm.engine)
+
+
+def _num_layers(path: Path) -> int:
+    return int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+
+
+@pytest.mark.parametrize("block", [None, (16, 16), (128, 128)])
+def test_online_fp8_quantizer_round_trip_error_is_bounded(block: tuple[int, int] | None) -> None:
+    """`quantize_fp8` then `dequantize_fp8`: each element within E4M3's half-ulp (2^-4
+    relative, for normal values) of its block's scale, and the block max exact."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(200, 300, generator=g) * torch.logspace(-3, 1, 300)[None, :]
+    q, s = reference.quantize_fp8(w, block)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    back = reference.dequantize_fp8(q, s, block)
+    full = s.reshape(-1, 1).expand_as(w) if block is None else (
+        s.repeat_interleave(block[0], 0)[:200].repeat_interleave(block[1], 1)[:, :300]
+    )  # fmt: skip
+    err = (back - w).abs()
+    # Relative 2^-4 of the value, or E4M3's smallest subnormal step (2^-9) of the scale.
+    bound = torch.maximum(w.abs() * 2.0**-4, full * 2.0**-9) * 1.0001
+    assert bool((err <= bound).all()), float((err / bound).max())
+    assert float(err.max()) > 0  # it did quantize
+    # Per-row scales: each row's largest magnitude maps to 448 and back exactly.
+    if block is None:
+        rows = torch.arange(200)
+        cols = w.abs().argmax(dim=1)
+        torch.testing.assert_close(back[rows, cols], w[rows, cols], rtol=1e-6, atol=0)
+
+
+def test_online_fp8_is_refused_on_the_cpu() -> None:
+    with pytest.raises(InvalidRequestError, match="CUDA only"):
+        LLM(str(build(QWEN3)), device="cpu", quantization="fp8")
