@@ -103,7 +103,7 @@ def test_both_kernels_at_every_row_count(m: int, block: tuple[int, int] | None) 
 def test_silu_mul_linear_fp8_matches_reference(
     m: int, block: tuple[int, int] | None, dtype: torch.dtype
 ) -> None:
-    x, q, s, bias = _operands(m, 96, 160, block, dtype, seed=7 * m)
+    _, q, s, bias = _operands(m, 96, 160, block, dtype, seed=7 * m)
     g = torch.Generator().manual_seed(m)
     gate_up = (torch.randn(m, 320, generator=g) * 2).to(dtype).to(DEVICE)
     out = tf.silu_mul_linear_fp8(gate_up, q, s, bias, block)
