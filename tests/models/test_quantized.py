@@ -24,7 +24,12 @@ from metrale.layers.fp8_linear import Fp8Linear
 from metrale.model_engine import fp8_weights
 from tests.helpers.checkpoints import DENSE_VARIANTS, build, load_hf
 from tests.helpers.engine_checks import assert_no_leaks
-from tests.helpers.parity import assert_matches, hf_greedy, mixed_prompts
+from tests.helpers.parity import (
+    assert_matches,
+    count_identical_or_near_ties,
+    hf_greedy,
+    mixed_prompts,
+)
 
 QWEN3 = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -210,3 +215,27 @@ def test_online_fp8_quantizer_round_trip_error_is_bounded(block: tuple[int, int]
 def test_online_fp8_is_refused_on_the_cpu() -> None:
     with pytest.raises(InvalidRequestError, match="CUDA only"):
         LLM(str(build(QWEN3)), device="cpu", quantization="fp8")
+
+
+def test_online_fp8_layer_path_tracks_the_float_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--quantization fp8`'s load path (projections quantized per row after loading, then run
+    through `linear_fp8`, here the reference) on the bundled trained model: the weights take
+    fewer bytes, and greedy tokens equal the float32 run's or first leave them at a near tie."""
+    real_plan = fp8_weights.plan
+    monkeypatch.setattr(
+        fp8_weights,
+        "plan",
+        lambda config, quant, device: real_plan(config, quant, torch.device("cuda")),
+    )
+    base = LLM(None, device="cpu", dtype="float32", num_kv_blocks=100)
+    fp8 = LLM(None, device="cpu", dtype="float32", num_kv_blocks=100, quantization="fp8")
+    report = fp8.engine.load_report
+    assert report.weight_dtype.startswith("fp8 e4m3 (per-channel scales, quantized at load")
+    assert report.weights_bytes < 0.6 * base.engine.load_report.weights_bytes
+    tok = base.get_tokenizer()
+    prompts = [tok.encode(t) for t in ("def fibonacci(n):\n", "import os\n\n", "class Stack:\n")]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12, logprobs=5)
+    identical = count_identical_or_near_ties(
+        base.generate(prompts, params), fp8.generate(prompts, params)
+    )
+    assert identical >= 2, f"only {identical}/3 identical"
