@@ -111,13 +111,14 @@ def _apply_tile(
 
 
 @triton.jit
-def _load_sx(s_row_ptr, k, offs_k, K, BI: tl.constexpr, BLOCK_SCALE: tl.constexpr):
+def _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr, BI: tl.constexpr,
+             BLOCK_SCALE: tl.constexpr):  # fmt: skip
     """The block scales of the tile's K columns (`[BLOCK_K]`; 1.0 without block scales)."""
     if BLOCK_SCALE:
         kk = k + offs_k
         sx = tl.load(s_row_ptr + kk // BI, mask=kk < K, other=0.0, eviction_policy="evict_last")
     else:
-        sx = tl.full(offs_k.shape, 1.0, tl.float32)
+        sx = tl.full([BLOCK_K], 1.0, tl.float32)
     return sx
 
 
@@ -160,7 +161,7 @@ def _gemv_fp8_kernel(
     # First W tile (and its scales) before the PDL wait: they do not depend on the previous
     # kernel.
     w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
-    sx = _load_sx(s_row_ptr, 0, offs_k, K, BI, BLOCK_SCALE)
+    sx = _load_sx(s_row_ptr, 0, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
     if PDL:
         gdc_wait()
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
@@ -171,7 +172,7 @@ def _gemv_fp8_kernel(
     x_ptrs += BLOCK_K
     for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
-        sx = _load_sx(s_row_ptr, k, offs_k, K, BI, BLOCK_SCALE)
+        sx = _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
         acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
             acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + offs_k) < K,
             stride_xm, half, sx, M, EVEN_K, ACT, BLOCK_SCALE,
@@ -299,15 +300,17 @@ def _gemm_fp8_kernel(
     for k in range(0, K, BLOCK_K):
         k_mask = (k + offs_k) < K
         a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0).to(tl.float32).to(a.dtype)
-        if IEEE:
-            part = tl.dot(a, b, input_precision="ieee")
-        else:
-            part = tl.dot(a, b)
-        if BLOCK_SCALE:
+        b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0).to(a.dtype)
+        if BLOCK_SCALE:  # this K step's partial product, scaled by its one block scale
+            if IEEE:
+                part = tl.dot(a, b, input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
             acc += part * tl.load(s_row_ptr + k // BI)
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
-            acc += part
+            acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALE:
@@ -318,13 +321,21 @@ def _gemm_fp8_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemm_config(m: int, block: tuple[int, int] | None) -> tuple[int, int, int, int, int]:
-    """`(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`: 64 x 128 x 128 tiles (128 x 128 from 128
-    rows on), BLOCK_N dividing the row block and BLOCK_K the column block. Not tuned on the
-    device yet (KERNELS.md)."""
+def gemm_config(
+    m: int, block: tuple[int, int] | None, itemsize: int = 2
+) -> tuple[int, int, int, int, int]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`: for bf16/fp16 x, BLOCK_M 16..128 by M,
+    BLOCK_N 128, BLOCK_K 128 (wgmma from 64 rows, no spills: `compile_sm90.py`); float32 x
+    (IEEE dots on CUDA cores, a test and reference path) at most 32 x 64 x 32, which does not
+    spill.
+    BLOCK_N divides the row block and BLOCK_K the column block. Not timed on the device yet
+    (KERNELS.md)."""
+    wide = itemsize <= 2
     block_m = 128 if m >= 128 else 64 if m >= 64 else 32 if m >= 32 else 16
-    block_n = _row_block(block, 128)
-    block_k = min(128, block[1]) if block is not None else 128
+    block_m = block_m if wide else min(block_m, 32)
+    block_n = _row_block(block, 128 if wide else 64)
+    widest = 128 if wide else 32
+    block_k = min(widest, block[1]) if block is not None else widest
     warps = 8 if block_m * block_n >= 128 * 128 else 4
     return block_m, block_n, block_k, warps, 3
 
@@ -347,7 +358,7 @@ def gemm_fp8(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages = gemm_config(m, block)
+    block_m, block_n, block_k, warps, stages = gemm_config(m, block, x.element_size())
     _gemm_fp8_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, weight, scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
         weight.stride(0), scale.stride(0) if block is not None else 0, n,
