@@ -1,8 +1,8 @@
 """Quantized checkpoints: which `quantization_config` a checkpoint may carry, and the FP8
-weights it holds, dequantized at load.
+weights it holds, either kept as stored (with their scales) or dequantized at load.
 
 Owner: models (the factory parses the scheme; the loader streams tensors through
-`dequantized`).
+`dequantized`; `model_engine/fp8_weights.py` decides which weights stay FP8).
 
 Invariants:
 - A `quantization_config` this module does not implement is a start-up error naming the
@@ -11,12 +11,17 @@ Invariants:
 - Supported, weights only: block-wise FP8 (`quant_method: fp8`, E4M3, `weight_block_size`,
   `weight_scale_inv` per block: Qwen3-*-FP8, DeepSeek), per-channel or per-tensor FP8
   (`fbgemm_fp8`, and `compressed-tensors` float 8-bit weights with `strategy` channel or
-  tensor: `weight_scale`). The weight is dequantized exactly (`fp8 * scale` in float32) and
-  then stored in the model's dtype; activations stay in that dtype (a checkpoint's static
-  `input_scale` is not used: the matmuls run in higher precision than FP8 kernels would).
-  There is no FP8 GEMM yet: the weights take the bytes of the model dtype (logged).
+  tensor: `weight_scale`). Activations stay in the model dtype (a checkpoint's static
+  `input_scale` is not used: W8A16, the matmuls run in higher precision than FP8 x FP8).
+- What exists: on CUDA, a weight whose target parameter is FP8 (`keep`: the attention and
+  MLP projections, `layers/fp8_linear.Fp8Linear`) is passed on as an `Fp8Weight` (weight and
+  scale as stored, shapes checked) and runs through the FP8 kernels (`kernels/triton_fp8`);
+  every other quantized weight (and every one on the CPU) is dequantized exactly (`fp8 *
+  scale` in float32, `reference.dequantize_fp8`), then stored in the model's dtype, logged
+  with its count. The online `--quantization fp8` path (float checkpoints) is
+  `reference.quantize_fp8`, applied by `fp8_weights` after loading.
 - Layers the config lists as not converted (`modules_to_not_convert`, `ignore`) arrive in the
-  model dtype and pass through untouched.
+  model dtype and pass through untouched (no scale: they are never made FP8).
 """
 
 from __future__ import annotations
