@@ -56,6 +56,14 @@ def silu_mul_linear(
 FP8_MAX = 448.0
 
 
+def fp8_block_supported(block: tuple[int, int] | None) -> bool:
+    """Whether the FP8 kernels (`triton_fp8`) take this scale layout: None (one scale per
+    output row) or `(bo, bi)` blocks that are powers of two >= 16."""
+    if block is None:
+        return True
+    return all(b >= 16 and b & (b - 1) == 0 for b in block)
+
+
 def dequantize_fp8(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
 ) -> torch.Tensor:

@@ -24,8 +24,8 @@ Invariants:
   the sum is scaled once at the end. float32 x uses IEEE (not TF32) dots.
 - No host sync, no allocation but the output: CUDA-graph capturable. The choice of kernel
   and its config depend only on shapes, dtypes and the block.
-- Block sizes must be powers of two >= 16 (`block_supported`); the layer side keeps other
-  layouts dequantized (logged) instead of calling here.
+- Block sizes must be powers of two >= 16 (`reference.fp8_block_supported`); the start-up
+  (`model_engine/fp8_weights.py`) keeps other layouts dequantized (logged) instead.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.reference import fp8_block_supported as block_supported
 from metrale.kernels.triton_attention_common import gdc_launch_dependents, gdc_wait, pdl_options
 from metrale.kernels.triton_gemv import _load_w, _load_x
 from metrale.kernels.triton_norm import silu_and_mul
@@ -43,13 +44,6 @@ from metrale.kernels.triton_norm import silu_and_mul
 #: KERNELS.md).
 FP8_GEMV_MAX_ROWS = 8
 _ACC_BUDGET = 128 * 32 * 4
-
-
-def block_supported(block: tuple[int, int] | None) -> bool:
-    """Whether the kernels take this scale layout (None: per row; else powers of two >= 16)."""
-    if block is None:
-        return True
-    return all(b >= 16 and b & (b - 1) == 0 for b in block)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:

@@ -30,6 +30,7 @@ from safetensors import safe_open
 from metrale.config import EngineConfig
 from metrale.errors import InvalidRequestError
 from metrale.kernels import KernelOps
+from metrale.kernels.reference import fp8_block_supported
 from metrale.layers.fp8_linear import convert_projections
 from metrale.models.loader import WeightMapping, checkpoint_files, target_name
 from metrale.models.quantization import WeightQuant
@@ -58,10 +59,8 @@ def plan(config: EngineConfig, quant: WeightQuant | None, device: torch.device) 
             )
         return None
     if quant is not None:
-        from metrale.kernels.triton_fp8 import block_supported
-
         block = quant.block if quant.kind == "block" else None
-        if not block_supported(block):
+        if not fp8_block_supported(block):
             logger.warning(
                 "%s: the FP8 kernels take power-of-two blocks >= 16; dequantizing at load",
                 quant.describe(),
