@@ -197,6 +197,7 @@ def _engine_info(engine: Engine) -> dict[str, Any]:
         "async_scheduling": engine.async_scheduling,
         "fed_steps": engine.fed_steps,
         "drained_steps": engine.drained_steps,
+        "weight_dtype": getattr(engine.load_report, "weight_dtype", None),
     }
     breakdown = getattr(engine, "startup_breakdown", None) or getattr(
         engine.load_report, "breakdown", None
