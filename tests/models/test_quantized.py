@@ -56,8 +56,9 @@ def quantize_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / s).to(torch.float8_e4m3fn), s
 
 
-def fp8_checkpoint(dst: Path, kind: str) -> tuple[Path, Path]:
-    """`(fp8 checkpoint, its dequantized float32 twin)` of the Qwen3 test variant."""
+def fp8_checkpoint(dst: Path, kind: str, block: int = 16) -> tuple[Path, Path]:
+    """`(fp8 checkpoint, its dequantized float32 twin)` of the Qwen3 test variant (`block`:
+    the side of the square scale blocks of kind "block")."""
     src = build(QWEN3)
     fp8, ref = dst / "fp8", dst / "dequantized"
     for d in (fp8, ref):
@@ -70,9 +71,9 @@ def fp8_checkpoint(dst: Path, kind: str) -> tuple[Path, Path]:
         if name.startswith("model.layers.") and name.rsplit(".", 2)[-2] in LINEARS:
             w = t.float()
             if kind == "block":
-                q, s = quantize_block(w, (16, 16))
+                q, s = quantize_block(w, (block, block))
                 quantized[name], quantized[name + "_scale_inv"] = q, s
-                full = s.repeat_interleave(16, 0)[: w.shape[0]].repeat_interleave(16, 1)
+                full = s.repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)
                 dequantized[name] = q.float() * full[:, : w.shape[1]]
             else:
                 q, s = quantize_channel(w)
@@ -85,7 +86,7 @@ def fp8_checkpoint(dst: Path, kind: str) -> tuple[Path, Path]:
     config = json.loads((fp8 / "config.json").read_text())
     config["quantization_config"] = {
         "block": {"quant_method": "fp8", "activation_scheme": "dynamic",
-                  "weight_block_size": [16, 16]},
+                  "weight_block_size": [block, block]},
         "channel": {"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0},
         "compressed": {
             "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -182,6 +183,32 @@ def test_fp8_weights_kept_in_fp8_give_the_dequantized_tokens(
     for prompt, out in zip(prompts, outs, strict=True):
         assert_matches(out, hf_greedy(hf, prompt, 12))
     assert_no_leaks(llm.engine)
+
+
+def test_fused_parts_off_the_block_grid_stay_dequantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """64x64 blocks: q is 64 rows, k and v 32, so v starts inside a row block and the fused
+    qkv cannot hold the parts' block scales. It stays float (dequantized at load, logged);
+    o_proj, gate_up and down stay FP8; the tokens are still transformers' on the
+    dequantized weights."""
+    fp8, ref = fp8_checkpoint(tmp_path, "block", block=64)
+    real_plan = fp8_weights.plan
+    monkeypatch.setattr(
+        fp8_weights,
+        "plan",
+        lambda config, quant, device: real_plan(config, quant, torch.device("cuda")),
+    )
+    llm = LLM(str(fp8), device="cpu", dtype="float32", num_kv_blocks=120)
+    assert "stay in the model dtype" in caplog.text and "dequantized at load" in caplog.text
+    module = llm.engine.model.module
+    attn = module.model.layers[0].self_attn
+    assert not isinstance(attn.qkv_proj, Fp8Linear) and isinstance(attn.o_proj, Fp8Linear)
+    assert isinstance(module.model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    prompt = mixed_prompts(1)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, logprobs=5)
+    (out,) = llm.generate([prompt], params)
+    assert_matches(out, hf_greedy(load_hf(ref), prompt, 8))
 
 
 def _num_layers(path: Path) -> int:
