@@ -81,6 +81,8 @@ def test_linear_fp8_matches_reference(
     """Through the op entry: M <= 8 takes the GEMV, the rest the GEMM."""
     if INTERPRET and m == 300 and block != (16, 16):
         pytest.skip("interpreter time: M = 300 runs with one block layout")
+    if dtype != torch.float32 and block not in (None, (128, 128)):
+        pytest.skip("compile time: bf16 / fp16 run the two layouts checkpoints use")
     x, q, s, bias = _operands(m, n, k, block, dtype, seed=m + n + k)
     check(tf.linear_fp8(x, q, s, bias, block), x, q, s, bias, block)
     check(tf.linear_fp8(x, q, s, None, block), x, q, s, None, block)
