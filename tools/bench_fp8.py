@@ -19,6 +19,13 @@ Method (the `metrale bench latency` instrument, `metrale.bench.offline`, run twi
   record is the verdict), 1 only if a run failed.
 - Also recorded: each engine's KV blocks (the pool gets the memory the FP8 weights free),
   weight bytes and `LoadReport.weight_dtype`.
+
+`--kernels` instead times the projections alone on Qwen3-8B's shapes (for tuning
+`triton_fp8.gemv_config` / `gemm_config` when the bars are missed): the bf16 GEMV against the
+FP8 GEMV with per-row and 128x128 block scales at M = 1, 2, 4, 8 (GB/s of the weight bytes
+each reads, % of the copy bandwidth), and the FP8 GEMM against cuBLAS bf16 at M = 64, 512,
+4096 (TFLOP/s), each a CUDA-graph replay of many calls rotating over weight copies that do
+not fit L2 (`tools/bench_gemv.time_per_call`). Record `fp8-kernels`.
 """
 
 from __future__ import annotations
@@ -67,6 +74,79 @@ def _measure(args: argparse.Namespace, quantization: str | None) -> dict[str, An
     return figures
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bench_gemv as bg  # a sibling tool, not a package
+
+    from metrale.kernels import reference
+    from metrale.kernels import triton_fp8 as tf
+    from metrale.kernels import triton_gemv as tg
+
+    copy_gbps = bg.copy_bandwidth()
+    rows: list[dict[str, Any]] = []
+    bf = torch.bfloat16
+
+    def copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        count = max(2, -(-bg.ROTATE_BYTES // (n * k * torch.finfo(dtype).bits // 8)))
+        return [torch.randn(n, k, device="cuda").mul_(k**-0.5).to(dtype) for _ in range(count)]
+
+    block = (128, 128)
+    for name, (n, k) in bg.SHAPES.items():
+        if name == "lm_head":
+            continue
+        w16 = copies(n, k, bf)
+        w8 = [reference.quantize_fp8(w, None) for w in w16]
+        wb = [reference.quantize_fp8(w, block) for w in w16]
+        sc = {id(q): s for q, s in w8 + wb}  # each FP8 copy's scales
+        q8, qb = [q for q, _ in w8], [q for q, _ in wb]
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device="cuda").to(bf)
+            t16 = bg.time_per_call(lambda w, x=x: tg.gemv(x, w), w16)
+            t8 = bg.time_per_call(lambda q, x=x, sc=sc: tf.gemv_fp8(x, q, sc[id(q)]), q8)
+            tb = bg.time_per_call(
+                lambda q, x=x, sc=sc: tf.gemv_fp8(x, q, sc[id(q)], None, block), qb
+            )
+            for impl, t, nbytes in (
+                ("bf16 gemv", t16, 2 * n * k),
+                ("fp8 gemv row", t8, n * k),
+                ("fp8 gemv block", tb, n * k),
+            ):
+                gbps = nbytes / t / 1e9
+                rows.append(
+                    dict(shape=name, m=m, impl=impl, us=t * 1e6, gbps=gbps,
+                         pct_copy=gbps / copy_gbps, vs_bf16=t16 / t)
+                )  # fmt: skip
+                print(
+                    f"{name:8s} M={m} {impl:15s} {t * 1e6:8.2f} us {gbps:7.0f} GB/s "
+                    f"{100 * gbps / copy_gbps:5.1f}% copy  {t16 / t:5.2f}x bf16"
+                )
+        for m in (64, 512, 4096):
+            x = torch.randn(m, k, device="cuda").to(bf)
+            t16 = bg.time_per_call(lambda w, x=x: F.linear(x, w), w16)
+            tb = bg.time_per_call(
+                lambda q, x=x, sc=sc: tf.gemm_fp8(x, q, sc[id(q)], None, block), qb
+            )
+            for impl, t in (("cuBLAS bf16", t16), ("fp8 gemm block", tb)):
+                tflops = 2 * m * n * k / t / 1e12
+                rows.append(
+                    dict(shape=name, m=m, impl=impl, us=t * 1e6, tflops=tflops, vs_bf16=t16 / t)
+                )
+                print(
+                    f"{name:8s} M={m} {impl:15s} {t * 1e6:8.2f} us {tflops:7.1f} TFLOP/s "
+                    f"{t16 / t:5.2f}x cuBLAS"
+                )
+        del w16, w8, wb, sc, q8, qb
+        torch.cuda.empty_cache()
+    path = write_record(
+        "fp8-kernels", model_shape="qwen3-8b", figures={"copy_gbps": copy_gbps, "rows": rows},
+        device="cuda", config=offline.vars_of(args), out_dir=args.out_dir,
+    )  # fmt: skip
+    print(f"record: {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config-dir", default="bench/configs/qwen3-8b")
@@ -80,11 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--out-dir", default="bench/records")
+    parser.add_argument(
+        "--kernels", action="store_true", help="time the projections alone (see the docstring)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("bench_fp8: needs a CUDA device", file=sys.stderr)
         return 1
+    if args.kernels:
+        return _kernels(args)
     bf16 = _measure(args, None)
     fp8 = _measure(args, "fp8")
     speedup = fp8["tok_s"] / bf16["tok_s"]
