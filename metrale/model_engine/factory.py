@@ -204,6 +204,8 @@ def _load_model(
             module.drop_optional_weights(absent)
         if fp8 is not None and fp8.online:
             converted = fp8_weights.convert(module, ops, fp8, quantize=True)
+        elif fp8 is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # float parts quantized on the way left cached blocks
     weight_dtype = fp8_weights.describe(dtype, fp8, converted, quant)
     logger.info("weights: %s", weight_dtype)
     # Counted at their stored bytes: FP8 weights take 1 byte each, so the KV budget (read
