@@ -6,8 +6,9 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`, the FP8 projections in
-  `tests/gpu/test_fp8_linear.py`). An op not listed keeps its torch reference.
+  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`,
+  the FP8 projections in `tests/gpu/test_fp8_linear.py`). An op not listed keeps its torch
+  reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
