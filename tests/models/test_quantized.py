@@ -266,3 +266,24 @@ def test_online_fp8_layer_path_tracks_the_float_run(monkeypatch: pytest.MonkeyPa
         base.generate(prompts, params), fp8.generate(prompts, params)
     )
     assert identical >= 2, f"only {identical}/3 identical"
+
+
+def test_a_misshapen_scale_is_refused_on_the_fp8_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight kept in FP8 has its scale checked as a dequantized one is: a block-scale grid
+    of the wrong shape is a start-up error naming the tensor."""
+    fp8, _ = fp8_checkpoint(tmp_path, "block")
+    (file,) = sorted(fp8.glob("*.safetensors"))
+    tensors = load_file(str(file))
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, str(file))
+    real_plan = fp8_weights.plan
+    monkeypatch.setattr(
+        fp8_weights,
+        "plan",
+        lambda config, quant, device: real_plan(config, quant, torch.device("cuda")),
+    )
+    with pytest.raises(CheckpointError, match=r"down_proj\.weight': block scales have shape"):
+        LLM(str(fp8), device="cpu", dtype="float32", num_kv_blocks=40)
