@@ -195,13 +195,14 @@ def _gemv_fp8_kernel(
 def gemv_config(m: int, k: int, block: tuple[int, int] | None) -> tuple[int, int, int]:
     """`(BLOCK_N, BLOCK_K, stages)`: tile rows of 512 fp8 bytes (one 16-byte vector per
     thread of a warp, the bf16 GEMV's register shape at half its bytes), 16 rows at M == 1
-    else 8, halved K until M rows of accumulators fit the register budget; one more pipeline
-    stage than the bf16 GEMV to keep as many bytes in flight. BLOCK_N divides the row block."""
+    else 8, halved K until M rows of accumulators fit the register budget; 5 cp.async stages
+    (at M == 1 four 8 KiB tiles in flight per program: the bf16 GEMV's 32 KiB with half-size
+    tiles). BLOCK_N divides the row block."""
     block_n = _row_block(block, 16 if m == 1 else 8)
     block_k = min(512, max(16, triton.next_power_of_2(max(k, 1))))
     while m * block_n * block_k > _ACC_BUDGET and block_k > 16:
         block_k //= 2
-    return block_n, block_k, 4 if m == 1 else 5
+    return block_n, block_k, 5
 
 
 def _gemv_launch(
