@@ -30,6 +30,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 #: vLLM's rule), then arrival, and preemption takes the lowest priority first.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
+#: Online weight quantization methods (`quantization`).
+QUANTIZATIONS = ("fp8",)
 #: "auto": the checkpoint's generation_config.json supplies default sampling parameters;
 #: "none" (or vLLM's spelling "vllm"): the engine's own defaults.
 GENERATION_CONFIGS = ("auto", "none", "vllm")
@@ -96,6 +98,10 @@ class EngineConfig:
     #: Most requests waiting for admission; more are refused with QueueFullError.
     max_queue: int = 4096
     load_format: str = "auto"
+    #: "fp8": quantize a float checkpoint's attention and MLP projections to FP8 (E4M3, one
+    #: scale per output channel) at load and run them with the FP8 kernels (CUDA only; an
+    #: FP8 checkpoint needs no flag). None: weights as the checkpoint stores them.
+    quantization: str | None = None
     #: "auto": requests that leave temperature, top_p, top_k, min_p or repetition_penalty
     #: unset get the checkpoint's generation_config.json values; "none": the engine's defaults.
     generation_config: str = "auto"
@@ -205,6 +211,10 @@ class EngineConfig:
             raise bad("max_queue", f"must be >= 1, got {self.max_queue}")
         if self.load_format not in LOAD_FORMATS:
             raise bad("load_format", f"'{self.load_format}' is not one of {LOAD_FORMATS}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise bad(
+                "quantization", f"'{self.quantization}' is not one of {QUANTIZATIONS} (or unset)"
+            )
         self.speculative()  # parses it: a bad key or value fails here, naming it
         self.lora_module_dirs()  # each entry is name=DIR, names unique
         if self.max_loras < 1:

@@ -84,6 +84,9 @@ FLAG_HELP = {
     "`priority` (lower first), then arrival; preemption takes the lowest priority first",
     "request_timeout": "per-request deadline in seconds (default: none; 0: none)",
     "load_format": "auto | dummy (random weights of the config's shapes)",
+    "quantization": "fp8: quantize a float checkpoint's attention/MLP projections to FP8 E4M3 "
+    "(per-channel scales) at load and run FP8 kernels (CUDA only; FP8 checkpoints need no "
+    "flag) (default: none)",
     "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
     "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
     "async_scheduling": "launch each plain decode step before the previous one is read back "
@@ -115,7 +118,7 @@ DEFAULT_TOPIC = "engine"
 FLAG_TOPICS: dict[str, str] = {
     **dict.fromkeys(
         ("model", "tokenizer", "device", "dtype", "max_model_len", "served_model_name",
-         "chat_template", "load_format", "generation_config", "seed"),
+         "chat_template", "load_format", "quantization", "generation_config", "seed"),
         "model",
     ),
     **dict.fromkeys(

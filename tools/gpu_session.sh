@@ -17,6 +17,9 @@
 #        hybridttft (issue 15) vision (issue 21)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
+#        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
+#        against its roofline, one record: tools/bench_fp8.py) fp8tests (tests/gpu/test_fp8_linear.py)
+#        fp8kernels (the FP8 GEMV / GEMM alone against bf16 on qwen3-8b shapes, for tuning)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
 #        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
@@ -204,6 +207,23 @@ for part in $PARTS; do
     stamp sampler torch path vs kernel by batch
     timeout 150 python3 tools/bench_sampler.py --out "$OUT/sampler.json" >"$OUT/sampler.log" 2>&1
     echo "rc=$?"; tail -24 "$OUT/sampler.log"
+    ;;
+  fp8)
+    stamp "fp8 weights: qwen3-8b batch-1 decode, bf16 vs --quantization fp8, each vs its roofline"
+    timeout 420 python3 tools/bench_fp8.py --config-dir bench/configs/qwen3-8b --out-dir "$OUT" \
+      >"$OUT/fp8.log" 2>&1
+    echo "rc=$?"; tail -16 "$OUT/fp8.log"; grep -iE "weights:|Error" "$OUT/fp8.log" | tail -4
+    ;;
+  fp8kernels)
+    stamp "fp8 weights: the projections alone, bf16 GEMV vs FP8 GEMV, FP8 GEMM vs cuBLAS bf16"
+    timeout 420 python3 tools/bench_fp8.py --kernels --out-dir "$OUT" >"$OUT/fp8_kernels.log" 2>&1
+    echo "rc=$?"; tail -40 "$OUT/fp8_kernels.log"
+    ;;
+  fp8tests)
+    stamp "fp8 weights: kernel, graph and engine tests (tests/gpu/test_fp8_linear.py)"
+    timeout 540 python3 -m pytest tests/gpu/test_fp8_linear.py -q -p no:cacheprovider --timeout 300 \
+      >"$OUT/fp8_tests.log" 2>&1
+    echo "rc=$?"; tail -8 "$OUT/fp8_tests.log"
     ;;
   gemv)
     stamp gemv bench

@@ -6,7 +6,8 @@ latency: batch-1 decode after a `--prompt-len` prompt. tok/s = (generated - 1) /
 first to the last token (decode only). The roofline measured in the same run is
 `copy bandwidth / bytes read per step`, where bytes per step = every weight matrix the step
 reads (the embedding table contributes one row unless tied to the LM head) + the KV of the
-mean context.
+mean context. Each weight counts at its stored bytes (`--quantization fp8`: the projections at
+1 byte, their scales at 4 per row).
 
 throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform in
 [100, 1024], random token ids, ignore_eos; output tokens / wall time, after a warm-up request.
@@ -40,6 +41,7 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
         model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
         max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+        quantization=getattr(args, "quantization", None),
     )  # fmt: skip
     values.update(overrides)
     return Engine(EngineConfig(**values))
@@ -195,6 +197,7 @@ def _engine_info(engine: Engine) -> dict[str, Any]:
         "async_scheduling": engine.async_scheduling,
         "fed_steps": engine.fed_steps,
         "drained_steps": engine.drained_steps,
+        "weight_dtype": getattr(engine.load_report, "weight_dtype", None),
     }
     breakdown = getattr(engine, "startup_breakdown", None) or getattr(
         engine.load_report, "breakdown", None
@@ -227,6 +230,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--quantization", default=None, choices=["fp8"],
+        help="fp8: the projections quantized to FP8 at load (the roofline counts them at 1 byte)",
+    )  # fmt: skip
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out-dir", default="bench/records")
     parser.add_argument("--log-level", default="INFO")

@@ -130,6 +130,9 @@ class EngineInfo:
     #: The engine's `VisionPrompts` (images -> prompt tokens; no model inside, picklable);
     #: None for a text-only model.
     vision: Any = None
+    #: The weights' dtype in words (`LoadReport.weight_dtype`, e.g. "fp8 e4m3 (block 128x128
+    #: scales, from the checkpoint; 252 projections), bfloat16 elsewhere"); "" when unknown.
+    weight_dtype: str = ""
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -146,4 +149,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         scheduling_policy=engine.config.scheduling_policy,
         lora_adapters=tuple(engine.lora_adapter_list()) if engine.config.lora_enabled else None,
         vision=engine.vision,
+        weight_dtype=getattr(engine.load_report, "weight_dtype", "") or "",
     )

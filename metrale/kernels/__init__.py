@@ -34,6 +34,11 @@ class KernelOps:
     # bandwidth-bound GEMV kernel reads the weights faster.
     linear: Callable = reference.linear
     silu_mul_linear: Callable = reference.silu_mul_linear
+    # FP8 (E4M3) weight projections, `(x, weight, scale, bias, block)`: W8A16 kernels on CUDA
+    # (`triton_fp8`); the reference dequantizes and calls F.linear (the CPU keeps FP8
+    # checkpoints dequantized at load, so it only runs in tests).
+    linear_fp8: Callable = reference.linear_fp8
+    silu_mul_linear_fp8: Callable = reference.silu_mul_linear_fp8
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
     # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm; the `_write_kv`

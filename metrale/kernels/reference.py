@@ -52,6 +52,82 @@ def silu_mul_linear(
     return F.linear(silu_and_mul(gate_up), weight, bias)
 
 
+#: Largest finite E4M3 (`torch.float8_e4m3fn`) value.
+FP8_MAX = 448.0
+
+
+def fp8_block_supported(block: tuple[int, int] | None) -> bool:
+    """Whether the FP8 kernels (`triton_fp8`) take this scale layout: None (one scale per
+    output row) or `(bo, bi)` blocks that are powers of two >= 16."""
+    if block is None:
+        return True
+    return all(b >= 16 and b & (b - 1) == 0 for b in block)
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """The float32 value of an FP8 weight `[N, K]`: `fp8 * scale`, with `scale` one float32
+    per `block` (`[cdiv(N, bo), cdiv(K, bi)]`) or, with `block` None, one per output row
+    (`[N]`)."""
+    w = weight.to(torch.float32)
+    s = scale.to(torch.float32)
+    if block is None:
+        return w * s.reshape(-1, 1)
+    bo, bi = block
+    rows, cols = w.shape
+    full = s.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+    return w * full
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`linear(x, dequantize_fp8(weight, scale, block), bias)`: the weight dequantized in
+    float32, rounded once to x's dtype, then torch's `Linear`."""
+    return F.linear(x, dequantize_fp8(weight, scale, block).to(x.dtype), bias)
+
+
+def silu_mul_linear_fp8(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`linear_fp8(silu_and_mul(gate_up), weight, scale, bias, block)`."""
+    return linear_fp8(silu_and_mul(gate_up), weight, scale, bias, block)
+
+
+def quantize_fp8(
+    weight: torch.Tensor, block: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(E4M3 weight, float32 scale)` of a float weight `[N, K]`, the inverse of
+    `dequantize_fp8`: each block (or row) scaled by `amax / FP8_MAX` so its largest magnitude
+    maps to 448, then rounded to nearest (an all-zero block gets scale 1). Computed in float32
+    where `weight` lives (on CUDA: no host round trip)."""
+    w = weight.to(torch.float32)
+    if block is None:
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q, scale
+    bo, bi = block
+    rows, cols = w.shape
+    pr, pc = -(-rows // bo) * bo, -(-cols // bi) * bi
+    padded = F.pad(w, (0, pc - cols, 0, pr - rows))
+    tiles = padded.reshape(pr // bo, bo, pc // bi, bi)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    full = scale.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -6,7 +6,9 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`). An op not listed keeps its torch reference.
+  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`,
+  the FP8 projections in `tests/gpu/test_fp8_linear.py`). An op not listed keeps its torch
+  reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
@@ -26,6 +28,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "silu_and_mul": ("metrale.kernels.triton_norm", "silu_and_mul"),
     "linear": ("metrale.kernels.triton_linear", "linear"),
     "silu_mul_linear": ("metrale.kernels.triton_linear", "silu_mul_linear"),
+    "linear_fp8": ("metrale.kernels.triton_fp8", "linear_fp8"),
+    "silu_mul_linear_fp8": ("metrale.kernels.triton_fp8", "silu_mul_linear_fp8"),
     "write_kv": ("metrale.kernels.triton_attention", "write_kv"),
     "paged_attention": ("metrale.kernels.triton_attention", "paged_attention"),
     "rotary_embedding": ("metrale.kernels.triton_rotary", "rotary_embedding"),
@@ -43,7 +47,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 #: Ops of the decode path whose Triton kernels take `pdl=True` (programmatic dependent launch:
 #: each waits for the previous kernel on entry, so it may be launched while that one drains).
 PDL_OPS = frozenset(
-    {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "paged_attention",
+    {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
+     "silu_mul_linear_fp8", "paged_attention",
      "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add"}
 )  # fmt: skip
 

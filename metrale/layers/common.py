@@ -11,6 +11,8 @@ Invariants:
 - Attention reads and writes K/V only through the metadata's slots and block tables.
 - A `PreNormLayer` threads the residual stream the same way in every family: `pre_norm` on
   entry, the fused residual add before the MLP, `(hidden, residual)` out.
+- The four projections run through `project` / `project_silu_mul` (`fp8_linear`): an
+  `nn.Linear` through `ops.linear`, an `Fp8Linear` (FP8 weights) through `ops.linear_fp8`.
 - `GatedMLP` and `PagedSelfAttention` carry `lora` (a `metrale.layers.lora.LoraLayer`, None
   unless the model serves adapters); when a forward routes rows to adapters, each base
   projection's output gets those rows' LoRA deltas before it is used (the down projection is
@@ -26,6 +28,7 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.fp8_linear import project, project_silu_mul
 from metrale.layers.lora import LoraLayer
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
@@ -117,16 +120,14 @@ class GatedMLP(nn.Module):
         ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
         lora = self.lora
         if lora is None or not lora.active():
-            return ops.silu_mul_linear(
-                ops.linear(x, gate_up.weight, gate_up.bias), down.weight, down.bias
-            )
-        h = ops.linear(x, gate_up.weight, gate_up.bias)
+            return project_silu_mul(ops, down, project(ops, gate_up, x))
+        h = project(ops, gate_up, x)
         inter = h.shape[-1] // 2
         lora.add(x, h, [("gate_proj", 0, inter), ("up_proj", inter, inter)])
         if not lora.adapts("down_proj"):
-            return ops.silu_mul_linear(h, down.weight, down.bias)
+            return project_silu_mul(ops, down, h)
         act = ops.silu_and_mul(h)
-        out = ops.linear(act, down.weight, down.bias)
+        out = project(ops, down, act)
         lora.add(act, out, [("down_proj", 0, out.shape[-1])])
         return out
 
@@ -173,7 +174,7 @@ class PagedSelfAttention(AttentionProjections):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = project(self.ops, self.qkv_proj, x)
         lora = self.lora if self.lora is not None and self.lora.active() else None
         if lora is not None:
             q_n, kv_n = self.q_size, self.kv_size
@@ -188,7 +189,7 @@ class PagedSelfAttention(AttentionProjections):
         k_cache, v_cache = kv
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
         flat = out.reshape(tokens, self.q_size)
-        y = self.ops.linear(flat, self.o_proj.weight, self.o_proj.bias)
+        y = project(self.ops, self.o_proj, flat)
         if lora is not None:
             lora.add(flat, y, [("o_proj", 0, y.shape[-1])])
         return y

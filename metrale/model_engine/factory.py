@@ -10,6 +10,9 @@ Invariants:
 - `max_model_len` never exceeds the checkpoint's `max_position_embeddings`.
 - Hybrid models get an SSM slot pool of exactly `max_num_seqs` slots (float32 recurrent
   state); its bytes come out of the KV budget, so the two never overcommit memory together.
+- FP8 weights (`fp8_weights`: an FP8 checkpoint or `--quantization fp8`, CUDA only) are
+  converted before the KV budget is read and counted at 1 byte per weight, so the pool gets
+  the memory they free; `LoadReport.weight_dtype` names the weights' dtype.
 - With a draft checkpoint (`speculative_config` method `draft_model`) the draft's vocabulary
   is checked before any weights load, and the budget pays for the draft too: its weights
   (CUDA) and, per target KV block, one draft block of the same token count, so the draft's
@@ -37,6 +40,7 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
+from metrale.model_engine import fp8_weights
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -101,6 +105,10 @@ class LoadReport:
     num_ssm_slots: int = 0
     #: CUDA start-up breakdown (weights, activations, KV, graphs); None on the CPU.
     breakdown: StartupBreakdown | None = None
+    #: The weights' dtype in words (`fp8_weights.describe`), e.g. "bfloat16" or "fp8 e4m3
+    #: (block 128x128 scales, from the checkpoint; 144 projections), bfloat16 elsewhere";
+    #: what the start-up log and `/v1/models` report.
+    weight_dtype: str = ""
 
 
 def _dummy_init(module: torch.nn.Module) -> None:
@@ -174,20 +182,34 @@ def _load_model(
         )
     draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
     ops = kernels_for(device, batch_invariant=config.batch_invariant)
+    fp8 = fp8_weights.plan(config, quant, device)
     with torch.device(device), _default_dtype(dtype):
         module = cls(mcfg, ops, max_model_len)
     module.eval()
+    converted = 0
     if config.load_format == "dummy":
         progress.begin_phase("random weights")
         _dummy_init(module)
+        if fp8 is not None:  # random float weights, quantized as an online load would
+            converted = fp8_weights.convert(module, ops, fp8, quantize=True)
         progress.end_phase("random weights", "--load-format dummy")
     else:
-        absent = load_weights(
-            module, model_dir, module.weight_mapping(), quant=quant, progress=progress
-        )
+        mapping = module.weight_mapping()
+        if fp8 is not None and not fp8.online:  # the loader fills them as the checkpoint stores
+            only = fp8_weights.quantized_targets(model_dir, mapping, quant)  # type: ignore[arg-type]
+            converted = fp8_weights.convert(module, ops, fp8, quantize=False, only=only)
+        absent = load_weights(module, model_dir, mapping, quant=quant, progress=progress)
         if absent:
             logger.info("checkpoint has no %s weights; dropped", ", ".join(sorted(absent)))
             module.drop_optional_weights(absent)
+        if fp8 is not None and fp8.online:
+            converted = fp8_weights.convert(module, ops, fp8, quantize=True)
+        elif fp8 is not None and device.type == "cuda":
+            torch.cuda.empty_cache()  # float parts quantized on the way left cached blocks
+    weight_dtype = fp8_weights.describe(dtype, fp8, converted, quant)
+    logger.info("weights: %s", weight_dtype)
+    # Counted at their stored bytes: FP8 weights take 1 byte each, so the KV budget (read
+    # from the device's free memory) gets the rest.
     weights_bytes = sum(p.numel() * p.element_size() for p in module.parameters())
     ssm_specs = module.ssm_layer_specs() if hasattr(module, "ssm_layer_specs") else []
     ssm_pool = None
@@ -278,7 +300,7 @@ def _load_model(
         logger.info("prefill and mixed-batch kernels compiled for the common shapes in %.1fs", warm)
     report = LoadReport(
         weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,
-        ssm_pool.num_slots if ssm_pool is not None else 0, breakdown,
+        ssm_pool.num_slots if ssm_pool is not None else 0, breakdown, weight_dtype,
     )  # fmt: skip
     if ssm_pool is not None:
         logger.info(
@@ -292,9 +314,10 @@ def _load_model(
                 model.snapshots.bytes_total() / 2**20,
             )  # fmt: skip
     logger.info(
-        "loaded %s (%s) on %s/%s: weights %.1f MiB, KV %d usable blocks (+1 null, %.1f MiB) "
-        "in %.2fs",
+        "loaded %s (%s) on %s/%s: weights %.1f MiB (%s), KV %d usable blocks (+1 null, "
+        "%.1f MiB) in %.2fs",
         model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
+        weight_dtype,
         num_blocks - 1, kv_bytes / 2**20, report.load_seconds,
     )  # fmt: skip
     if device.type == "cuda":

@@ -13,6 +13,10 @@ Invariants:
 - Tensors the architecture does not use are counted and logged, not silently dropped.
 - A float8 tensor is loaded only through the checkpoint's quantization scheme (its scale
   applied); without one it is an error (`quantization.py`).
+- A float8 parameter (an `Fp8Linear`'s weight, with its `weight_scale` beside it) receives
+  the checkpoint's FP8 weight and scale as stored, its fused parts' scale rows at
+  `offset // block rows`; a float checkpoint tensor for it is quantized on the way
+  (`reference.quantize_fp8`). Every other parameter receives float values.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import torch
 from safetensors import safe_open
 
 from metrale.errors import CheckpointError
+from metrale.kernels.reference import quantize_fp8
 from metrale.model_config import ModelConfig
-from metrale.models.quantization import WeightQuant, dequantized
+from metrale.models.quantization import Fp8Weight, WeightQuant, dequantized
 from metrale.progress import LoadProgress, NullProgress
 
 logger = logging.getLogger(__name__)
@@ -170,11 +175,19 @@ def load_weights(
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     skip_params = skip_params or set()
+    fp8 = fp8_blocks(model)
     pending: dict[str, set[tuple[int, int]] | None] = {
-        name: None for name in params if name not in skip_params
+        name: None
+        for name in params
+        if name not in skip_params and name.removesuffix("_scale") not in fp8
     }
     unused: list[str] = []
-    for hf_name, tensor, path in dequantized(_reported(files, progress or NullProgress()), quant):
+
+    def keep(hf_name: str) -> bool:
+        return target_name(hf_name, mapping) in fp8
+
+    stream = dequantized(_reported(files, progress or NullProgress()), quant, keep if fp8 else None)
+    for hf_name, tensor, path in stream:
         name = mapping.rename(hf_name) if mapping.rename else hf_name
         if any(name.endswith(s) for s in mapping.ignored_suffixes):
             continue
@@ -206,8 +219,11 @@ def load_weights(
             param = params[target]
             expected = (shard.rows, *param.shape[1:])
             _check_shape(tensor, expected, hf_name, path)
-            with torch.no_grad():
-                param.data[shard.offset : shard.offset + shard.rows].copy_(tensor)
+            if target in fp8:
+                _write_fp8(params, target, shard.offset, tensor, fp8[target], hf_name, path)
+            else:
+                with torch.no_grad():
+                    param.data[shard.offset : shard.offset + shard.rows].copy_(tensor)
             done = pending.get(target) or set()
             done.add((shard.offset, shard.rows))
             pending[target] = done
@@ -217,8 +233,11 @@ def load_weights(
             continue
         param = params[name]
         _check_shape(tensor, tuple(param.shape), hf_name, path)
-        with torch.no_grad():
-            param.data.copy_(tensor)
+        if name in fp8:
+            _write_fp8(params, name, 0, tensor, fp8[name], hf_name, path)
+        else:
+            with torch.no_grad():
+                param.data.copy_(tensor)
         pending.pop(name, None)
     absent = {
         prefix
@@ -237,6 +256,56 @@ def load_weights(
             ", ".join(sorted(unused)[:4]),
         )
     return absent
+
+
+def fp8_blocks(model: torch.nn.Module) -> dict[str, tuple[int, int] | None]:
+    """`{weight parameter name: scale block}` of the model's float8 weights (`Fp8Linear`:
+    a `weight` with its `weight_scale` and `block` beside it)."""
+    return {
+        f"{prefix}.weight" if prefix else "weight": getattr(module, "block", None)
+        for prefix, module in model.named_modules()
+        if isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dtype == torch.float8_e4m3fn
+    }
+
+
+def target_name(hf_name: str, mapping: WeightMapping) -> str | None:
+    """The parameter a (non-expert) checkpoint tensor fills, as `load_weights` resolves it."""
+    name = mapping.rename(hf_name) if mapping.rename else hf_name
+    if any(name.endswith(s) for s in mapping.ignored_suffixes):
+        return None
+    shard = next((s for s in mapping.stacked if _has_part(name, s.source)), None)
+    return _replace_part(name, shard.source, shard.target) if shard is not None else name
+
+
+def _write_fp8(
+    params: dict[str, torch.nn.Parameter],
+    target: str,
+    offset: int,
+    tensor: torch.Tensor | Fp8Weight,
+    block: tuple[int, int] | None,
+    hf_name: str,
+    path: Path,
+) -> None:
+    """Rows `[offset, offset + rows)` of the float8 parameter `target` and their scales in
+    `<target>_scale` (see the invariants)."""
+    weight, scale = params[target], params[target + "_scale"]
+    rows = tensor.shape[0]
+    try:
+        if isinstance(tensor, Fp8Weight):
+            q, s = tensor.weight, tensor.row_scales(block, rows)
+        else:
+            q, s = quantize_fp8(tensor.to(weight.device), block)
+        r0 = offset if block is None else offset // block[0]
+        if block is not None and offset % block[0]:
+            raise ValueError(f"its rows start at {offset}, inside a {block[0]}-row block")
+        with torch.no_grad():
+            weight.data[offset : offset + rows].copy_(q)
+            scale.data[r0 : r0 + s.shape[0]].copy_(s)
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{path}: tensor '{hf_name}' cannot fill FP8 '{target}': {exc}"
+        ) from exc
 
 
 def _reported(

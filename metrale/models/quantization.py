@@ -1,8 +1,8 @@
 """Quantized checkpoints: which `quantization_config` a checkpoint may carry, and the FP8
-weights it holds, dequantized at load.
+weights it holds, either kept as stored (with their scales) or dequantized at load.
 
 Owner: models (the factory parses the scheme; the loader streams tensors through
-`dequantized`).
+`dequantized`; `model_engine/fp8_weights.py` decides which weights stay FP8).
 
 Invariants:
 - A `quantization_config` this module does not implement is a start-up error naming the
@@ -11,18 +11,23 @@ Invariants:
 - Supported, weights only: block-wise FP8 (`quant_method: fp8`, E4M3, `weight_block_size`,
   `weight_scale_inv` per block: Qwen3-*-FP8, DeepSeek), per-channel or per-tensor FP8
   (`fbgemm_fp8`, and `compressed-tensors` float 8-bit weights with `strategy` channel or
-  tensor: `weight_scale`). The weight is dequantized exactly (`fp8 * scale` in float32) and
-  then stored in the model's dtype; activations stay in that dtype (a checkpoint's static
-  `input_scale` is not used: the matmuls run in higher precision than FP8 kernels would).
-  There is no FP8 GEMM yet: the weights take the bytes of the model dtype (logged).
+  tensor: `weight_scale`). Activations stay in the model dtype (a checkpoint's static
+  `input_scale` is not used: W8A16, the matmuls run in higher precision than FP8 x FP8).
+- What exists: on CUDA, a weight whose target parameter is FP8 (`keep`: the attention and
+  MLP projections, `layers/fp8_linear.Fp8Linear`) is passed on as an `Fp8Weight` (weight and
+  scale as stored, shapes checked) and runs through the FP8 kernels (`kernels/triton_fp8`);
+  every other quantized weight (and every one on the CPU) is dequantized exactly (`fp8 *
+  scale` in float32, `reference.dequantize_fp8`), then stored in the model's dtype, logged
+  with its count. The online `--quantization fp8` path (float checkpoints) is
+  `reference.quantize_fp8`, applied by `fp8_weights` after loading.
 - Layers the config lists as not converted (`modules_to_not_convert`, `ignore`) arrive in the
-  model dtype and pass through untouched.
+  model dtype and pass through untouched (no scale: they are never made FP8).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,7 @@ from typing import Any
 import torch
 
 from metrale.errors import CheckpointError
+from metrale.kernels.reference import dequantize_fp8
 
 logger = logging.getLogger(__name__)
 
@@ -110,35 +116,82 @@ def parse_quantization(raw: dict[str, Any], source: str) -> WeightQuant | None:
     raise refused
 
 
-def _dequantize(weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
-    w = weight.to(torch.float32)
-    s = scale.to(torch.float32)
+def _validate(weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuant) -> None:
+    """A `ValueError` naming the problem when `scale` does not fit `weight` under `quant`."""
     if quant.kind == "block":
         bo, bi = quant.block  # type: ignore[misc]
-        rows, cols = w.shape
+        rows, cols = weight.shape
         need = (-(-rows // bo), -(-cols // bi))
-        if tuple(s.shape) != need:
-            raise ValueError(f"block scales have shape {list(s.shape)}, expected {list(need)}")
-        s = s.repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
-        return w * s
-    if quant.kind == "channel":
-        if s.numel() != w.shape[0]:
-            raise ValueError(f"channel scales have {s.numel()} entries for {w.shape[0]} rows")
-        return w * s.reshape(-1, 1)
-    if s.numel() != 1:
-        raise ValueError(f"a per-tensor scale has {s.numel()} entries")
-    return w * s.reshape(())
+        if tuple(scale.shape) != need:
+            raise ValueError(f"block scales have shape {list(scale.shape)}, expected {list(need)}")
+    elif quant.kind == "channel":
+        if scale.numel() != weight.shape[0]:
+            raise ValueError(
+                f"channel scales have {scale.numel()} entries for {weight.shape[0]} rows"
+            )
+    elif scale.numel() != 1:
+        raise ValueError(f"a per-tensor scale has {scale.numel()} entries")
+
+
+def _dequantize(weight: torch.Tensor, scale: torch.Tensor, quant: WeightQuant) -> torch.Tensor:
+    _validate(weight, scale, quant)
+    if quant.kind == "block":
+        return dequantize_fp8(weight, scale, quant.block)
+    return dequantize_fp8(weight, scale.reshape(-1).expand(weight.shape[0]), None)
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A checkpoint's FP8 weight with its scale, passed to the loader as stored (for a
+    parameter that stays FP8: `metrale.layers.fp8_linear.Fp8Linear`)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    quant: WeightQuant
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def row_scales(self, block: tuple[int, int] | None, rows: int) -> torch.Tensor:
+        """This weight's scales in an `Fp8Linear`'s layout `block`: the checkpoint's block
+        scales as stored, or (None) one float32 per row of its `rows` (a per-tensor scale
+        repeated)."""
+        s = self.scale.to(torch.float32)
+        if block is None:
+            if self.quant.kind == "block":
+                raise ValueError("block scales cannot fill a per-row scale")
+            return s.reshape(-1).expand(rows).contiguous()
+        if self.quant.kind != "block" or self.quant.block != block:
+            raise ValueError(f"{self.quant.describe()} cannot fill {block} block scales")
+        return s
 
 
 def dequantized(
-    tensors: Iterator[tuple[str, torch.Tensor, Path]], quant: WeightQuant | None
-) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    tensors: Iterator[tuple[str, torch.Tensor, Path]],
+    quant: WeightQuant | None,
+    keep: Callable[[str], bool] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | Fp8Weight, Path]]:
     """The checkpoint's tensors with every quantized weight replaced by its float32
-    dequantization (its scale consumed); everything else unchanged. Pairs a weight with its
-    scale in whatever order and shard they come."""
+    dequantization (its scale consumed), or, where `keep(name)`, by an `Fp8Weight` (weight
+    and scale as stored); everything else unchanged. Pairs a weight with its scale in
+    whatever order and shard they come."""
     waiting_weights: dict[str, tuple[torch.Tensor, Path]] = {}
     waiting_scales: dict[str, tuple[torch.Tensor, Path]] = {}
-    count = 0
+    count = kept = 0
+
+    def paired(name: str, weight: torch.Tensor, scale: torch.Tensor, path: Path):
+        nonlocal count, kept
+        if keep is not None and keep(name):
+            try:
+                _validate(weight, scale, quant)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: tensor '{name}': {exc}") from exc
+            kept += 1
+            return Fp8Weight(weight, scale, quant)  # type: ignore[arg-type]
+        count += 1
+        return _checked(name, weight, scale, quant, path)  # type: ignore[arg-type]
+
     for name, tensor, path in tensors:
         if quant is None:
             if tensor.dtype in FP8_DTYPES:
@@ -152,8 +205,7 @@ def dequantized(
             base = name[: -len(quant.scale_suffix)] + "weight"
             if base in waiting_weights:
                 weight, wpath = waiting_weights.pop(base)
-                count += 1
-                yield base, _checked(base, weight, tensor, quant, wpath), wpath
+                yield base, paired(base, weight, tensor, wpath), wpath
             else:
                 waiting_scales[base] = (tensor, path)
             continue
@@ -162,8 +214,7 @@ def dequantized(
         if tensor.dtype in FP8_DTYPES:
             if name in waiting_scales:
                 scale, _ = waiting_scales.pop(name)
-                count += 1
-                yield name, _checked(name, tensor, scale, quant, path), path
+                yield name, paired(name, tensor, scale, path), path
             else:
                 waiting_weights[name] = (tensor, path)
             continue
@@ -175,12 +226,14 @@ def dequantized(
             f"quantized tensor '{orphan[0]}' {what} ({quant.scale_suffix if quant else ''}); "
             f"{len(waiting_weights) + len(waiting_scales)} such tensors in all"
         )
-    if quant is not None:
+    if quant is not None and count:
         logger.warning(
-            "%s: %d weights dequantized at load to the model dtype (no FP8 GEMM yet: they "
-            "take its bytes, and the matmuls run in it)",
+            "%s: %d weights dequantized at load to the model dtype (they take its bytes, "
+            "and their matmuls run in it)",
             quant.describe(), count,
         )  # fmt: skip
+    if quant is not None and kept:
+        logger.info("%s: %d weights kept in FP8 with their scales", quant.describe(), kept)
 
 
 def _checked(

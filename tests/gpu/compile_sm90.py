@@ -126,6 +126,23 @@ def _launch_everything() -> None:
     ks = torch.zeros(4, dtype=torch.int64)
     ts.top_k_top_p_sample(logits, ks, torch.ones(4), torch.rand(4, dtype=torch.float64))
     ts.top_k_top_p_filter(logits, ks, torch.ones(4))
+    _launch_fp8()
+
+
+def _launch_fp8() -> None:
+    """The FP8-weight GEMV (decode rows, PDL) and W8A16 GEMM at Qwen3-8B's qkv shape, per-row
+    and 128x128 block scales."""
+    from metrale.kernels import reference
+    from metrale.kernels import triton_fp8 as tf
+
+    n, k = 6144, 4096
+    for block in (None, (128, 128)):
+        q, s = reference.quantize_fp8(torch.randn(n, k), block)
+        for m in (1, 2, 4, 8):
+            tf.gemv_fp8(torch.randn(m, k, dtype=torch.bfloat16), q, s, None, block, pdl=True)
+        tf.gemv_fp8_silu_mul(torch.randn(1, 2 * k, dtype=torch.bfloat16), q, s, None, block)
+        for m in (16, 64, 300):
+            tf.gemm_fp8(torch.randn(m, k, dtype=torch.bfloat16), q, s, None, block)
 
 
 def _report() -> list[str]:

@@ -1,0 +1,412 @@
+"""FP8 (E4M3) weight projections on CUDA: `y = x @ dequantize(W).T (+ bias)` with W stored as
+`float8_e4m3fn [N, K]` and its float32 scales (one per `block` of W, or one per output row),
+x in bf16 / fp16 / fp32. A GEMV for decode batches (few rows) and a W8A16 GEMM for the rest;
+`linear_fp8` / `silu_mul_linear_fp8` are the CUDA entries of the `KernelOps` ops of the same
+names and compute `reference.linear_fp8` / `reference.silu_mul_linear_fp8`.
+
+Owner: kernels. `tests/gpu/test_fp8_linear.py` checks both kernels against the reference.
+
+Invariants:
+- Scales: `block` `(bo, bi)` -> `scale [cdiv(N, bo), cdiv(K, bi)]`, W's element `(n, k)`
+  weighs `scale[n // bo, k // bi]`; `block` None -> `scale [N]` per output row. Activations
+  are never quantized (W8A16): the weight tile is converted exactly (every E4M3 value is a
+  bf16 value) and the products accumulate in float32.
+- GEMV (`gemv_fp8`, at most `FP8_GEMV_MAX_ROWS` rows): the design of `triton_gemv` (W read
+  once, `[BLOCK_N, BLOCK_K]` tiles streamed along K evict-first and applied to all M rows,
+  elementwise float32 accumulators reduced once, first tile loaded before the PDL wait). A
+  block scale is folded into x (`x[k] * scale[row block, k // bi]`, exact in float32 up to
+  one rounding per product) because every program's `BLOCK_N` rows lie in one row block
+  (`BLOCK_N` divides `bo`); a row scale multiplies the reduced sum. `gemv_fp8_silu_mul`
+  computes SiLU-and-multiply while loading x, rounded as `triton_norm.silu_and_mul` rounds.
+- GEMM (`gemm_fp8`): `[BLOCK_M, BLOCK_N]` tiles, `tl.dot` of the x tile with the converted
+  W tile per K step; with block scales every K step's partial product is scaled by its one
+  scale (`BLOCK_N` divides `bo`, `BLOCK_K` divides `bi`) before it is added, with row scales
+  the sum is scaled once at the end. float32 x uses IEEE (not TF32) dots.
+- No host sync, no allocation but the output: CUDA-graph capturable. The choice of kernel
+  and its config depend only on shapes, dtypes and the block.
+- Block sizes must be powers of two >= 16 (`reference.fp8_block_supported`); the start-up
+  (`model_engine/fp8_weights.py`) keeps other layouts dequantized (logged) instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from metrale.kernels.reference import fp8_block_supported as block_supported
+from metrale.kernels.triton_attention_common import gdc_launch_dependents, gdc_wait, pdl_options
+from metrale.kernels.triton_gemv import _load_w, _load_x
+from metrale.kernels.triton_norm import silu_and_mul
+
+#: Most rows sent to the FP8 GEMV (its register budget allows 8; with the weight stream
+#: halved the GEMV's one pass over W pays for more rows than in bf16 — unmeasured, see
+#: KERNELS.md).
+FP8_GEMV_MAX_ROWS = 8
+_ACC_BUDGET = 128 * 32 * 4
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
+        raise ValueError(f"fp8 linear: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if weight.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fp8 linear: weight is {weight.dtype}, expected float8_e4m3fn")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"fp8 linear: activations are {x.dtype}")
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise TypeError("fp8 linear: the scale must be a contiguous float32 tensor")
+    if weight.stride(1) != 1:
+        raise ValueError("fp8 linear: the weight must be contiguous along K")
+
+
+def _row_block(block: tuple[int, int] | None, n: int) -> int:
+    """Largest power of two <= n dividing the row block (the whole tile for row scales)."""
+    bo = block[0] if block is not None else n
+    while bo % n:
+        n //= 2
+    return n
+
+
+# -------------------------------------------------------------------------------------------
+# GEMV
+# -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fma_row(acc, w, ptrs, mask, half, sx, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+             BLOCK_SCALE: tl.constexpr):  # fmt: skip
+    x = _load_x(ptrs, mask, half, EVEN_K, ACT)
+    if BLOCK_SCALE:
+        x = x * sx
+    return acc + w * x[None, :]
+
+
+@triton.jit
+def _apply_tile(
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half, sx,
+    M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+):  # fmt: skip
+    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 1:
+        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 2:
+        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 3:
+        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 4:
+        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 5:
+        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 6:
+        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    if M > 7:
+        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
+
+
+@triton.jit
+def _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr, BI: tl.constexpr,
+             BLOCK_SCALE: tl.constexpr):  # fmt: skip
+    """The block scales of the tile's K columns (`[BLOCK_K]`; 1.0 without block scales)."""
+    if BLOCK_SCALE:
+        kk = k + offs_k
+        sx = tl.load(s_row_ptr + kk // BI, mask=kk < K, other=0.0, eviction_policy="evict_last")
+    else:
+        sx = tl.full([BLOCK_K], 1.0, tl.float32)
+    return sx
+
+
+@triton.jit
+def _store_row(out_ptr, b_ptr, s_ptr, acc, row, offs_n, n_mask, stride_om,
+               HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr):  # fmt: skip
+    y = tl.sum(acc, axis=1)
+    if not BLOCK_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _gemv_fp8_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_om, half,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid `(cdiv(N, BLOCK_N),)`: rows `[pid * BLOCK_N, +BLOCK_N)` of W over all of K."""
+    pid_n = tl.program_id(0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_k
+    # BLOCK_N divides BO: the program's rows share one row block of scales.
+    s_row_ptr = s_ptr + ((pid_n * BLOCK_N) // BO).to(tl.int64) * stride_sn
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # First W tile (and its scales) before the PDL wait: they do not depend on the previous
+    # kernel.
+    w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
+    sx = _load_sx(s_row_ptr, 0, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
+    if PDL:
+        gdc_wait()
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, offs_k < K, stride_xm,
+        half, sx, M, EVEN_K, ACT, BLOCK_SCALE,
+    )  # fmt: skip
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
+        sx = _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + offs_k) < K,
+            stride_xm, half, sx, M, EVEN_K, ACT, BLOCK_SCALE,
+        )  # fmt: skip
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        gdc_launch_dependents()
+    _store_row(out_ptr, b_ptr, s_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 1:
+        _store_row(out_ptr, b_ptr, s_ptr, acc1, 1, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 2:
+        _store_row(out_ptr, b_ptr, s_ptr, acc2, 2, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 3:
+        _store_row(out_ptr, b_ptr, s_ptr, acc3, 3, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 4:
+        _store_row(out_ptr, b_ptr, s_ptr, acc4, 4, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 5:
+        _store_row(out_ptr, b_ptr, s_ptr, acc5, 5, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 6:
+        _store_row(out_ptr, b_ptr, s_ptr, acc6, 6, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    if M > 7:
+        _store_row(out_ptr, b_ptr, s_ptr, acc7, 7, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+
+
+def gemv_config(m: int, k: int, block: tuple[int, int] | None) -> tuple[int, int, int]:
+    """`(BLOCK_N, BLOCK_K, stages)`: tile rows of 512 fp8 bytes (one 16-byte vector per
+    thread of a warp, the bf16 GEMV's register shape at half its bytes), 16 rows at M == 1
+    else 8, halved K until M rows of accumulators fit the register budget; 5 cp.async stages
+    (at M == 1 four 8 KiB tiles in flight per program: the bf16 GEMV's 32 KiB with half-size
+    tiles). BLOCK_N divides the row block."""
+    block_n = _row_block(block, 16 if m == 1 else 8)
+    block_k = min(512, max(16, triton.next_power_of_2(max(k, 1))))
+    while m * block_n * block_k > _ACC_BUDGET and block_k > 16:
+        block_k //= 2
+    return block_n, block_k, 5
+
+
+def _gemv_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    k: int,
+    act: bool,
+    pdl: bool,
+) -> torch.Tensor:
+    _check(x, weight, scale, k)
+    m, n = x.shape[0], weight.shape[0]
+    if not 1 <= m <= FP8_GEMV_MAX_ROWS:
+        raise ValueError(f"gemv_fp8 takes 1..{FP8_GEMV_MAX_ROWS} rows, got {m}")
+    if not block_supported(block):
+        raise ValueError(f"gemv_fp8: block {block} is not powers of two >= 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    block_n, block_k, stages = gemv_config(m, k, block)
+    _gemv_fp8_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale, bias if bias is not None else out, out, n, k, x.stride(0),
+        weight.stride(0), scale.stride(0) if block is not None else 0, n, k,
+        M=m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, EVEN_K=k % block_k == 0,
+        HAS_BIAS=bias is not None, ACT=act, BLOCK_SCALE=block is not None,
+        BO=block[0] if block is not None else block_n, BI=block[1] if block is not None else 1,
+        PDL=pdl, num_warps=4, num_stages=stages, **pdl_options(pdl),
+    )  # fmt: skip
+    return out
+
+
+def gemv_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`reference.linear_fp8` for `x [M, K]` with 1 <= M <= 8."""
+    return _gemv_launch(x, weight, scale, bias, block, x.shape[-1], False, pdl)
+
+
+def gemv_fp8_silu_mul(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`gemv_fp8(silu_and_mul(gate_up), ...)`, the activation computed while loading x."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gemv_fp8_silu_mul: odd gate/up width {gate_up.shape[-1]}")
+    return _gemv_launch(gate_up, weight, scale, bias, block, gate_up.shape[-1] // 2, True, pdl)
+
+
+# -------------------------------------------------------------------------------------------
+# GEMM (W8A16)
+# -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gemm_fp8_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    """Grid `(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))`: one `[BLOCK_M, BLOCK_N]` output tile."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[None, :] * stride_wn + offs_k[:, None]
+    s_row_ptr = s_ptr + ((pid_n * BLOCK_N) // BO).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = (k + offs_k) < K
+        a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0).to(a.dtype)
+        if BLOCK_SCALE:  # this K step's partial product, scaled by its one block scale
+            if IEEE:
+                part = tl.dot(a, b, input_precision="ieee")
+            else:
+                part = tl.dot(a, b)
+            acc += part * tl.load(s_row_ptr + k // BI)
+        elif IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not BLOCK_SCALE:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemm_config(
+    m: int, block: tuple[int, int] | None, itemsize: int = 2
+) -> tuple[int, int, int, int, int]:
+    """`(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)`: for bf16/fp16 x, BLOCK_M 16..128 by M,
+    BLOCK_N 128, BLOCK_K 128 (wgmma from 64 rows, no spills: `compile_sm90.py`); float32 x
+    (IEEE dots on CUDA cores, a test and reference path) at most 32 x 64 x 32, which does not
+    spill.
+    BLOCK_N divides the row block and BLOCK_K the column block. Not timed on the device yet
+    (KERNELS.md)."""
+    wide = itemsize <= 2
+    block_m = 128 if m >= 128 else 64 if m >= 64 else 32 if m >= 32 else 16
+    block_m = block_m if wide else min(block_m, 32)
+    block_n = _row_block(block, 128 if wide else 64)
+    widest = 128 if wide else 32
+    block_k = min(widest, block[1]) if block is not None else widest
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return block_m, block_n, block_k, warps, 3
+
+
+def gemm_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`reference.linear_fp8` for `x [M, K]`, any M (the many-row path)."""
+    k = x.shape[-1]
+    _check(x, weight, scale, k)
+    if not block_supported(block):
+        raise ValueError(f"gemm_fp8: block {block} is not powers of two >= 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    block_m, block_n, block_k, warps, stages = gemm_config(m, block, x.element_size())
+    _gemm_fp8_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, weight, scale, bias if bias is not None else out, out, m, n, k, x.stride(0),
+        weight.stride(0), scale.stride(0) if block is not None else 0, n,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        BLOCK_SCALE=block is not None, BO=block[0] if block is not None else block_n,
+        BI=block[1] if block is not None else 1, IEEE=x.dtype == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+# KernelOps entries
+# -------------------------------------------------------------------------------------------
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`KernelOps.linear_fp8`: the GEMV for 1..`FP8_GEMV_MAX_ROWS` rows, else the GEMM
+    (`pdl` applies to the GEMV only)."""
+    flat = _flat(x)
+    if 0 < flat.shape[0] <= FP8_GEMV_MAX_ROWS:
+        out = gemv_fp8(flat, weight, scale, bias, block, pdl=pdl)
+    else:
+        out = gemm_fp8(flat, weight, scale, bias, block)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def silu_mul_linear_fp8(
+    gate_up: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+    *,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`KernelOps.silu_mul_linear_fp8`: the fused GEMV for few rows; else `silu_and_mul`
+    (Triton) then the GEMM."""
+    flat = _flat(gate_up)
+    if 0 < flat.shape[0] <= FP8_GEMV_MAX_ROWS:
+        out = gemv_fp8_silu_mul(flat, weight, scale, bias, block, pdl=pdl)
+    else:
+        out = gemm_fp8(silu_and_mul(flat), weight, scale, bias, block)
+    return out.reshape(*gate_up.shape[:-1], weight.shape[0])
