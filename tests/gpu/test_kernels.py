@@ -503,15 +503,26 @@ MIXED_CASES = [
     ([1, 1, 1, 9, 21], [1, 40, 17, 9, 21], 3),
     ([1, 5, 1, 33], [70, 45, 18, 33 + 19], 1),
     ([12, 3, 40], [12, 3 + 50, 40 + 16], 0),
+    # prefill chunks of one token each (prefix hits up to the last token): the decode kernel
+    ([1, 1, 1], [33, 1, 200], 1),
+    ([1], [150], 0),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("window", [None, 24])
-@pytest.mark.parametrize(("case", "kv_heads", "group"), [(0, 2, 2), (1, 1, 4), (2, 2, 3)])
+@pytest.mark.parametrize(
+    ("case", "kv_heads", "group"), [(0, 2, 2), (1, 1, 4), (2, 2, 3), (3, 2, 2), (4, 1, 4)]
+)
 def test_paged_attention_mixed(
-    dtype: torch.dtype, block_size: int, window: int | None, case: int, kv_heads: int, group: int
+    dtype: torch.dtype,
+    block_size: int,
+    window: int | None,
+    case: int,
+    kv_heads: int,
+    group: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     query_lens, seq_lens, num_decode = MIXED_CASES[case]
     head_dim = 32
@@ -520,9 +531,15 @@ def test_paged_attention_mixed(
     q = randn(sum(query_lens), kv_heads * group, head_dim, dtype=dtype, g=g)
     scale = head_dim**-0.5
     ref = _reference_attention(batch, q, scale, window)
+    calls: list[int] = []
+    prefill = ta.prefill_attention
+    monkeypatch.setattr(
+        ta, "prefill_attention", lambda *a, **k: calls.append(1) or prefill(*a, **k)
+    )
     out = ta.paged_attention(q, batch.k_cache, batch.v_cache, batch.meta, scale, window)
     assert out.shape == q.shape and out.dtype == dtype
     assert rel_err(out, ref) < TOL[dtype]
+    assert bool(calls) == (max(query_lens[num_decode:], default=0) > 1)  # 1-token chunks: decode
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
