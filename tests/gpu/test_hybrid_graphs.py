@@ -4,14 +4,17 @@ batches padded to a rung included (padding rows' slot -1 must leave every real s
 and with the prefix cache's SSM snapshots on (multi-turn chats hit from turn 2).
 
 On CUDA the engine captures the graphs itself (float32, graphs on: the factory must not refuse
-them). Under `METRALE_TRITON_INTERPRET=1` the runner's body runs uncaptured on the CPU through
-the interpreted kernels, checking the slot staging and padding without a GPU.
+them), its prefill through the Triton varlen kernels. Under `METRALE_TRITON_INTERPRET=1` the
+runner's body runs uncaptured on the CPU through the interpreted decode kernels, checking the
+slot staging and padding without a GPU.
 
 The variants have no MoE layers: the reference grouped-expert op reads expert counts on the
 host, so graphs stay off for MoE hybrids until a capturable MoE op lands (the factory logs it).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -49,11 +52,19 @@ def _graphed(variant: Variant) -> tuple[LLM, DecodeGraphRunner]:
         assert runner is not None, "the factory refused graphs for a hybrid model"
         assert runner.ssm_layers is not None and runner.graphs
         return llm, runner
+    from metrale.kernels import ssm_reference
     from metrale.kernels.triton_ops import triton_kernel_ops
 
     llm = LLM(path, device="cpu", num_kv_blocks=300, max_num_seqs=8, enforce_eager=True)
     model = llm.engine.model
-    ops = triton_kernel_ops()
+    # Interpreted prefill scans walk every prompt token in Python: prefill keeps the torch
+    # references here (the kernels have their own tests); the decode ops under test are Triton.
+    ops = dataclasses.replace(
+        triton_kernel_ops(),
+        causal_conv1d_varlen=ssm_reference.causal_conv1d_varlen,
+        mamba2_chunk_scan_varlen=ssm_reference.mamba2_chunk_scan_varlen,
+        gated_delta_chunk_varlen=ssm_reference.gated_delta_chunk_varlen,
+    )
     for module in model.module.modules():
         if hasattr(module, "ops"):
             module.ops = ops
