@@ -47,7 +47,9 @@ def _graphed(variant: Variant) -> tuple[LLM, DecodeGraphRunner]:
     a runner without graphs whose body calls the interpreted Triton kernels."""
     path = str(build(variant))
     if CUDA:
-        llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=300, max_num_seqs=8)
+        # The CPU's snapshot gap (2 blocks), so both plan the same capture points.
+        llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=300, max_num_seqs=8,
+                  ssm_snapshot_min_gap_tokens=32)  # fmt: skip
         runner = llm.engine.model.graph_runner
         assert runner is not None, "the factory refused graphs for a hybrid model"
         assert runner.ssm_layers is not None and runner.graphs
