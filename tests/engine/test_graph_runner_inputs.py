@@ -107,3 +107,26 @@ def test_hybrid_runner_stages_each_rows_ssm_slot_and_pads_with_minus_one() -> No
         DecodeGraphRunner(
             model.module, model.kv_cache.layers, model.device, 8, 32, 16, (1, 3), ssm_layers=ssm
         )
+
+
+def test_factory_refuses_hybrid_graphs_it_cannot_capture(caplog: pytest.LogCaptureFixture) -> None:
+    """Graphs for a hybrid need the Triton recurrent decode ops (padding slot -1) and, with MoE
+    layers, a capturable expert op; otherwise start-up says why and decode stays eager."""
+    from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS
+    from metrale.model_engine.factory import _capture_graphs
+    from tests.helpers.checkpoints import HYBRID_VARIANTS
+
+    triton = {"paged_attention": "triton", **dict.fromkeys(RECURRENT_DECODE_OPS, "triton")}
+    cases = [
+        ("nemotronh-classic", {"paged_attention": "triton"}, "recurrent layers use reference ops"),
+        ("nemotronh-moe", {**triton, "moe_experts": "torch"}, "MoE layers use the reference op"),
+    ]
+    for name, kernels, reason in cases:
+        variant = next(v for v in HYBRID_VARIANTS if v.name == name)
+        llm = LLM(str(build(variant)), device="cpu", num_kv_blocks=40, max_num_seqs=2)
+        model = llm.engine.model
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="metrale.model_engine.factory"):
+            _capture_graphs(model, llm.config, 64, None, kernels)  # type: ignore[arg-type]
+        assert model.graph_runner is None
+        assert any(reason in r.getMessage() for r in caplog.records), caplog.text
