@@ -15,6 +15,9 @@
 #        KV_DISK_DIR picks the disk, default /var/tmp) kvprofile (the host-tier hit's TTFT in parts)
 #        alltests (every test marked gpu: tests/gpu and the two CUDA sampler modules in tests/unit)
 #        hybridttft (issue 15) vision (issue 21)
+#        hybrid (issue 23: recurrent-kernel and hybrid-graph GPU tests, Nemotron-H-8B shape batch-1
+#        decode with graphs against HF and its roofline, then the serve ladder C=1..64;
+#        HYBRID_LADDER overrides the rungs)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
@@ -76,6 +79,46 @@ for part in $PARTS; do
       --shape nemotron-h-8b --device cuda --dtype bfloat16 --prompt-len 4160 --cached-len 4096 \
       --repeats 3 --out-dir "$OUT" >"$OUT/hybridttft.log" 2>&1
     echo "rc=$?"; tail -4 "$OUT/hybridttft.log"
+    ;;
+  hybrid)
+    stamp "hybrid: recurrent kernels and graphed hybrid decode tests (issue 23)"
+    timeout 400 python3 -m pytest tests/gpu/test_ssm_kernels.py tests/gpu/test_hybrid_graphs.py -q \
+      -p no:cacheprovider --timeout 380 >"$OUT/gpu_hybrid_tests.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/gpu_hybrid_tests.log"
+    stamp "hybrid: Nemotron-H-8B shape batch-1 decode, graphs on, vs HF (issue 23)"
+    timeout 420 python3 -m metrale.cli bench latency --config-dir bench/configs/nemotron-h-8b \
+      --shape nemotron-h-8b --device cuda --dtype bfloat16 --max-model-len 2048 --tokens 256 \
+      --max-num-seqs 8 $( [ "${PEER:-1}" = 1 ] || echo --no-peer ) --out-dir "$OUT" \
+      >"$OUT/latency_hybrid.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/latency_hybrid.log"
+    grep -iE "graphs|startup|Error" "$OUT/latency_hybrid.log" | tail -4
+    stamp "hybrid: Nemotron-H-8B shape serve ladder"
+    rm -rf /tmp/nemotron-h-8b && cp -r bench/configs/nemotron-h-8b /tmp/nemotron-h-8b
+    python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/nemotron-h-8b')"
+    [ "${PEER:-1}" = 1 ] && timeout ${PEER_TIMEOUT:-300} python3 -c "
+import json
+from metrale.bench.hf_peer import hf_generate_tok_s
+peer = {f'C={b}': hf_generate_tok_s('bench/configs/nemotron-h-8b', b, 128, 16) for b in (1, 64)}
+json.dump(peer, open('$OUT/serve_hybrid_peer.json', 'w'), indent=1)
+print(peer)" >"$OUT/serve_hybrid_peer.log" 2>&1
+    echo "peer rc=$?"; tail -3 "$OUT/serve_hybrid_peer.log"
+    python3 -m metrale.cli serve /tmp/nemotron-h-8b --load-format dummy --max-model-len 2048 \
+      --max-num-seqs 64 --served-model-name nemotron-h-8b --port 8889 --log-level INFO \
+      >"$OUT/server_hybrid.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 180); do
+      curl -sf localhost:8889/health >/dev/null 2>&1 && break
+      sleep 1
+    done
+    timeout 420 python3 -m metrale.cli bench serve --url http://127.0.0.1:8889 \
+      --model nemotron-h-8b --shape nemotron-h-8b --vocab 131072 \
+      --concurrency "${HYBRID_LADDER:-1,8,32,64}" --isl 128 --osl 512 --device cuda \
+      --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 64" \
+      $( [ -f "$OUT/serve_hybrid_peer.json" ] && echo --peer-json "$OUT/serve_hybrid_peer.json" ) \
+      --out-dir "$OUT" >"$OUT/serve_hybrid.log" 2>&1
+    echo "ladder rc=$?"; tail -6 "$OUT/serve_hybrid.log"
+    kill -TERM $server; wait $server; echo "server exit=$?"
+    grep -iE "summary|graphs|SSM|error" "$OUT/server_hybrid.log" | head -8
     ;;
   vision)
     stamp "vision: Qwen2.5-VL-7B shape, one 448x448 image, C=1 and C=16 against transformers (issue 21)"

@@ -6,8 +6,9 @@ latency: batch-1 decode after a `--prompt-len` prompt. tok/s = (generated - 1) /
 first to the last token (decode only). The roofline measured in the same run is
 `copy bandwidth / bytes read per step`, where bytes per step = every weight matrix the step
 reads (the embedding table contributes one row unless tied to the LM head) + the KV of the
-mean context. Each weight counts at its stored bytes (`--quantization fp8`: the projections at
-1 byte, their scales at 4 per row).
+mean context + on hybrid models the recurrent state of one slot, read and written. Each weight
+counts at its stored bytes (`--quantization fp8`: the projections at 1 byte, their scales at 4
+per row).
 
 throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform in
 [100, 1024], random token ids, ignore_eos; output tokens / wall time, after a warm-up request.
@@ -48,15 +49,20 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
 
 
 def _bytes_per_step(engine: Engine, context: int) -> int:
+    """Bytes one batch-1 decode step must move: the weights (the embedding table only as the
+    tied LM head), the KV of `context` tokens, and on hybrid models each recurrent layer's
+    slot state read and written once (conv window and float32 SSM state)."""
     model = engine.model
     module = model.module
     total = sum(p.numel() * p.element_size() for p in module.parameters())
-    embed = module.model.embed_tokens.weight
+    embed = module.input_embeddings().weight
     if not getattr(module, "tied", False):
         total -= embed.numel() * embed.element_size()  # only one row is gathered
     cfg = model.config
     kv_per_token = 2 * module.kv_layer_count * cfg.num_key_value_heads * cfg.head_dim
-    return total + context * kv_per_token * embed.element_size()
+    pool = model.ssm_pool
+    state = 0 if pool is None else 2 * pool.bytes_total() // pool.num_slots
+    return total + context * kv_per_token * embed.element_size() + state
 
 
 def _sync(engine: Engine) -> None:

@@ -20,7 +20,9 @@ Invariants:
 - Host lists mirror the tensors so CPU references and the scheduler never read the device.
 - Hybrid models: `ssm_slots[b]` is sequence b's SSM pool slot; `ssm_has_initial_state[b]` is
   False when its rows start at position 0, so recurrent layers start it from a zero state
-  whatever the slot held. Both are None for models without recurrent layers.
+  whatever the slot held. Both are None for models without recurrent layers. In a decode
+  graph's metadata (`model_engine.cuda_graphs`) `ssm_slots` is the runner's persistent buffer
+  (padding rows: -1, which the recurrent decode kernels skip) and the host lists are absent.
 - Hybrid verify: the `num_sequential` sequences after the `num_decode` decode rows are the
   decode-side rows from the first one with drafts on; attention treats them as prefill rows,
   recurrent layers run them token by token through their decode step and record what the

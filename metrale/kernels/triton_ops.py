@@ -7,8 +7,8 @@ Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
   against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`,
-  the FP8 projections in `tests/gpu/test_fp8_linear.py`). An op not listed keeps its torch
-  reference.
+  the FP8 projections in `tests/gpu/test_fp8_linear.py`, the recurrent-layer ops in
+  `tests/gpu/test_ssm_kernels.py`). An op not listed keeps its torch reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
@@ -41,6 +41,12 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
+    "causal_conv1d_update": ("metrale.kernels.triton_ssm", "causal_conv1d_update"),
+    "mamba2_state_update": ("metrale.kernels.triton_ssm", "mamba2_state_update"),
+    "gated_delta_update": ("metrale.kernels.triton_ssm", "gated_delta_update"),
+    "causal_conv1d_varlen": ("metrale.kernels.triton_ssm", "causal_conv1d_varlen"),
+    "mamba2_chunk_scan_varlen": ("metrale.kernels.triton_ssm", "mamba2_chunk_scan_varlen"),
+    "gated_delta_chunk_varlen": ("metrale.kernels.triton_ssm", "gated_delta_chunk_varlen"),
 }
 
 

@@ -107,16 +107,21 @@ def recurrent_rows(
 ) -> tuple[torch.Tensor, RecurrentVerify | None, PrefillRows | None]:
     """How a recurrent layer splits the batch: the slots of the `meta.num_decode` decode rows
     (device), the `meta.num_sequential` rows after them that run token by token (a verify:
-    None when there are none), and the prefill chunks after those (None when there are none)."""
-    if meta.ssm_slots is None or meta.ssm_slots_host is None:
+    None when there are none), and the prefill chunks after those (None when there are none).
+
+    Reads no host list for a decode-only batch (the sequence count is the shape of
+    `meta.seq_lens`), so a CUDA-graph body, whose metadata has no host lists, can call it."""
+    if meta.ssm_slots is None:
         raise ValueError(f"a {layer} layer needs SSM slots in the batch metadata")
     nd = meta.num_decode
     sequential = meta.ssm_verify if meta.num_sequential else None
     if meta.num_sequential and sequential is None:
         raise ValueError(f"a {layer} layer got sequential rows without their verify layout")
     ns = nd + meta.num_sequential
-    if ns == meta.num_seqs:
+    if ns == meta.seq_lens.shape[0]:
         return meta.ssm_slots[:nd], sequential, None
+    if meta.ssm_slots_host is None:
+        raise ValueError(f"a {layer} layer needs host SSM slots for its prefill chunks")
     first = meta.query_start_loc_host[ns]
     prefill = PrefillRows(
         first=first,

@@ -29,6 +29,11 @@ Invariants:
 - With LoRA (`lora`), every graph runs the adapters' gather op on every adapted projection,
   reading each token row's slot from `lora_token_slots` (padding and base rows: -1, no
   delta); without it, a replay whose rows select a slot is refused, never run as the base.
+- Hybrid models (`ssm_layers`): the recurrent layers read each sequence's SSM pool slot from
+  the persistent `ssm_slots` buffer (a graph input, staged with the other inputs); padding
+  sequences get slot -1, which the recurrent decode kernels skip (they write no state), so a
+  padded rung never touches a real slot. Only Q = 1 graphs are built for them: a recurrent
+  verify runs token by token with host-side captures (`recurrent_verify.py`), eagerly.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ from metrale.model_engine.traits import DECODE_BATCH_LADDER, blocks_for, padded_
 
 logger = logging.getLogger(__name__)
 
+#: The recurrent layers' decode ops: a hybrid model is graphed only when all are Triton kernels
+#: (they skip a padding row's slot -1 and read no host values).
+RECURRENT_DECODE_OPS = ("causal_conv1d_update", "mamba2_state_update", "gated_delta_update")
+
 
 class DecodeGraphRunner:
     def __init__(
@@ -60,6 +69,7 @@ class DecodeGraphRunner:
         verify_max_batch: int | None = None,
         head_hidden: bool = False,
         lora: LoraSlots | None = None,
+        ssm_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """`query_lens`: the token rows per sequence to capture graphs for (1: decode; k + 1:
         verify steps of k draft tokens), e.g. `(1, 5)`; `verify_max_batch` caps the batch
@@ -67,9 +77,16 @@ class DecodeGraphRunner:
         every rung. `head_hidden`: the graphs also output the hidden rows an MTP head reads
         (`module.forward_for_mtp`), read back by `head_hidden()` after a replay. `lora`: the
         model's LoRA slots; the graphs then add each row's adapter delta by the gather op,
-        reading the per-row slot from a persistent buffer (a graph input)."""
+        reading the per-row slot from a persistent buffer (a graph input). `ssm_layers`: a
+        hybrid model's SSM pool tensors (`(conv, ssm)` per recurrent layer); the graphs then
+        read each sequence's pool slot from a persistent buffer (Q = 1 only)."""
         if not query_lens or min(query_lens) < 1:
             raise ValueError(f"query_lens must be positive, got {tuple(query_lens)}")
+        if ssm_layers is not None and max(query_lens) > 1:
+            raise ValueError(
+                "verify graphs (Q > 1) are not built for recurrent layers: their verify runs "
+                "token by token, eagerly"
+            )
         self.module = module
         self.kv_layers = kv_layers
         self.device = device
@@ -94,14 +111,19 @@ class DecodeGraphRunner:
         self.lora = lora
         #: Each token row's LoRA slot (-1: the base model); a graph input when `lora` is set.
         self.lora_token_slots = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.ssm_layers = ssm_layers
+        #: Each sequence's SSM pool slot (-1: padding, no state written); a graph input with
+        #: `ssm_layers`.
+        self.ssm_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
         #: Per Q: `query_start_loc` of Q rows per sequence (constant, never rewritten).
         self.query_start_locs = {
             q: torch.arange(n + 1, dtype=torch.int32, device=device) * q for q in self.query_lens
         }
         pinned = device.type == "cuda"
         # ids, positions, slots (a token row each), lengths (a sequence each), LoRA slots (a
-        # token row each, with `lora`), the block table
-        size = 4 * tokens + n + n * width
+        # token row each, with `lora`), SSM slots (a sequence each, with `ssm_layers`), the
+        # block table
+        size = 4 * tokens + 2 * n + n * width
         self._staging = [torch.zeros(size, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
         self._turn = 0
         #: The block table last sent to the device buffer, to skip re-sending it (its row
@@ -141,6 +163,7 @@ class DecodeGraphRunner:
             max_query_len=query_len,
             max_seq_len=self.block_tables.shape[1] * self.block_size,
             decode_query_len=query_len,
+            ssm_slots=self.ssm_slots[:rows] if self.ssm_layers is not None else None,
         )
 
     def _body(self, rows: int, query_len: int = 1) -> torch.Tensor:
@@ -151,14 +174,15 @@ class DecodeGraphRunner:
             self._meta(rows, query_len),
             self.kv_layers,
         )
+        kwargs = {} if self.ssm_layers is None else {"ssm_states": self.ssm_layers}
         if self.lora is not None:
             self.lora.batch = LoraBatch(self.lora_token_slots[:tokens], None)
         try:
             if self.capture_head_hidden:
-                hidden, for_head = self.module.forward_for_mtp(*args)
+                hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
                 self.head_outputs[rows, query_len] = for_head
             else:
-                hidden = self.module(*args)
+                hidden = self.module(*args, **kwargs)
         finally:
             if self.lora is not None:
                 self.lora.batch = None
@@ -222,18 +246,22 @@ class DecodeGraphRunner:
         feed: torch.Tensor | None = None,
         adapter_slots: np.ndarray | None = None,
         rope_positions: np.ndarray | None = None,
+        ssm_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Replay for `len(tokens)` decode rows; returns their `[rows, vocab]` float32 logits.
         `tables` is `[rows, blocks]` (the blocks each row holds, 0-padded). With `feed` (the
         previous step's token ids on the device), `tokens` are row indices into it.
         `adapter_slots`: each row's LoRA slot (-1: base; None: all base). `rope_positions`:
         the positions the rotary reads when they differ from the cache positions (M-RoPE after
-        an image: `position + delta`); slots and lengths always follow `positions`."""
+        an image: `position + delta`); slots and lengths always follow `positions`.
+        `ssm_slots`: each row's SSM pool slot (required with `ssm_layers`)."""
         rows = len(tokens)
         bs = self.block_size
         slots = tables[np.arange(rows), positions // bs] * bs + positions % bs
         rope = positions if rope_positions is None else rope_positions
-        return self._replay(1, tokens, rope, slots, positions + 1, tables, feed, adapter_slots)
+        return self._replay(
+            1, tokens, rope, slots, positions + 1, tables, feed, adapter_slots, ssm_slots
+        )
 
     @torch.inference_mode()
     def run_verify(
@@ -270,6 +298,7 @@ class DecodeGraphRunner:
         tables: np.ndarray,
         feed: torch.Tensor | None,
         adapter_slots: np.ndarray | None = None,
+        ssm_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Stage one step's flat token rows (`rows * query_len` of them) and per-sequence
         lengths, tables and LoRA slots, then replay the (rung, Q) graph (or run its body
@@ -279,6 +308,13 @@ class DecodeGraphRunner:
         rows = len(lens)
         if not self.can_run(rows, query_len):
             raise ValueError(f"{rows} rows do not fit a rung captured for Q={query_len}")
+        if (ssm_slots is None) != (self.ssm_layers is None):
+            raise ValueError(
+                "SSM slots go with the graphs of a hybrid model, and only with them "
+                f"(graphs {'with' if self.ssm_layers is not None else 'without'} SSM layers)"
+            )
+        if ssm_slots is not None and (len(ssm_slots) != rows or (ssm_slots < 0).any()):
+            raise ValueError(f"ssm_slots must name one pool slot (>= 0) for each of {rows} rows")
         rung = next(r for r in self.rungs_for[query_len] if r >= rows)
         real, total = rows * query_len, rung * query_len
         staging = self._staging[self._turn]
@@ -315,6 +351,12 @@ class DecodeGraphRunner:
             end += total
         elif adapter_slots is not None and (np.asarray(adapter_slots) >= 0).any():
             raise ValueError("a row selects a LoRA slot but the graphs were captured without LoRA")
+        ssm_at = end
+        if ssm_slots is not None:
+            stage_ssm = stage[end : end + rung]
+            stage_ssm[rows:] = -1
+            stage_ssm[:rows] = ssm_slots
+            end += rung
         width = tables.shape[1]
         tables_at = end
         if send_tables:
@@ -334,6 +376,8 @@ class DecodeGraphRunner:
         self.seq_lens[:rung].copy_(staged[3 * total : 3 * total + rung])
         if self.lora is not None:
             self.lora_token_slots[:total].copy_(staged[lora_at : lora_at + total])
+        if ssm_slots is not None:
+            self.ssm_slots[:rung].copy_(staged[ssm_at : ssm_at + rung])
         if send_tables:
             self.block_tables[:rows, :width].copy_(staged[tables_at:].view(rows, width))
             if rung > rows:

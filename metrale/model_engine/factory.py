@@ -40,8 +40,9 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
+from metrale.layers.moe import FusedExperts
 from metrale.model_engine import fp8_weights
-from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS, DecodeGraphRunner
 from metrale.model_engine.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     StartupBreakdown,
@@ -480,24 +481,41 @@ def _capture_graphs(
     breakdown: StartupBreakdown,
     kernels: dict[str, str],
 ) -> None:
-    """Capture decode graphs when every op on the decode path is capturable."""
-    why = (
-        "recurrent layers use reference ops" if model.ssm_pool is not None
-        else "the attention op is not capturable"
-        if not kernels.get("paged_attention", "").startswith("triton")
-        else "high-speed swap gathers host blocks per layer" if model.hss is not None
-        else None
-    )  # fmt: skip
-    if why is not None:
-        logger.warning("CUDA graphs disabled: %s; decode runs eagerly (slower)", why)
+    """Capture decode graphs when every op on the decode path is capturable. Hybrid models
+    need the Triton recurrent decode ops (they skip the padding rows' slot -1; the references
+    cannot) and get no verify graphs (their verify runs token by token, eagerly)."""
+    hybrid = model.ssm_pool is not None
+    eager_recurrent = [
+        op for op in RECURRENT_DECODE_OPS if not kernels.get(op, "").startswith("triton")
+    ]
+    if not kernels.get("paged_attention", "").startswith("triton"):
+        reason = "the attention op is not capturable"
+    elif hybrid and eager_recurrent:
+        reason = f"recurrent layers use reference ops ({', '.join(eager_recurrent)})"
+    elif hybrid and kernels.get("moe_experts") == "torch" and _has_moe(model):
+        # The reference grouped experts read the expert counts on the host.
+        reason = "the hybrid model's MoE layers use the reference op (a host sync)"
+    elif model.hss is not None:
+        reason = "high-speed swap gathers host blocks per layer"
+    else:
+        reason = ""
+    if reason:
+        logger.warning("CUDA graphs disabled: %s; decode runs eagerly (slower)", reason)
         return
     spec = config.speculative()
     # Verify steps of k drafts replay their own graphs (k + 1 token rows per sequence).
     query_lens = (1,) if spec is None else (1, spec.num_speculative_tokens + 1)
+    if hybrid and spec is not None:
+        query_lens = (1,)
+        logger.warning(
+            "speculative verify steps of a hybrid model run eagerly (no verify graphs: the "
+            "recurrent layers verify token by token); decode steps are graphed"
+        )
     runner = DecodeGraphRunner(
         model.module, model.main_kv_layers, model.device, config.max_num_seqs,
         blocks_for(max_model_len, config.block_size), config.block_size, query_lens,
         head_hidden=model.mtp_enabled, lora=model.lora.slots if model.lora is not None else None,
+        ssm_layers=model.ssm_pool.layers if model.ssm_pool is not None else None,
     )  # fmt: skip
     runner.capture()
     model.graph_runner = runner
@@ -518,6 +536,10 @@ def _capture_graphs(
             "decode graphs took %.0f MiB, more than the %.0f MiB reserved for them",
             runner.capture_bytes / 2**20, GRAPH_RESERVE_BYTES / 2**20,
         )  # fmt: skip
+
+
+def _has_moe(model: TransformerModel) -> bool:
+    return any(isinstance(m, FusedExperts) for m in model.module.modules())
 
 
 def _blocks_in_budget(config: EngineConfig, per_block: int, max_model_len: int, budget: int) -> int:

@@ -519,9 +519,14 @@ class TransformerModel(
         if runner.lora is not None:
             adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
         rope = self._vision_shifted_positions([r.seq for r in rows], positions)
+        ssm_slots = None
+        if self.ssm_pool is not None:
+            ssm_slots = np.fromiter(
+                (r.seq.ssm_slot_idx() for r in rows), dtype=np.int64, count=len(rows)
+            )
         logits = runner.run(
             tokens, positions, tables, feed[0] if feed is not None else None,
-            adapter_slots=adapters, rope_positions=rope,
+            adapter_slots=adapters, rope_positions=rope, ssm_slots=ssm_slots,
         )  # fmt: skip
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)

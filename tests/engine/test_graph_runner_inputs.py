@@ -5,6 +5,7 @@ skipping an unchanged block table never leaves another rung's table in place."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from metrale import LLM
@@ -74,3 +75,58 @@ def test_fed_call_gathers_ids_from_the_previous_tokens() -> None:
     source_rows = np.array([2, 0, 3])
     runner.run(source_rows, np.array([17, 18, 19]), tables, previous_tokens)
     _check(runner, [42, 40, 43], [17, 18, 19], tables, pad_token=40)
+
+
+def test_hybrid_runner_stages_each_rows_ssm_slot_and_pads_with_minus_one() -> None:
+    """With SSM layers the per-row pool slot is a graph input: each call's slots land in the
+    persistent buffer, the rung's padding rows get -1 (the recurrent kernels skip them), and
+    the slots must come with every call and only with SSM layers."""
+    llm = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=300, max_num_seqs=8)
+    model = llm.engine.model
+    ssm = [(torch.zeros(8, 4, 3), torch.zeros(8, 2, 2, 2))]
+    runner = DecodeGraphRunner(
+        model.module, model.kv_cache.layers, model.device, 8, 32, 16, ssm_layers=ssm
+    )
+    runner._body = lambda rows: torch.zeros(rows, 8)  # type: ignore[method-assign]
+    tables = np.array([[3, 4], [5, 6], [7, 8], [9, 10], [11, 12]], dtype=np.int64)
+    for slots in ([6, 1, 0, 3, 2], [5, 7, 4]):  # rung 8, then rung 4 over the same buffer
+        rows = len(slots)
+        rung = next(r for r in runner.rungs if r >= rows)
+        runner.run(np.arange(rows), np.arange(rows) + 17, tables[:rows], ssm_slots=np.array(slots))
+        assert runner.ssm_slots[:rung].tolist() == slots + [-1] * (rung - rows)
+        assert runner._meta(rung).ssm_slots.tolist() == slots + [-1] * (rung - rows)
+        _check(runner, list(range(rows)), list(range(17, 17 + rows)), tables[:rows])
+    with pytest.raises(ValueError, match="SSM slots go with the graphs of a hybrid model"):
+        runner.run(np.arange(2), np.arange(2) + 17, tables[:2])
+    with pytest.raises(ValueError, match="must name one pool slot"):
+        runner.run(np.arange(2), np.arange(2), tables[:2], ssm_slots=np.array([1, -1]))
+    plain = _runner()
+    with pytest.raises(ValueError, match="SSM slots go with the graphs of a hybrid model"):
+        plain.run(np.arange(2), np.arange(2) + 17, tables[:2], ssm_slots=np.array([0, 1]))
+    with pytest.raises(ValueError, match="verify graphs"):
+        DecodeGraphRunner(
+            model.module, model.kv_cache.layers, model.device, 8, 32, 16, (1, 3), ssm_layers=ssm
+        )
+
+
+def test_factory_refuses_hybrid_graphs_it_cannot_capture(caplog: pytest.LogCaptureFixture) -> None:
+    """Graphs for a hybrid need the Triton recurrent decode ops (padding slot -1) and, with MoE
+    layers, a capturable expert op; otherwise start-up says why and decode stays eager."""
+    from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS
+    from metrale.model_engine.factory import _capture_graphs
+    from tests.helpers.checkpoints import HYBRID_VARIANTS
+
+    triton = {"paged_attention": "triton", **dict.fromkeys(RECURRENT_DECODE_OPS, "triton")}
+    cases = [
+        ("nemotronh-classic", {"paged_attention": "triton"}, "recurrent layers use reference ops"),
+        ("nemotronh-moe", {**triton, "moe_experts": "torch"}, "MoE layers use the reference op"),
+    ]
+    for name, kernels, reason in cases:
+        variant = next(v for v in HYBRID_VARIANTS if v.name == name)
+        llm = LLM(str(build(variant)), device="cpu", num_kv_blocks=40, max_num_seqs=2)
+        model = llm.engine.model
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="metrale.model_engine.factory"):
+            _capture_graphs(model, llm.config, 64, None, kernels)  # type: ignore[arg-type]
+        assert model.graph_runner is None
+        assert any(reason in r.getMessage() for r in caplog.records), caplog.text

@@ -133,13 +133,16 @@ def test_decode_graphs_get_shifted_rotary_positions(path: Path) -> None:
     calls: list[tuple[list[int], list[int] | None]] = []
     real_run = runner.run
 
-    def spy(tokens, positions, tables, feed=None, adapter_slots=None, rope_positions=None):
+    def spy(
+        tokens, positions, tables, feed=None, adapter_slots=None, rope_positions=None,
+        ssm_slots=None,
+    ):  # fmt: skip
         calls.append(
             (positions.tolist(), None if rope_positions is None else rope_positions.tolist())
         )
         out = real_run(
             tokens, positions, tables, feed, adapter_slots=adapter_slots,
-            rope_positions=rope_positions,
+            rope_positions=rope_positions, ssm_slots=ssm_slots,
         )  # fmt: skip
         rope = positions if rope_positions is None else rope_positions
         assert runner.positions[: len(tokens)].tolist() == rope.tolist()

@@ -127,6 +127,7 @@ def _launch_everything() -> None:
     ts.top_k_top_p_sample(logits, ks, torch.ones(4), torch.rand(4, dtype=torch.float64))
     ts.top_k_top_p_filter(logits, ks, torch.ones(4))
     _launch_fp8()
+    _launch_ssm()
 
 
 def _launch_fp8() -> None:
@@ -143,6 +144,37 @@ def _launch_fp8() -> None:
         tf.gemv_fp8_silu_mul(torch.randn(1, 2 * k, dtype=torch.bfloat16), q, s, None, block)
         for m in (16, 64, 300):
             tf.gemm_fp8(torch.randn(m, k, dtype=torch.bfloat16), q, s, None, block)
+
+
+def _launch_ssm() -> None:
+    """The recurrent-layer kernels on Nemotron-H-8B (Mamba-2) and Qwen3-Next (gated delta)
+    shapes, bf16 activations, float32 state."""
+    from metrale.kernels import triton_ssm as tm
+
+    bf = torch.bfloat16
+    slots = torch.arange(4, dtype=torch.int64)
+    conv = torch.zeros(8, 10240, 4, dtype=bf)
+    tm.causal_conv1d_update(torch.randn(4, 10240, dtype=bf), torch.randn(10240, 4, dtype=bf),
+                            torch.randn(10240, dtype=bf), conv, slots, "silu")  # fmt: skip
+    qsl, pre_slots, initial = [0, 40, 100], [0, 1], [False, True]
+    tm.causal_conv1d_varlen(torch.randn(100, 10240, dtype=bf), torch.randn(10240, 4, dtype=bf),
+                            torch.randn(10240, dtype=bf), conv, qsl, pre_slots, initial, "silu")  # fmt: skip
+    ssm = torch.zeros(8, 128, 64, 128)
+    heads = (torch.randn(128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf))
+    tm.mamba2_state_update(torch.randn(4, 128, 64, dtype=bf), torch.randn(4, 128, dtype=bf),
+                           heads[0], torch.randn(4, 8, 128, dtype=bf), torch.randn(4, 8, 128, dtype=bf),
+                           heads[1], heads[2], ssm, slots)  # fmt: skip
+    tm.mamba2_chunk_scan_varlen(torch.randn(100, 128, 64, dtype=bf), torch.randn(100, 128, dtype=bf),
+                                heads[0], torch.randn(100, 8, 128, dtype=bf),
+                                torch.randn(100, 8, 128, dtype=bf), heads[1], heads[2], (0.0, 1e4),
+                                128, ssm, qsl, pre_slots, initial)  # fmt: skip
+    gdn = torch.zeros(8, 32, 128, 128)
+    tm.gated_delta_update(torch.randn(4, 16, 128, dtype=bf), torch.randn(4, 16, 128, dtype=bf),
+                          torch.randn(4, 32, 128, dtype=bf), torch.randn(4, 32),
+                          torch.rand(4, 32, dtype=bf), gdn, slots)  # fmt: skip
+    tm.gated_delta_chunk_varlen(torch.randn(100, 16, 128, dtype=bf), torch.randn(100, 16, 128, dtype=bf),
+                                torch.randn(100, 32, 128, dtype=bf), torch.randn(100, 32),
+                                torch.rand(100, 32, dtype=bf), gdn, qsl, pre_slots, initial)  # fmt: skip
 
 
 def _report() -> list[str]:
