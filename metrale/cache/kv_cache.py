@@ -111,9 +111,7 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         #: Per layer (K scale, V scale), float32; used only by a float8 pool.
         self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
-        #: Where the scales came from: "none" (model dtype), "unset" (1.0), "checkpoint",
-        #: "calibrating" (armed, not every layer has written yet), "calibrated".
-        self.scales_source = "unset" if self.quantized else "none"
+        self._scales_source = "unset" if self.quantized else "none"
         self.layers: list[KvLayer] = [
             KvLayer(
                 torch.zeros(shape, dtype=dtype, device=device),
@@ -141,7 +139,7 @@ class PagedKVCache:
         if not bool((scales > 0).all()) or not bool(torch.isfinite(scales).all()):
             raise ValueError("KV scales must be finite and > 0")
         self.scales.copy_(scales)
-        self.scales_source = source
+        self._scales_source = source
         for layer in self.layers:
             layer.calibration_pending = False
 
@@ -149,17 +147,22 @@ class PagedKVCache:
         """Calibrate every layer's scales on its next KV write (module invariants)."""
         if not self.quantized:
             raise ValueError("only a float8 KV pool has scales to calibrate")
-        self.scales_source = "calibrating"
+        self._scales_source = "calibrating"
         for layer in self.layers:
             layer.calibration_pending = True
 
     @property
     def calibration_pending(self) -> bool:
         """Whether some layer still waits for its first write to set its scales."""
-        pending = any(layer.calibration_pending for layer in self.layers)
-        if not pending and self.scales_source == "calibrating":
-            self.scales_source = "calibrated"
-        return pending
+        return any(layer.calibration_pending for layer in self.layers)
+
+    @property
+    def scales_source(self) -> str:
+        """Where the scales came from: "none" (model dtype: unused), "unset" (1.0),
+        "checkpoint", "calibrating" (armed; some layer has not written yet), "calibrated"."""
+        if self._scales_source == "calibrating" and not self.calibration_pending:
+            return "calibrated"
+        return self._scales_source
 
     @staticmethod
     def bytes_per_block(
@@ -268,16 +271,18 @@ class PagedKVCache:
                 t.index_copy_(0, d, t.index_select(0, s))
 
     def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the given blocks of every layer, on the host (for swap-out)."""
+        """Copies of the given blocks of every layer, on the host (for swap-out); a float8
+        pool's as their bytes (uint8: pickle cannot load float8 tensors back)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
         return [
-            (k.index_select(0, idx).cpu(), v.index_select(0, idx).cpu()) for k, v in self.layers
+            (_raw(k).index_select(0, idx).cpu(), _raw(v).index_select(0, idx).cpu())
+            for k, v in self.layers
         ]
 
     def write_blocks(
         self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """Inverse of `read_blocks` (for swap-in)."""
+        """Inverse of `read_blocks` (for swap-in); float8 blocks arrive as their bytes."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
         for (k, v), (hk, hv) in zip(self.layers, data, strict=True):
             _raw(k).index_copy_(0, idx, _raw(hk).to(k.device))

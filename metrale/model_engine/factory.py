@@ -133,8 +133,10 @@ def checkpoint_kv_scales(
                     found[rename(key) if rename else key] = float(value.reshape(()))
     if not found:
         return None
-    names = [n for n, m in module.named_modules() if isinstance(m, AttentionProjections)]
-    names = names[:num_layers]
+    every = [n for n, m in module.named_modules() if isinstance(m, AttentionProjections)]
+    # Attention modules past the pool's layers (an MTP head not drafting) keep no KV: their
+    # scales are known names, not used.
+    names = every[:num_layers]
     scales = torch.ones((num_layers, 2), dtype=torch.float32)
     used = set()
     for i, name in enumerate(names):
@@ -147,8 +149,9 @@ def checkpoint_kv_scales(
             )
         scales[i, 0], scales[i, 1] = k, v
         used.update(f"{name}.{s}" for s in KV_SCALE_SUFFIXES)
-    if len(names) != num_layers or set(found) - used:
-        extra = sorted(set(found) - used)[:3]
+    unused = {f"{n}.{s}" for n in every[num_layers:] for s in KV_SCALE_SUFFIXES}
+    if len(names) != num_layers or set(found) - used - unused:
+        extra = sorted(set(found) - used - unused)[:3]
         raise CheckpointError(
             f"{model_dir}: KV scales {extra or sorted(found)[:3]} do not match the model's "
             f"{num_layers} KV layers"

@@ -308,14 +308,18 @@ def test_verify_rows_fp8() -> None:
 # Engine: the bundled model, FP8 KV against bfloat16 KV, CUDA graphs
 # -------------------------------------------------------------------------------------------
 
-#: Least share of greedy tokens (over all prompts) generated before an FP8-KV run first
-#: parts from the bf16-KV run. A trained model's margins are mostly far above the float8
-#: error, so the runs part late or never; 0.95 leaves room for one early near-tie.
+#: Least share of positions where the FP8-KV run's top-1 token is the bf16-KV run's greedy
+#: token, teacher-forced (the bf16 run's sequences scored under both). On the CPU in float32
+#: this measures 98% on the bundled model (`tests/engine/test_fp8_kv.py`); the misses are
+#: near-ties, and bf16 activations add their own rounding to both runs alike.
 AGREEMENT = 0.95
 
 
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="CUDA only")
 def test_bundled_model_fp8_kv_agrees_with_bf16_kv() -> None:
+    """Both runs decode through CUDA graphs (the float8 one calibrated on its first prefill,
+    the scales then read by the captured kernels); the free-running agreement (tokens before
+    the runs first part) is printed, the teacher-forced one must reach AGREEMENT."""
     from metrale import LLM, SamplingParams
 
     texts = [
@@ -326,24 +330,39 @@ def test_bundled_model_fp8_kv_agrees_with_bf16_kv() -> None:
     ]  # fmt: skip
     new = 48
     params = SamplingParams(temperature=0, max_tokens=new, min_tokens=new)
-    runs = {}
-    for kv_dtype in ("auto", "fp8"):
-        llm = LLM(None, device="cuda", dtype="bfloat16", num_kv_blocks=400, kv_cache_dtype=kv_dtype)
+    llms = {
+        kv_dtype: LLM(
+            None, device="cuda", dtype="bfloat16", num_kv_blocks=400, kv_cache_dtype=kv_dtype
+        )
+        for kv_dtype in ("auto", "fp8")
+    }
+    prompts = [llms["auto"].get_tokenizer().encode(t) for t in texts]
+    runs = {
+        d: [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        for d, llm in llms.items()
+    }
+    for d, llm in llms.items():
         model = llm.engine.model
-        assert getattr(model, "graph_runner", None) is not None, "no CUDA graphs captured"
-        prompts = [llm.get_tokenizer().encode(t) for t in texts]
-        runs[kv_dtype] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        if kv_dtype == "fp8":
-            kv = model.kv_cache
-            assert kv.dtype == FP8 and kv.scales_source == "calibrated"
-            assert model.graph_runner.replays > 0
-            report = llm.engine.load_report
-            assert report is not None and report.kv_cache_dtype == "fp8_e4m3"
-        del llm
-        torch.cuda.empty_cache()
-    agree = 0
-    for a, b in zip(runs["auto"], runs["fp8"], strict=True):
-        agree += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    total = new * len(texts)
-    print(f"fp8 KV: {agree}/{total} greedy tokens before the runs part")
+        assert getattr(model, "graph_runner", None) is not None, f"{d}: no CUDA graphs captured"
+        assert model.graph_runner.replays > 0
+    model = llms["fp8"].engine.model
+    assert model.kv_cache.dtype == FP8 and model.kv_cache.scales_source == "calibrated"
+    report = llms["fp8"].engine.load_report
+    assert report is not None and report.kv_cache_dtype == "fp8_e4m3"
+    auto_report = llms["auto"].engine.load_report
+    assert auto_report is not None and report.kv_blocks_per_gib == 2 * auto_report.kv_blocks_per_gib
+    free = sum(
+        next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for a, b in zip(runs["auto"], runs["fp8"], strict=True)
+    )
+    seqs = [p + list(t) for p, t in zip(prompts, runs["auto"], strict=True)]
+    scored = llms["fp8"].generate(seqs, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    agree = total = 0
+    for prompt, out in zip(prompts, scored, strict=True):
+        ids = out.prompt_token_ids
+        for i in range(len(prompt), len(ids)):
+            top = max(out.prompt_logprobs[i].items(), key=lambda item: item[1].logprob)[0]
+            agree += top == ids[i]
+            total += 1
+    print(f"fp8 KV vs bf16 KV: {agree}/{total} teacher-forced, {free}/{total} free-running")
     assert agree >= AGREEMENT * total, f"only {agree}/{total} tokens agree"
