@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from metrale.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+#: "auto": K/V stored in the model dtype; "fp8" (alias "fp8_e4m3", vLLM's spelling): float8
+#: E4M3 with a K and a V scale per attention layer (`metrale.cache.kv_cache`).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("recompute", "swap")
 #: "fcfs": queues in arrival order; "priority": by each request's `priority` (lower first,
@@ -57,6 +60,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     #: KV memory budget on the CPU, in GiB, when num_kv_blocks is not given.
     cpu_kv_cache_gb: float = 1.0
+    #: One of KV_CACHE_DTYPES: "auto" stores K/V in the model dtype; "fp8" in float8 E4M3
+    #: with per-layer scales (checkpoint k_scale/v_scale, else calibrated on the first
+    #: prefill), so a KV block takes half the bytes of bfloat16 (a quarter of float32).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     #: Hybrid (recurrent-state) models: slots of the SSM snapshot store that lets the prefix
     #: cache hit on them (each one full recurrent state, float32); 0 bypasses the prefix cache.
@@ -147,6 +154,17 @@ class EngineConfig:
             raise bad("device", f"'{self.device}' is not one of {', '.join(DEVICES)}")
         if self.dtype not in DTYPES:
             raise bad("dtype", f"'{self.dtype}' is not one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise bad(
+                "kv_cache_dtype",
+                f"'{self.kv_cache_dtype}' is not one of {', '.join(KV_CACHE_DTYPES)}",
+            )
+        if self.kv_cache_dtype != "auto" and self.batch_invariant:
+            raise bad(
+                "kv_cache_dtype",
+                "fp8 KV is not supported by the batch-invariant CPU kernels (their attention "
+                "reads the model dtype); use kv_cache_dtype auto with batch_invariant",
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:

@@ -43,6 +43,9 @@ FLAG_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights, "
     "activations, KV, graphs)",
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
+    "kv_cache_dtype": "auto (the model dtype) | fp8 (alias fp8_e4m3): float8 E4M3 K/V with a "
+    "K and a V scale per layer (the checkpoint's k_scale/v_scale, else calibrated on the first "
+    "prefill); twice the blocks per GiB of bfloat16",
     "swap_space_gb": "host memory for swapped-out KV (preemption mode swap), GiB",
     "high_speed_swap": "CPU: each sequence keeps only its first and newest blocks in the KV "
     "pool, older ones in host memory where attention reads them (needs "
@@ -122,7 +125,7 @@ FLAG_TOPICS: dict[str, str] = {
         "model",
     ),
     **dict.fromkeys(
-        ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb",
+        ("block_size", "num_kv_blocks", "gpu_memory_utilization", "cpu_kv_cache_gb", "kv_cache_dtype",
          "enable_prefix_caching", "ssm_snapshot_slots", "ssm_snapshot_min_gap_tokens", "swap_space_gb", "swap_spill_dir",
          "swap_spill_gb", "high_speed_swap", "high_speed_swap_blocks_per_seq", "kv_offload_host_gb",
          "kv_offload_disk", "kv_offload_disk_gb"),

@@ -18,6 +18,8 @@
 #        hybrid (issue 23: recurrent-kernel and hybrid-graph GPU tests, Nemotron-H-8B shape batch-1
 #        decode with graphs against HF and its roofline, then the serve ladder C=1..64;
 #        HYBRID_LADDER overrides the rungs)
+#        fp8kv (issue 22, FP8 KV: tests/gpu/test_fp8_kv.py, then the serve rung C=128 on the
+#        qwen3-8b shape with --kv-cache-dtype auto and fp8, one server each; FP8KV_SERVE=0 skips it)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
@@ -72,6 +74,35 @@ for part in $PARTS; do
     done
     wait
     for i in 1 2 3; do echo "group $i:"; tail -3 "$OUT/gpu_tests_$i.log"; done
+    ;;
+  fp8kv)
+    stamp "fp8 KV: kernel and engine tests (issue 22)"
+    timeout 400 python3 -m pytest tests/gpu/test_fp8_kv.py -m gpu -q -s -p no:cacheprovider \
+      --timeout 300 >"$OUT/fp8kv_tests.log" 2>&1
+    echo "rc=$?"; grep -E "fp8 KV vs|passed|failed|Error" "$OUT/fp8kv_tests.log" | tail -6
+    if [ "${FP8KV_SERVE:-1}" = 1 ]; then
+      rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
+      python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
+      for kvd in auto fp8; do
+        stamp "fp8 KV: serve qwen3-8b C=128, --kv-cache-dtype $kvd"
+        mkdir -p "$OUT/fp8kv-$kvd"
+        python3 -m metrale.cli serve /tmp/qwen3-8b --load-format dummy --max-model-len 2048 \
+          --max-num-seqs 128 --kv-cache-dtype $kvd --served-model-name qwen3-8b --port 8888 \
+          --log-level INFO >"$OUT/fp8kv-$kvd/server.log" 2>&1 &
+        server=$!
+        for _ in $(seq 1 180); do
+          curl -sf localhost:8888/health >/dev/null 2>&1 && break
+          sleep 1
+        done
+        timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+          --shape qwen3-8b --vocab 151936 --concurrency 128 --isl 128 --osl 1024 --device cuda \
+          --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128 --kv-cache-dtype $kvd" \
+          --out-dir "$OUT/fp8kv-$kvd" >"$OUT/fp8kv-$kvd/serve.log" 2>&1
+        echo "ladder rc=$?"; tail -4 "$OUT/fp8kv-$kvd/serve.log"
+        kill -TERM $server; wait $server; echo "server exit=$?"
+        grep -E "KV cache dtype|loaded .* KV" "$OUT/fp8kv-$kvd/server.log" | head -3
+      done
+    fi
     ;;
   hybridttft)
     stamp "hybrid prefix cache: Nemotron-H-8B shape, 4k-token cached prefix, warm vs cold TTFT (issue 15)"

@@ -1,11 +1,25 @@
 """Paged KV tensors: per attention layer one K and one V tensor of
-`[num_blocks, block_size, kv_heads, head_dim]`.
+`[num_blocks, block_size, kv_heads, head_dim]`, in the model dtype or in float8 E4M3 with a
+K scale and a V scale per layer (`--kv-cache-dtype fp8`).
 
 Owner: cache. The model engine writes and reads them through the kernels; the block pool
 decides which blocks a sequence owns.
 
 Invariants:
 - Shapes and dtype are fixed at construction; nothing reallocates them while serving.
+- `layers[i]` is a `KvLayer`: the `(k_cache, v_cache)` pair (it unpacks as a 2-tuple) with
+  that layer's scales, `[1]` float32 device tensors (1.0 unless set), views of one `scales`
+  tensor `[num_layers, 2]`. A float8 pool stores `clamp(x / scale, -448, 448)` cast to E4M3
+  and every reader multiplies by the scale (`metrale.kernels.reference.quantize_kv`); a pool
+  in the model dtype ignores them. Scales change only in place (`set_scales`, calibration),
+  so captured CUDA graphs read the current values.
+- Calibration (float8 pools without checkpoint scales): `arm_calibration` marks every layer
+  pending; a pending layer's next KV write first sets its scales to `amax(|k|) / 448` and
+  `amax(|v|) / 448` of the rows being written (1.0 for an all-zero tensor) and clears the
+  mark, so each layer calibrates once, on the first forward after arming (the first prefill
+  chunk; the loader arms after its warm-up forwards), and its scales are then fixed.
+- Every copy of blocks (copy-on-write, swap, tiers, high-speed swap) moves bytes, whatever
+  the dtype: a float8 block round-trips bit for bit under the same scales.
 - Block 0 (the null block) exists in every layer and may hold garbage: nothing reads it
   except padded rows, whose outputs are discarded.
 - A batched restore (`write_blocks_bytes`) uses helper threads only to fill its host buffer;
@@ -36,6 +50,56 @@ from metrale.cache.kv_tiers import HostBlock, Payload
 _STAGING_BYTES = 128 << 20
 #: Threads gathering a restore's payloads into its host buffer.
 _COPY_THREADS = 4
+#: KV dtypes stored as scaled float8 (a scale per layer for K and for V).
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as bytes where torch lacks an indexing kernel for its dtype (float8 on the
+    CPU has no `index_copy_`); the same tensor otherwise."""
+    return t.view(torch.uint8) if t.dtype in FP8_KV_DTYPES else t
+
+
+class KvLayer(tuple):
+    """One attention layer's `(k_cache, v_cache)` (unpacks as that pair) with its float8
+    scales `k_scale`, `v_scale` (`[1]` float32 on the cache's device) and its calibration
+    mark. `scaled` says whether the caches are float8 (the scales apply)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    calibration_pending: bool
+
+    def __new__(
+        cls, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+    ) -> KvLayer:
+        self = super().__new__(cls, (k, v))
+        self.k_scale = k_scale
+        self.v_scale = v_scale
+        self.calibration_pending = False
+        return self
+
+    @property
+    def scaled(self) -> bool:
+        return self[0].dtype in FP8_KV_DTYPES
+
+    def scale_kwargs(self) -> dict[str, torch.Tensor]:
+        """The keyword arguments the KV ops take for this layer: the scales of a float8
+        cache, nothing for a cache in the model dtype."""
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale} if self.scaled else {}
+
+    def calibrate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set the scales from the rows about to be written (see the module invariants) and
+        clear the mark; a no-op unless pending."""
+        if not self.calibration_pending:
+            return
+        fmax = torch.finfo(self[0].dtype).max
+        for rows, scale in ((k, self.k_scale), (v, self.v_scale)):
+            amax = rows.detach().abs().amax().float().reshape(1) if rows.numel() else None
+            if amax is None:
+                scale.fill_(1.0)
+                continue
+            scale.copy_(torch.where(amax > 0, amax / fmax, torch.ones_like(amax)))
+        self.calibration_pending = False
 
 
 #: Bytes of one pinned slab of `PinnedRows` (a power of two: the caching host allocator
@@ -90,17 +154,62 @@ class PagedKVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (
+        #: Per layer (K scale, V scale), float32; used only by a float8 pool.
+        self.scales = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
+        self._scales_source = "unset" if self.quantized else "none"
+        self.layers: list[KvLayer] = [
+            KvLayer(
                 torch.zeros(shape, dtype=dtype, device=device),
                 torch.zeros(shape, dtype=dtype, device=device),
+                self.scales[i, 0:1],
+                self.scales[i, 1:2],
             )
-            for _ in range(num_layers)
+            for i in range(num_layers)
         ]
         #: Threads of `write_blocks_bytes` (started on the first batched restore).
         self._copy_pool: ThreadPoolExecutor | None = None
         #: Pinned rows of `block_payload` on CUDA (made on the first offload).
         self._pinned: PinnedRows | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored as scaled float8."""
+        return self.dtype in FP8_KV_DTYPES
+
+    def set_scales(self, scales: torch.Tensor, source: str = "checkpoint") -> None:
+        """Per-layer `[num_layers, 2]` (K, V) scales, copied in place; each must be > 0."""
+        if tuple(scales.shape) != tuple(self.scales.shape):
+            raise ValueError(
+                f"KV scales of shape {tuple(scales.shape)}; this pool needs "
+                f"{tuple(self.scales.shape)} (a K and a V scale per layer)"
+            )
+        if not bool((scales > 0).all()) or not bool(torch.isfinite(scales).all()):
+            raise ValueError("KV scales must be finite and > 0")
+        self.scales.copy_(scales)
+        self._scales_source = source
+        for layer in self.layers:
+            layer.calibration_pending = False
+
+    def arm_calibration(self) -> None:
+        """Calibrate every layer's scales on its next KV write (module invariants)."""
+        if not self.quantized:
+            raise ValueError("only a float8 KV pool has scales to calibrate")
+        self._scales_source = "calibrating"
+        for layer in self.layers:
+            layer.calibration_pending = True
+
+    @property
+    def calibration_pending(self) -> bool:
+        """Whether some layer still waits for its first write to set its scales."""
+        return any(layer.calibration_pending for layer in self.layers)
+
+    @property
+    def scales_source(self) -> str:
+        """Where the scales came from: "none" (model dtype: unused), "unset" (1.0),
+        "checkpoint", "calibrating" (armed; some layer has not written yet), "calibrated"."""
+        if self._scales_source == "calibrating" and not self.calibration_pending:
+            return "calibrated"
+        return self._scales_source
 
     @staticmethod
     def bytes_per_block(
@@ -158,10 +267,13 @@ class PagedKVCache:
             for kv in self.layers:
                 for t in kv:
                     n = t[0].numel() * t.element_size()
+                    raw = _raw(t)
                     src = (
-                        staging[:, offset : offset + n].view(t.dtype).view(len(chunk), *t.shape[1:])
+                        staging[:, offset : offset + n]
+                        .view(raw.dtype)
+                        .view(len(chunk), *raw.shape[1:])
                     )
-                    t.index_copy_(0, idx, src)
+                    raw.index_copy_(0, idx, src)
                     offset += n
 
     def _stage(
@@ -256,22 +368,24 @@ class PagedKVCache:
         device = self.layers[0][0].device
         ids = torch.tensor([*src, *dst], dtype=torch.long).to(device, non_blocking=True)
         s, d = ids[: len(src)], ids[len(src) :]
-        for k, v in self.layers:
-            k.index_copy_(0, d, k.index_select(0, s))
-            v.index_copy_(0, d, v.index_select(0, s))
+        for kv in self.layers:
+            for t in map(_raw, kv):
+                t.index_copy_(0, d, t.index_select(0, s))
 
     def read_blocks(self, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the given blocks of every layer, on the host (for swap-out)."""
+        """Copies of the given blocks of every layer, on the host (for swap-out); a float8
+        pool's as their bytes (uint8: pickle cannot load float8 tensors back)."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
         return [
-            (k.index_select(0, idx).cpu(), v.index_select(0, idx).cpu()) for k, v in self.layers
+            (_raw(k).index_select(0, idx).cpu(), _raw(v).index_select(0, idx).cpu())
+            for k, v in self.layers
         ]
 
     def write_blocks(
         self, blocks: list[int], data: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> None:
-        """Inverse of `read_blocks` (for swap-in)."""
+        """Inverse of `read_blocks` (for swap-in); float8 blocks arrive as their bytes."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.layers[0][0].device)
         for (k, v), (hk, hv) in zip(self.layers, data, strict=True):
-            k.index_copy_(0, idx, hk.to(k.device))
-            v.index_copy_(0, idx, hv.to(v.device))
+            _raw(k).index_copy_(0, idx, _raw(hk).to(k.device))
+            _raw(v).index_copy_(0, idx, _raw(hv).to(v.device))

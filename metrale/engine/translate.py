@@ -191,9 +191,11 @@ class Translator:
         src_lang: str | None = None,
         tgt_lang: str | None = None,
         step_graphs: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """`step_graphs`: decoder steps through `EncDecStepGraphs` (CUDA graphs over the
-        batch ladder on a GPU; on the CPU the same static body, eagerly)."""
+        batch ladder on a GPU; on the CPU the same static body, eagerly). `kv_cache_dtype`:
+        only "auto" (float8 KV is refused for this model)."""
         self.model_dir = str(model_dir)
         #: `tokenizer.json` (NLLB), or M2M100's sentencepiece files.
         self.tokenizer: Tokenizer | SentencePieceVocab = (
@@ -210,6 +212,7 @@ class Translator:
             max_model_len=max_len,
             num_blocks=num_kv_blocks,
             block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
         if step_graphs:
             self.model.enable_step_graphs()

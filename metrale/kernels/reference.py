@@ -10,6 +10,11 @@ Invariants:
 - `paged_attention` reads K/V only through `block_tables`: a chunk that starts after a cached
   prefix and a decode row are the same computation; so are the Q decode rows of a sequence
   (`meta.decode_query_len` = Q, a speculative verify step) and a Q-token chunk.
+- A float8 KV cache (`torch.float8_e4m3fn`) holds `quantize_kv(x, scale)`: `x / scale` in
+  float32, saturated to +-448, cast with round-to-nearest-even; a reader takes
+  `dequantize_kv` = float8 value x scale (in float32, then the query dtype) and the attention
+  math after it is unchanged. Every KV writer and reader takes `k_scale` / `v_scale` (`[1]`
+  float32 tensors); they are required with a float8 cache and ignored otherwise.
 """
 
 from __future__ import annotations
@@ -128,17 +133,58 @@ def quantize_fp8(
     return q, scale
 
 
+#: KV cache dtypes stored scaled (`quantize_kv`), with their largest finite value.
+FP8_KV_MAX = {torch.float8_e4m3fn: 448.0}
+
+
+def _kv_scale(cache: torch.Tensor, scale: torch.Tensor | None, name: str) -> torch.Tensor | None:
+    """The scale a KV op uses for `cache`: required for float8, None (unused) otherwise."""
+    if cache.dtype not in FP8_KV_MAX:
+        return None
+    if scale is None:
+        raise ValueError(f"a {cache.dtype} KV cache needs its {name}")
+    return scale
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """`x` as stored in a cache of `dtype`: scaled and saturated float8, or a plain cast."""
+    if dtype not in FP8_KV_MAX:
+        return x.to(dtype)
+    assert scale is not None
+    fmax = FP8_KV_MAX[dtype]
+    return (x.float() / scale.float()).clamp_(-fmax, fmax).to(dtype)
+
+
+def dequantize_kv(
+    stored: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """Cache contents as `dtype` values: float8 x scale (computed in float32), or a cast."""
+    if stored.dtype not in FP8_KV_MAX:
+        return stored.to(dtype)
+    assert scale is not None
+    return (stored.float() * scale.float()).to(dtype)
+
+
 def write_kv(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store rows `k`/`v` `[T, Hk, D]` at flat slots of the `[NB, BS, Hk, D]` caches."""
+    """Store rows `k`/`v` `[T, Hk, D]` at flat slots of the `[NB, BS, Hk, D]` caches
+    (quantized with the scales for a float8 cache)."""
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    for x, cache, scale in (
+        (k, k_cache, _kv_scale(k_cache, k_scale, "k_scale")),
+        (v, v_cache, _kv_scale(v_cache, v_scale, "v_scale")),
+    ):
+        rows = quantize_kv(x, cache.dtype, scale)
+        if cache.dtype in FP8_KV_MAX:  # no float8 index_copy_ on the CPU: copy the bytes
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, heads, dim).index_copy_(0, slot_mapping, rows)
 
 
 def _gather(
@@ -165,8 +211,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`."""
+    """Causal attention of query rows `[T, Hq, D]` over paged K/V (dequantized with the
+    scales from a float8 cache); returns `[T, Hq, D]`."""
+    scales = (_kv_scale(k_cache, k_scale, "k_scale"), _kv_scale(v_cache, v_scale, "v_scale"))
     out = torch.empty_like(q)
     host_k = host_v = None
     if meta.host_kv is not None:  # rows read host blocks: each sequence on its own below
@@ -174,7 +224,7 @@ def paged_attention(
     nd = meta.num_decode if host_k is None else 0
     rows = nd * meta.decode_query_len
     if nd:
-        _decode_rows(q[:rows], out[:rows], k_cache, v_cache, meta, scale, sliding_window)
+        _decode_rows(q[:rows], out[:rows], k_cache, v_cache, meta, scale, sliding_window, scales)
     # The host copy of the row offsets (a device read only where a graph's metadata lacks it).
     starts = (
         (meta.query_start_loc_host or meta.query_start_loc.tolist()) if nd < meta.num_seqs else []
@@ -192,8 +242,8 @@ def paged_attention(
             mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
         attn = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0).to(q.dtype),
-            v.transpose(0, 1).unsqueeze(0).to(q.dtype),
+            dequantize_kv(k, q.dtype, scales[0]).transpose(0, 1).unsqueeze(0),
+            dequantize_kv(v, q.dtype, scales[1]).transpose(0, 1).unsqueeze(0),
             attn_mask=mask[None, None],
             scale=scale,
             enable_gqa=True,
@@ -210,6 +260,7 @@ def _decode_rows(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
     """All decode rows (`decode_query_len` = Q consecutive rows per sequence) in one padded
     gather + one SDPA call with a per-row causal mask."""
@@ -225,8 +276,9 @@ def _decode_rows(
     # faster on the CPU than advanced indexing (it was 10% of a small model's decode step).
     flat = meta.block_tables[:nd, :nblocks].reshape(-1).long()
     heads, dim = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.index_select(0, flat).reshape(nd, nblocks * block_size, heads, dim).to(q.dtype)
-    v = v_cache.index_select(0, flat).reshape(nd, nblocks * block_size, heads, dim).to(q.dtype)
+    k = k_cache.index_select(0, flat).reshape(nd, nblocks * block_size, heads, dim)
+    v = v_cache.index_select(0, flat).reshape(nd, nblocks * block_size, heads, dim)
+    k, v = dequantize_kv(k, q.dtype, scales[0]), dequantize_kv(v, q.dtype, scales[1])
     k_pos = torch.arange(nblocks * block_size, device=q.device)
     if ql == 1:
         mask = k_pos[None, :] < lens[:, None]
@@ -310,11 +362,13 @@ def rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rotary_embedding` of q and k, then `write_kv` of the rotated k and of v; returns the
     rotated q. The attention layer's rotary step as one op (one kernel on CUDA)."""
     q, k = rotary_embedding(positions, q, k, cos_sin, rotary_dim)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -331,10 +385,12 @@ def qk_norm_rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`qk_norm_rotary`, then `write_kv` of the rotated k and of v; returns the rotated q."""
     q, k = qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos_sin, rotary_dim)
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 

@@ -19,6 +19,11 @@ Invariants:
   `seq_len - Q + j`. Q = 1 compiles to the plain decode kernel. Scores, softmax and the
   output accumulator are float32 whatever the input dtype.
 - The prefill kernel may take the host `max_query_len` for its grid (prefill is not graphed).
+- A float8 cache (`KV_FP8`): writers store `reference.quantize_kv` of each row (the same
+  bytes as the reference); readers convert float8 to the query dtype exactly and fold the
+  scales in float32: the K scale into the score scale, the V scale into the normalised
+  output (before the split partials), so dequantization costs two scalar loads per program.
+  The scales are read from device memory at run time (graph-capturable).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ import triton
 import triton.language as tl
 
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.kernels.triton_attention_common import _check_cache_pair
+from metrale.kernels.triton_attention_common import (
+    _check_cache_pair,
+    _quantize_kv,
+    kv_scale_args,
+)
 from metrale.kernels.triton_decode import decode_attention, decode_num_splits
 from metrale.kernels.triton_prefill import prefill_attention
 
@@ -48,6 +57,8 @@ def _write_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slots_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -59,6 +70,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_HD: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
@@ -71,6 +83,9 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + d
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + head * stride_vh + d, mask=mask)
+    if KV_FP8:
+        k = _quantize_kv(k.to(tl.float32), tl.load(k_scale_ptr), True, k_cache_ptr.dtype.element_ty)
+        v = _quantize_kv(v.to(tl.float32), tl.load(v_scale_ptr), True, v_cache_ptr.dtype.element_ty)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -81,13 +96,17 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store rows `k`/`v` `[T, Hk, D]` at flat slots of the `[NB, BS, Hk, D]` caches (one
-    launch for both). Same function as `reference.write_kv`; slots < 0 are skipped."""
+    launch for both; quantized with the scales for a float8 cache). Same function as
+    `reference.write_kv`; slots < 0 are skipped."""
     tokens = k.shape[0]
+    _check_cache_pair(k_cache, v_cache)
+    k_scale, v_scale, fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     if tokens == 0:
         return
-    _check_cache_pair(k_cache, v_cache)
     heads, dim = k_cache.shape[2], k_cache.shape[3]
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -100,6 +119,8 @@ def write_kv(
         k_cache,
         v_cache,
         slot_mapping,
+        k_scale,
+        v_scale,
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -111,6 +132,7 @@ def write_kv(
         HEAD_DIM=dim,
         BLOCK_SIZE=k_cache.shape[1],
         BLOCK_HD=block_hd,
+        KV_FP8=fp8,
         num_warps=max(1, min(8, block_hd // 256)),
     )
 
@@ -122,10 +144,13 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of query rows `[T, Hq, D]` over paged K/V; returns `[T, Hq, D]`.
+    """Causal attention of query rows `[T, Hq, D]` over paged K/V (float8 K/V dequantized
+    with `k_scale` / `v_scale`); returns `[T, Hq, D]`.
 
     Same function as `reference.paged_attention`: the first `num_decode` sequences
     (`meta.decode_query_len` rows each: 1 for decode, k + 1 for a speculative verify step) go
@@ -164,7 +189,12 @@ def paged_attention(
             out=out[:rows],
             pdl=pdl,
             query_len=meta.decode_query_len,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     if meta.seq_lens.shape[0] > num_decode:
-        prefill_attention(q, k_cache, v_cache, meta, scale, sliding_window, out, num_decode)
+        prefill_attention(
+            q, k_cache, v_cache, meta, scale, sliding_window, out, num_decode,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """Shared pieces of the Triton kernels: device queries, split constants, programmatic
-dependent launch (PDL) helpers, and the device helpers (`_dot`, `_attend_tile`) both the decode
-and the prefill kernels inline.
+dependent launch (PDL) helpers, the device helpers (`_dot`, `_attend_tile`) both the decode
+and the prefill kernels inline, and the float8 KV helpers (`kv_scale_args`, `_quantize_kv`).
 
 Owner: kernels. See `triton_attention` for the invariants the kernels keep together.
 
@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from metrale.kernels.reference import FP8_KV_MAX
 
 __all__ = ["gdc_launch_dependents", "gdc_wait", "pdl_enter", "pdl_options", "pdl_supported"]
 
@@ -172,8 +174,39 @@ def attention_strides(
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
         raise ValueError("K and V caches must have the same shape and strides")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"K cache {k_cache.dtype} and V cache {v_cache.dtype} differ in dtype")
     if k_cache.stride(-1) != 1:
         raise ValueError("KV cache rows must be contiguous in head_dim")
+
+
+def kv_scale_args(
+    k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """`(k_scale, v_scale, KV_FP8)` for a kernel launch: the `[1]` float32 scales of a float8
+    cache (required; `reference.quantize_kv`), or placeholders (never read) and False."""
+    if k_cache.dtype not in FP8_KV_MAX:
+        return k_cache, k_cache, False
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {k_cache.dtype} KV cache needs k_scale and v_scale")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t.dtype != torch.float32 or t.numel() != 1 or t.device != k_cache.device:
+            raise ValueError(f"{name} must be one float32 element on {k_cache.device}")
+    return k_scale, v_scale, True
+
+
+@triton.jit
+def _quantize_kv(x, scale, KV_FP8: tl.constexpr, dst_ty: tl.constexpr):
+    """`reference.quantize_kv` of float32 `x` for a cache of `dst_ty`: `x / scale` (IEEE
+    division), saturated to +-448, cast (round to nearest even); a plain cast without
+    KV_FP8."""
+    if KV_FP8:
+        y = tl.math.div_rn(x, scale)
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        out = y.to(dst_ty)
+    else:
+        out = x.to(dst_ty)
+    return out
 
 
 # -------------------------------------------------------------------------------------------

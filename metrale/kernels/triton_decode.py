@@ -21,6 +21,7 @@ from metrale.kernels.triton_attention_common import (
     _check_cache_pair,
     attention_strides,
     interpreting,
+    kv_scale_args,
     multiprocessor_count,
     pdl_enter,
     pdl_options,
@@ -37,6 +38,8 @@ def _decode_kernel(
     out_ptr,
     part_acc_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     max_blocks,
@@ -56,12 +59,15 @@ def _decode_kernel(
     PDL: tl.constexpr = False,
     QUERY_LEN: tl.constexpr = 1,
     ROW_CHUNKS: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = False,
 ):
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     # One program: sequence `row`, KV head, context split; all QUERY_LEN * GROUP query rows of
     # that KV head (in ROW_CHUNKS programs of BLOCK_H rows when they do not fit one). Q = 1
     # keeps the plain decode code: every QUERY_LEN > 1 / ROW_CHUNKS > 1 branch is constexpr.
     pdl_enter(PDL)  # programmatic dependent launch: see triton_attention_common
+    if KV_FP8:  # float8 K/V: the K scale joins the score scale, the V scale the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     row = tl.program_id(0)
     if ROW_CHUNKS == 1:
         kv_head = tl.program_id(1)
@@ -124,6 +130,8 @@ def _decode_kernel(
         )
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     store_mask = h_mask[:, None] & d_mask[None, :]
     if NUM_SPLITS == 1:
         if QUERY_LEN == 1:
@@ -241,6 +249,8 @@ def decode_attention(
     min_split_tokens: int | None = None,
     pdl: bool = False,
     query_len: int = 1,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of `query_len` (Q) query tokens per sequence, `q` `[S * Q, Hq, D]` (rows
     `s * Q .. s * Q + Q - 1` belong to sequence s), over sequence s's first `seq_lens[s]`
@@ -251,7 +261,8 @@ def decode_attention(
     Graph-safe: reads no host data; the launch shape depends on `S`, `Q`, the heads and
     `block_tables.shape[1]` only. `num_splits` overrides the split count; `min_split_tokens`
     (default: one tile) is the least context a non-empty split takes. `pdl`: launch as
-    programmatic dependents of the previous kernel (sm_90+).
+    programmatic dependents of the previous kernel (sm_90+). A float8 cache needs
+    `k_scale` / `v_scale` (`[1]` float32, read on the device).
     """
     rows, q_heads, head_dim = q.shape
     if out is None:
@@ -262,6 +273,7 @@ def decode_attention(
     if rows == 0:
         return out
     _check_cache_pair(k_cache, v_cache)
+    k_scale, v_scale, fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q_heads % kv_heads != 0:
         raise ValueError(f"{q_heads} query heads are not a multiple of {kv_heads} KV heads")
@@ -300,6 +312,8 @@ def decode_attention(
         out,
         part_acc,
         part_lse,
+        k_scale,
+        v_scale,
         scale * _LOG2E,
         sliding_window or 0,
         max_blocks,
@@ -317,6 +331,7 @@ def decode_attention(
         UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32,
         PDL=pdl,
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **variant,

@@ -17,6 +17,7 @@ from metrale.kernels.triton_attention_common import (
     _check_cache_pair,
     attention_strides,
     interpreting,
+    kv_scale_args,
 )
 
 
@@ -29,6 +30,8 @@ def _prefill_kernel(
     lens_ptr,
     qsl_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale_log2,
     window,
     max_blocks,
@@ -44,6 +47,7 @@ def _prefill_kernel(
     USE_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh = strides
     q_tile = tl.program_id(0)
@@ -53,6 +57,8 @@ def _prefill_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
+    if KV_FP8:  # float8 K/V: the K scale joins the score scale, the V scale the output
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
     seq_len = tl.load(lens_ptr + seq)
     context = seq_len - q_len  # position of the chunk's first query token
 
@@ -93,6 +99,8 @@ def _prefill_kernel(
             acc, m_i, l_i, rows, kv, tile, BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, UPCAST, IEEE
         )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(
         out_ptr + token_row[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -122,13 +130,17 @@ def prefill_attention(
     first_seq: int,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for sequences `first_seq ..` of `meta` (rows located by
-    `query_start_loc`), written into `out`. Uses the host `max_query_len` for the grid."""
+    `query_start_loc`), written into `out`. Uses the host `max_query_len` for the grid. A
+    float8 cache needs `k_scale` / `v_scale`."""
     num_seqs = meta.seq_lens.shape[0] - first_seq
     if num_seqs <= 0:
         return out
     _check_cache_pair(k_cache, v_cache)
+    k_scale, v_scale, fp8 = kv_scale_args(k_cache, k_scale, v_scale)
     q_heads, head_dim = q.shape[1], q.shape[2]
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if q_heads % kv_heads != 0:
@@ -151,6 +163,8 @@ def prefill_attention(
         meta.seq_lens,
         meta.query_start_loc,
         out,
+        k_scale,
+        v_scale,
         scale * _LOG2E,
         sliding_window or 0,
         meta.block_tables.shape[1],
@@ -166,6 +180,7 @@ def prefill_attention(
         USE_WINDOW=sliding_window is not None,
         UPCAST=interpreting(),
         IEEE=q.dtype == torch.float32,
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -19,7 +19,8 @@ Invariants:
   rounded to the dtype the unfused op would return and then cast to the cache dtype, and its
   v heads (cast to the cache dtype) straight at `slot_mapping[token]`, with the slot rules of
   `triton_attention.write_kv` (a slot < 0 is skipped; q is still written). So the cache
-  holds exactly what rotary + `write_kv` would leave there.
+  holds exactly what rotary + `write_kv` would leave there. A float8 cache gets
+  `reference.quantize_kv` of those values with the layer's K / V scale (read on the device).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import triton.language as tl
 
 from metrale.kernels.triton_attention_common import (
     _check_cache_pair,
+    _quantize_kv,
+    kv_scale_args,
     pdl_enter,
     pdl_options,
 )
@@ -50,6 +53,7 @@ def _rotate_heads(
     stride_sh,
     stride_dh,
     eps,
+    kv_scale,
     OUT_TY: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,
@@ -58,10 +62,12 @@ def _rotate_heads(
     REST: tl.constexpr,
     BLOCK_REST: tl.constexpr,
     NORM: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Rotate (after the norm, with NORM) the heads of one token. `dst_ptr` is the token's
     output row, heads `stride_dh` apart; results are rounded to `OUT_TY` (the op's output
-    dtype), then stored in the destination's dtype (the same, or the cache's)."""
+    dtype), then stored in the destination's dtype (the same, or the cache's: with KV_FP8
+    quantized by `kv_scale`)."""
     heads = tl.arange(0, BLOCK_HEADS)
     j = tl.arange(0, BLOCK_HALF)
     h_mask = heads < num_heads
@@ -90,10 +96,13 @@ def _rotate_heads(
         if REST > 0:
             w3 = tl.load(w_ptr + 2 * HALF + r, mask=r < REST, other=0.0).to(tl.float32)[None, :]
             c = (c * rstd).to(x1.dtype).to(tl.float32) * w3
-    tl.store(dst + j[None, :], (a * cos - b * sin).to(OUT_TY).to(store_ty), mask=m)
-    tl.store(dst + HALF + j[None, :], (b * cos + a * sin).to(OUT_TY).to(store_ty), mask=m)
+    lo = _quantize_kv((a * cos - b * sin).to(OUT_TY).to(tl.float32), kv_scale, KV_FP8, store_ty)
+    hi = _quantize_kv((b * cos + a * sin).to(OUT_TY).to(tl.float32), kv_scale, KV_FP8, store_ty)
+    tl.store(dst + j[None, :], lo, mask=m)
+    tl.store(dst + HALF + j[None, :], hi, mask=m)
     if REST > 0:
-        tl.store(dst + 2 * HALF + r[None, :], c.to(OUT_TY).to(store_ty), mask=rm)
+        tail = _quantize_kv(c.to(OUT_TY).to(tl.float32), kv_scale, KV_FP8, store_ty)
+        tl.store(dst + 2 * HALF + r[None, :], tail, mask=rm)
 
 
 @triton.jit
@@ -105,17 +114,22 @@ def _copy_heads(
     stride_st,
     stride_sh,
     stride_dh,
+    kv_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     """Copy the heads of one token to the row at `dst_ptr` (heads `stride_dh` apart), cast
-    to the destination's dtype: `write_kv`'s store of v."""
+    to the destination's dtype (with KV_FP8 quantized by `kv_scale`): `write_kv`'s store of
+    v."""
     heads = tl.arange(0, BLOCK_HEADS)
     d = tl.arange(0, BLOCK_D)
     m = (heads < num_heads)[:, None] & (d < HEAD_DIM)[None, :]
     src = src_ptr + token.to(tl.int64) * stride_st + heads[:, None] * stride_sh + d[None, :]
     x = tl.load(src, mask=m)
+    if KV_FP8:
+        x = _quantize_kv(x.to(tl.float32), kv_scale, True, dst_ptr.dtype.element_ty)
     tl.store(
         dst_ptr + heads[:, None] * stride_dh + d[None, :], x.to(dst_ptr.dtype.element_ty), mask=m
     )
@@ -134,6 +148,8 @@ def _rotary_kernel(
     pos_ptr,
     slots_ptr,
     cos_sin_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_q_heads,
     num_k_heads,
     stride_qt,
@@ -161,6 +177,7 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     PDL: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     pdl_enter(PDL)  # programmatic dependent launch: see triton_attention_common
     token = tl.program_id(0)
@@ -172,28 +189,33 @@ def _rotary_kernel(
     q_row = q_out_ptr + token.to(tl.int64) * num_q_heads * HEAD_DIM
     _rotate_heads(
         q_ptr, q_row, qw_ptr, cos, sin, token, num_q_heads, stride_qt, stride_qh, HEAD_DIM, eps,
-        q_out_ptr.dtype.element_ty, HEAD_DIM, HALF, BLOCK_Q_HEADS, BLOCK_HALF, REST, BLOCK_REST,
-        NORM,
+        1.0, q_out_ptr.dtype.element_ty, HEAD_DIM, HALF, BLOCK_Q_HEADS, BLOCK_HALF, REST,
+        BLOCK_REST, NORM,
     )  # fmt: skip
     if WRITE_KV:
         # k_out_ptr is the K cache: the rotated k goes straight to the token's slot.
         slot = tl.load(slots_ptr + token).to(tl.int64)
         if slot >= 0:
             row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+            k_scale = 1.0
+            v_scale = 1.0
+            if KV_FP8:
+                k_scale = tl.load(k_scale_ptr)
+                v_scale = tl.load(v_scale_ptr)
             _rotate_heads(
                 k_ptr, k_out_ptr + row, kw_ptr, cos, sin, token, num_k_heads, stride_kt,
-                stride_kh, stride_ch, eps,
-                K_TY, HEAD_DIM, HALF, BLOCK_K_HEADS, BLOCK_HALF, REST, BLOCK_REST, NORM,
+                stride_kh, stride_ch, eps, k_scale,
+                K_TY, HEAD_DIM, HALF, BLOCK_K_HEADS, BLOCK_HALF, REST, BLOCK_REST, NORM, KV_FP8,
             )  # fmt: skip
             _copy_heads(
                 v_ptr, v_cache_ptr + row, token, num_k_heads, stride_vt, stride_vh, stride_ch,
-                HEAD_DIM, BLOCK_K_HEADS, BLOCK_D,
+                v_scale, HEAD_DIM, BLOCK_K_HEADS, BLOCK_D, KV_FP8,
             )  # fmt: skip
     else:
         k_row = k_out_ptr + token.to(tl.int64) * num_k_heads * HEAD_DIM
         _rotate_heads(
             k_ptr, k_row, kw_ptr, cos, sin, token, num_k_heads, stride_kt, stride_kh, HEAD_DIM,
-            eps,
+            eps, 1.0,
             K_TY, HEAD_DIM, HALF, BLOCK_K_HEADS, BLOCK_HALF, REST, BLOCK_REST, NORM,
         )  # fmt: skip
 
@@ -208,10 +230,11 @@ def _launch(
     eps: float,
     cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
+    scales: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotate q and k; without `cache` return `(q_out, k_out)`, with `cache` =
-    `(v, k_cache, v_cache, slot_mapping)` write rotated k and v there and return
-    `(q_out, None)`."""
+    `(v, k_cache, v_cache, slot_mapping)` write rotated k and v there (quantized with
+    `scales` = `(k_scale, v_scale)` for a float8 cache) and return `(q_out, None)`."""
     tokens, q_heads, head_dim = q.shape
     k_heads = k.shape[1]
     if rotary_dim % 2 or rotary_dim > head_dim or rotary_dim <= 0:
@@ -235,9 +258,11 @@ def _launch(
         v = k_dst = v_dst = k  # v, v_dst unused; k_dst is k_out
         slots = positions  # unused
         cache_strides, block_size = (0, 0, 0), 1
+        k_scale, v_scale, fp8 = cos_sin, cos_sin, False  # unused
     else:
         v, k_dst, v_dst, slots = cache
         _check_cache_pair(k_dst, v_dst)
+        k_scale, v_scale, fp8 = kv_scale_args(k_dst, *scales)
         if k_dst.shape[2:] != (k_heads, head_dim) or v.shape != k.shape:
             raise ValueError(
                 f"k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the caches {tuple(k_dst.shape)}"
@@ -265,6 +290,8 @@ def _launch(
         positions,
         slots,
         cos_sin,
+        k_scale,
+        v_scale,
         q_heads,
         k_heads,
         q.stride(0),
@@ -290,6 +317,7 @@ def _launch(
         WRITE_KV=cache is not None,
         BLOCK_SIZE=block_size,
         PDL=pdl,
+        KV_FP8=fp8,
         num_warps=max(1, min(8, block_heads * head_dim // 512)),
         **pdl_options(pdl),
     )
@@ -337,6 +365,8 @@ def rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
@@ -344,7 +374,9 @@ def rotary_write_kv(
     `[NB, BS, Hk, D]` caches, in one launch; returns the rotated q. Same as
     `reference.rotary_write_kv`; slots < 0 are skipped, as `triton_attention.write_kv` does."""
     cache = (v, k_cache, v_cache, slot_mapping)
-    return _launch(positions, q, k, cos_sin, rotary_dim, None, 0.0, cache, pdl)[0]
+    return _launch(positions, q, k, cos_sin, rotary_dim, None, 0.0, cache, pdl, (k_scale, v_scale))[
+        0
+    ]
 
 
 def qk_norm_rotary_write_kv(
@@ -360,10 +392,15 @@ def qk_norm_rotary_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     *,
     pdl: bool = False,
 ) -> torch.Tensor:
     """`qk_norm_rotary`, then `write_kv` of the rotated k and of v, in one launch; returns the
     rotated q. Same as `reference.qk_norm_rotary_write_kv`; slots < 0 are skipped."""
     cache = (v, k_cache, v_cache, slot_mapping)
-    return _launch(positions, q, k, cos_sin, rotary_dim, (q_weight, k_weight), eps, cache, pdl)[0]
+    weights = (q_weight, k_weight)
+    return _launch(
+        positions, q, k, cos_sin, rotary_dim, weights, eps, cache, pdl, (k_scale, v_scale)
+    )[0]

@@ -8,7 +8,10 @@ Invariants:
 - Parameter names under each block follow transformers' names (`q_norm`, `o_proj`,
   `down_proj`, ...) except the fused `qkv_proj` and `gate_up_proj`, which the loader fills
   from the separate checkpoint tensors.
-- Attention reads and writes K/V only through the metadata's slots and block tables.
+- Attention reads and writes K/V only through the metadata's slots and block tables, and
+  passes a float8 cache's scales to every KV op; a layer whose scales await calibration
+  runs its rotary step unfused once, so the scales are set from the rotated k before the
+  first write (`metrale.cache.kv_cache`).
 - A `PreNormLayer` threads the residual stream the same way in every family: `pre_norm` on
   entry, the fused residual add before the MLP, `(hidden, residual)` out.
 - The four projections run through `project` / `project_silu_mul` (`fp8_linear`): an
@@ -36,8 +39,21 @@ from metrale.model_config import ModelConfig
 #: What a layer's mixer reads and writes: `(k_cache, v_cache)` for attention, the SSM pool's
 #: `(conv_states, ssm_states)` for a recurrent mixer, None for a layer that holds nothing.
 LayerCache = tuple[torch.Tensor, torch.Tensor] | None
-#: One attention layer's paged caches: `(k_cache, v_cache)`.
+#: One attention layer's paged caches: `(k_cache, v_cache)`; the pool's entries are
+#: `metrale.cache.kv_cache.KvLayer`s, which also carry float8 scales (`kv_scale_kwargs`).
 KvCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def kv_scale_kwargs(kv: KvCache) -> dict[str, torch.Tensor]:
+    """The `k_scale` / `v_scale` keywords of the KV ops for this layer's cache: its scales
+    when it is a float8 `KvLayer`, none for a cache in the model dtype (or a bare pair)."""
+    scale_kwargs = getattr(kv, "scale_kwargs", None)
+    return scale_kwargs() if scale_kwargs is not None else {}
+
+
+def kv_calibration_pending(kv: KvCache) -> bool:
+    """Whether this layer's float8 scales wait for the rows of this write (`KvLayer`)."""
+    return bool(getattr(kv, "calibration_pending", False))
 
 
 class RMSNorm(nn.Module):
@@ -187,7 +203,9 @@ class PagedSelfAttention(AttentionProjections):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q = self._prepare_q_and_write_kv(positions, q, k, v, kv, meta.slot_mapping)
         k_cache, v_cache = kv
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        out = self.ops.paged_attention(
+            q, k_cache, v_cache, meta, self.scale, self.sliding_window, **kv_scale_kwargs(kv)
+        )
         flat = out.reshape(tokens, self.q_size)
         y = project(self.ops, self.o_proj, flat)
         if lora is not None:
@@ -206,19 +224,31 @@ class PagedSelfAttention(AttentionProjections):
         """Optional per-head q/k RMSNorm and rotary of q and k, with the rotated k and v
         stored in the cache; returns the query. With a rotary embedding this is one kernel op
         (rotated k is never materialised); without one (a model with no positional encoding,
-        e.g. Nemotron-H) the norms, then `write_kv`."""
+        e.g. Nemotron-H) the norms, then `write_kv`. A float8 cache awaiting calibration
+        takes the unfused path once: the rotated k and v set the scales, then `write_kv`."""
         k_cache, v_cache = kv
         rotary = self.rotary
-        if rotary is None:
-            if self.qk_norm:
+        scales = kv_scale_kwargs(kv)
+        if rotary is None or kv_calibration_pending(kv):
+            if rotary is not None and self.qk_norm:
+                q, k = self.ops.qk_norm_rotary(
+                    positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                    rotary.cos_sin, rotary.rotary_dim,
+                )  # fmt: skip
+            elif rotary is not None:
+                q, k = self.ops.rotary_embedding(positions, q, k, rotary.cos_sin, rotary.rotary_dim)
+            elif self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            if kv_calibration_pending(kv):
+                kv.calibrate(k, v)  # type: ignore[attr-defined]
+            self.ops.write_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
             return q
         if self.qk_norm:
             return self.ops.qk_norm_rotary_write_kv(
                 positions, q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache, slot_mapping,
+                rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache, slot_mapping, **scales,
             )  # fmt: skip
         return self.ops.rotary_write_kv(
-            positions, q, k, v, rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache, slot_mapping
-        )
+            positions, q, k, v, rotary.cos_sin, rotary.rotary_dim, k_cache, v_cache,
+            slot_mapping, **scales,
+        )  # fmt: skip

@@ -324,9 +324,17 @@ def load_encoder_decoder(
     block_size: int = 16,
     kv_budget_bytes: int = DEFAULT_KV_BUDGET_BYTES,
     ops: KernelOps | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> EncoderDecoderModel:
     """Build and load an M2M100/NLLB checkpoint. The decoder KV pool holds `num_blocks`
-    blocks; None sizes it to `kv_budget_bytes` (at most `MAX_DEFAULT_BLOCKS`)."""
+    blocks; None sizes it to `kv_budget_bytes` (at most `MAX_DEFAULT_BLOCKS`). The pool is
+    in the model dtype: `kv_cache_dtype` other than "auto" (float8 KV) is refused."""
+    if kv_cache_dtype != "auto":
+        raise InvalidRequestError(
+            f"kv_cache_dtype '{kv_cache_dtype}' is not supported by the encoder-decoder "
+            "(M2M100/NLLB) model: its attention reads the model dtype; use auto",
+            param="kv_cache_dtype",
+        )
     dev = torch.device(device)
     cfg = M2M100Config.from_dir(model_dir)
     ops = ops or kernels_for(dev, use_triton=False)

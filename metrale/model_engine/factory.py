@@ -17,6 +17,12 @@ Invariants:
   is checked before any weights load, and the budget pays for the draft too: its weights
   (CUDA) and, per target KV block, one draft block of the same token count, so the draft's
   pool (`load_draft_model`: as many blocks as the target's) never overcommits memory either.
+- The KV pool's dtype is `kv_cache_dtype` (`resolve_kv_dtype`): the model dtype, or float8
+  E4M3 whose block bytes (and so the blocks a budget holds) follow the float8 element size.
+  A float8 pool takes its per-layer scales from the checkpoint (`k_scale` / `v_scale` /
+  `kv_scale` under each attention module, all layers or none) or, lacking them, is armed
+  to calibrate on the first prefill after the warm-up forwards (`metrale.cache.kv_cache`).
+  A draft model's pool stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
+from metrale.layers.common import AttentionProjections
 from metrale.layers.moe import FusedExperts
 from metrale.model_engine import fp8_weights
 from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS, DecodeGraphRunner
@@ -55,7 +62,7 @@ from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.ssm_prefix import NEAR_BLOCKS
 from metrale.model_engine.transformer_model import TransformerModel
 from metrale.models.config import ModelConfig, parse_model_config, read_config_json
-from metrale.models.loader import load_weights
+from metrale.models.loader import checkpoint_files, load_weights
 from metrale.models.quantization import parse_quantization
 from metrale.models.registry import resolve_architecture
 from metrale.progress import LoadProgress, NullProgress, human_bytes
@@ -79,6 +86,84 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[name]
+
+
+#: `kv_cache_dtype` values that store float8 E4M3 (vLLM's "fp8" and "fp8_e4m3").
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")
+#: Checkpoint tensor names (after the attention module's name) of float8 KV scales; vLLM's
+#: names. `kv_scale` is one scale for both K and V (older checkpoints).
+KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool dtype of `kv_cache_dtype` `name`: the model dtype for "auto", float8 E4M3
+    for "fp8" / "fp8_e4m3"; anything else is an `InvalidRequestError`."""
+    if name == "auto":
+        return dtype
+    if name in FP8_KV_NAMES:
+        return torch.float8_e4m3fn
+    raise InvalidRequestError(
+        f"kv_cache_dtype '{name}' is not one of auto, {', '.join(FP8_KV_NAMES)}",
+        param="kv_cache_dtype",
+    )
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """How logs and reports name a KV dtype: "bfloat16", "float32", "fp8_e4m3"."""
+    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
+
+
+def checkpoint_kv_scales(
+    module: torch.nn.Module, model_dir: str, num_layers: int, mapping: Any = None
+) -> torch.Tensor | None:
+    """The checkpoint's float8 KV scales as `[num_layers, 2]` float32 (K, V), matched to the
+    KV pool's layers through the attention modules' names in KV order (`<name>.k_scale`,
+    `<name>.v_scale`, or one `<name>.kv_scale` for both); None when the checkpoint has none.
+    Scales for some layers only, or for modules the pool does not hold, are a
+    `CheckpointError`."""
+    from safetensors import safe_open
+
+    rename = getattr(mapping, "rename", None)
+    found: dict[str, float] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key.rsplit(".", 1)[-1] in KV_SCALE_SUFFIXES:
+                    value = f.get_tensor(key).float()
+                    if value.numel() != 1:
+                        raise CheckpointError(
+                            f"{path}: KV scale '{key}' has {value.numel()} elements; only "
+                            "per-tensor KV scales are supported"
+                        )
+                    found[rename(key) if rename else key] = float(value.reshape(()))
+    if not found:
+        return None
+    every = [n for n, m in module.named_modules() if isinstance(m, AttentionProjections)]
+    # Attention modules past the pool's layers (an MTP head not drafting) keep no KV: their
+    # scales are known names, not used.
+    names = every[:num_layers]
+    scales = torch.ones((num_layers, 2), dtype=torch.float32)
+    used = set()
+    for i, name in enumerate(names):
+        both = found.get(f"{name}.kv_scale")
+        k, v = found.get(f"{name}.k_scale", both), found.get(f"{name}.v_scale", both)
+        if k is None or v is None:
+            raise CheckpointError(
+                f"{model_dir}: the checkpoint has KV scales but none for attention layer "
+                f"'{name}' (k_scale and v_scale, or kv_scale); all layers or none"
+            )
+        scales[i, 0], scales[i, 1] = k, v
+        used.update(f"{name}.{s}" for s in KV_SCALE_SUFFIXES)
+    unused = {f"{n}.{s}" for n in every[num_layers:] for s in KV_SCALE_SUFFIXES}
+    if len(names) != num_layers or set(found) - used - unused:
+        extra = sorted(set(found) - used - unused)[:3]
+        raise CheckpointError(
+            f"{model_dir}: KV scales {extra or sorted(found)[:3]} do not match the model's "
+            f"{num_layers} KV layers"
+        )
+    if not bool((scales > 0).all()) or not bool(torch.isfinite(scales).all()):
+        raise CheckpointError(f"{model_dir}: KV scales must be finite and > 0")
+    return scales
 
 
 @contextlib.contextmanager
@@ -110,6 +195,13 @@ class LoadReport:
     #: (block 128x128 scales, from the checkpoint; 144 projections), bfloat16 elsewhere";
     #: what the start-up log and `/v1/models` report.
     weight_dtype: str = ""
+    #: The KV pool's dtype (`kv_dtype_name`: "bfloat16", "float32", "fp8_e4m3"; what
+    #: `/v1/models` reports) and where its float8 scales come from ("none" in the model
+    #: dtype; "checkpoint", "calibrating" until the first prefill, then "calibrated").
+    kv_cache_dtype: str = ""
+    kv_scales: str = "none"
+    #: KV blocks of `block_size` tokens one GiB holds at this dtype (the null block aside).
+    kv_blocks_per_gib: int = 0
 
 
 def _dummy_init(module: torch.nn.Module) -> None:
@@ -181,6 +273,12 @@ def _load_model(
             f"{mcfg.max_position_embeddings}",
             param="max_model_len",
         )
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    if kv_dtype != dtype and config.batch_invariant:
+        raise InvalidRequestError(
+            "kv_cache_dtype fp8 is not supported by the batch-invariant CPU kernels",
+            param="kv_cache_dtype",
+        )
     draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
     ops = kernels_for(device, batch_invariant=config.batch_invariant)
     fp8 = fp8_weights.plan(config, quant, device)
@@ -231,8 +329,19 @@ def _load_model(
     # The MTP head's KV layers follow the main model's, under the same block tables.
     kv_layers = module.kv_layer_count + (module.mtp.kv_layer_count if mtp else 0)
     per_block = PagedKVCache.bytes_per_block(
-        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
+        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, kv_dtype
     )
+    kv_scales = None
+    if kv_dtype != dtype:
+        if config.load_format != "dummy":
+            kv_scales = checkpoint_kv_scales(module, model_dir, kv_layers, module.weight_mapping())
+        if kv_scales is None and config.kv_offload_disk is not None:
+            raise InvalidRequestError(
+                "kv_cache_dtype fp8 with calibrated scales cannot use the disk KV tier: the "
+                "scales differ between runs, so blocks stored by one run would decode wrongly "
+                "in the next; use a checkpoint with k_scale/v_scale or no --kv-offload-disk",
+                param="kv_cache_dtype",
+            )
     progress.begin_phase("KV sizing")
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -256,8 +365,10 @@ def _load_model(
             num_blocks = max(2, num_blocks - -(-lora_bytes // per_block))
     kv = PagedKVCache(
         kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
-        mcfg.head_dim, dtype, device,
+        mcfg.head_dim, kv_dtype, device,
     )  # fmt: skip
+    if kv_scales is not None:
+        kv.set_scales(kv_scales.to(device))
     model = TransformerModel(
         module, mcfg, kv, device, dtype, max_model_len, config.enable_prefix_caching, ssm_pool,
         mtp=mtp, ssm_snapshot_slots=snapshot_slots,
@@ -299,9 +410,24 @@ def _load_model(
         warm = warm_forward_shapes(model, config.max_num_seqs)
         progress.end_phase("kernel warm-up", f"{config.max_num_seqs} rows")
         logger.info("prefill and mixed-batch kernels compiled for the common shapes in %.1fs", warm)
+    if kv.quantized and kv_scales is None:
+        # After every warm-up forward: the first real prefill sets the scales.
+        kv.arm_calibration()
     report = LoadReport(
         weights_bytes, kv_bytes, num_blocks, time.perf_counter() - start, ssm_bytes,
         ssm_pool.num_slots if ssm_pool is not None else 0, breakdown, weight_dtype,
+        kv_cache_dtype=kv_dtype_name(kv_dtype), kv_scales=kv.scales_source,
+        kv_blocks_per_gib=2**30 // per_block,
+    )  # fmt: skip
+    logger.info(
+        "KV cache dtype %s (kv_cache_dtype %s)%s: %d bytes per block of %d tokens, %d blocks "
+        "per GiB",
+        kv_dtype_name(kv_dtype), config.kv_cache_dtype,
+        {
+            "none": "", "checkpoint": ", per-layer scales from the checkpoint",
+            "calibrating": ", per-layer scales calibrated on the first prefill (amax / 448)",
+        }.get(kv.scales_source, f", scales {kv.scales_source}"),
+        per_block, config.block_size, report.kv_blocks_per_gib,
     )  # fmt: skip
     if ssm_pool is not None:
         logger.info(
@@ -315,11 +441,11 @@ def _load_model(
                 model.snapshots.bytes_total() / 2**20,
             )  # fmt: skip
     logger.info(
-        "loaded %s (%s) on %s/%s: weights %.1f MiB (%s), KV %d usable blocks (+1 null, "
-        "%.1f MiB) in %.2fs",
+        "loaded %s (%s) on %s/%s: weights %.1f MiB (%s), KV %s %d usable blocks (+1 null, "
+        "%.1f MiB, %d blocks/GiB) in %.2fs",
         model_dir, arch_name, device, str(dtype).removeprefix("torch."), weights_bytes / 2**20,
-        weight_dtype,
-        num_blocks - 1, kv_bytes / 2**20, report.load_seconds,
+        weight_dtype, kv_dtype_name(kv_dtype), num_blocks - 1, kv_bytes / 2**20,
+        report.kv_blocks_per_gib, report.load_seconds,
     )  # fmt: skip
     if device.type == "cuda":
         logger.info("startup: %s; total %.1fs", breakdown.summary(), report.load_seconds)

@@ -28,7 +28,12 @@ from torch import nn
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import AttentionProjections, KvCache
+from metrale.layers.common import (
+    AttentionProjections,
+    KvCache,
+    kv_calibration_pending,
+    kv_scale_kwargs,
+)
 from metrale.layers.gated_delta import GatedDeltaNet, GatedDeltaSpec
 from metrale.layers.moe import DenseMLP, MoeSpec, SparseMoeBlock
 from metrale.layers.rotary import RotaryEmbedding
@@ -124,8 +129,11 @@ class GatedAttention(AttentionProjections):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None)
+        scales = kv_scale_kwargs(kv)
+        if kv_calibration_pending(kv):
+            kv.calibrate(k, v)  # type: ignore[attr-defined]
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, **scales)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, None, **scales)
         out = out.reshape(tokens, self.q_size) * torch.sigmoid(gate.reshape(tokens, self.q_size))
         return self.o_proj(out)
 

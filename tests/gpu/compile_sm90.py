@@ -121,6 +121,7 @@ def _launch_everything() -> None:
         qp = torch.randn(20 * rows, hk * group, dim, dtype=dtype)
         ta.prefill_attention(qp, k_cache, v_cache, meta, 0.1, None, torch.empty_like(qp), 0)
         ta.prefill_attention(qp, k_cache, v_cache, meta, 0.1, 100, torch.empty_like(qp), 0)
+    _launch_fp8_kv()
     logits = torch.randn(4, 151_936)
     ts.argmax(logits)
     ks = torch.zeros(4, dtype=torch.int64)
@@ -175,6 +176,48 @@ def _launch_ssm() -> None:
     tm.gated_delta_chunk_varlen(torch.randn(100, 16, 128, dtype=bf), torch.randn(100, 16, 128, dtype=bf),
                                 torch.randn(100, 32, 128, dtype=bf), torch.randn(100, 32),
                                 torch.rand(100, 32, dtype=bf), gdn, qsl, pre_slots, initial)  # fmt: skip
+
+
+def _launch_fp8_kv() -> None:
+    """The float8 KV specialisations (`KV_FP8`): writers, decode, verify, prefill; bf16
+    queries, Qwen3-8B heads."""
+    from metrale.kernels import triton_attention as ta
+    from metrale.kernels import triton_rotary as tr
+    from metrale.kernels.metadata import AttentionMetadata
+
+    bf, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    tokens, hq, hk, d, blocks, block_size, rows = 8, 32, 8, 128, 64, 16, 4
+    k_cache = torch.zeros(blocks, block_size, hk, d, dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    scales = (torch.ones(1), torch.ones(1))
+    qkv = torch.randn(tokens, (hq + 2 * hk) * d, dtype=bf)
+    q = qkv[:, : hq * d].view(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(tokens, hk, d)
+    v = qkv[:, (hq + hk) * d :].view(tokens, hk, d)
+    slots, positions = torch.arange(tokens), torch.arange(tokens)
+    cos_sin, w = torch.randn(4096, 2, d // 2), torch.randn(d, dtype=bf)
+    ta.write_kv(k, v, k_cache, v_cache, slots, *scales)
+    cache = (k_cache, v_cache, slots, *scales)
+    tr.rotary_write_kv(positions, q, k, v, cos_sin, d, *cache)
+    tr.qk_norm_rotary_write_kv(positions, q, k, v, w, w, 1e-6, cos_sin, d, *cache)
+    lens = torch.full((rows,), 100, dtype=torch.int32)
+    tables = torch.randint(1, blocks, (rows, 16), dtype=torch.int32)
+    qd = torch.randn(rows, hq, d, dtype=bf)
+    for splits in (1, 8):
+        ta.decode_attention(qd, k_cache, v_cache, lens, tables, 0.1, None, num_splits=splits,
+                            k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+    qv = torch.randn(rows * 5, hq, d, dtype=bf)
+    ta.decode_attention(qv, k_cache, v_cache, lens, tables, 0.1, None, query_len=5, num_splits=8,
+                        k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+    meta = AttentionMetadata(
+        positions=torch.arange(rows), slot_mapping=torch.arange(rows),
+        query_start_loc=torch.arange(rows + 1, dtype=torch.int32) * 20, seq_lens=lens,
+        block_tables=tables, num_decode=0, query_lens_host=[20] * rows,
+        seq_lens_host=[100] * rows, max_query_len=20, max_seq_len=100,
+    )  # fmt: skip
+    qp = torch.randn(20 * rows, hq, d, dtype=bf)
+    ta.prefill_attention(qp, k_cache, v_cache, meta, 0.1, None, torch.empty_like(qp), 0,
+                         k_scale=scales[0], v_scale=scales[1])  # fmt: skip
 
 
 def _report() -> list[str]:

@@ -33,12 +33,15 @@ _HERE = Path(__file__).parent
 
 
 def _patch_interpreter() -> None:
-    """Two fixes to Triton 3.6's CPU interpreter (compiled kernels are unaffected):
+    """Three fixes to Triton 3.6's CPU interpreter (compiled kernels are unaffected):
 
     - scalar kernel arguments are 1-element arrays that it converts with `int(array)`, which
       NumPy >= 2.4 rejects (loops with a run-time bound fail): convert through `[0]`;
     - it casts float32 to bfloat16 by truncation, where the GPU rounds to nearest even: that
-      biases every bf16 output by up to one ulp, so round to nearest even as the GPU does.
+      biases every bf16 output by up to one ulp, so round to nearest even as the GPU does;
+    - its round-to-nearest-even cast to float8 E4M3 drops the carry when the mantissa rounds
+      up past 1.75 (125.0 becomes 64.0): cast through torch (round to nearest even, as the
+      GPU's `cvt.rn` does; callers saturate to +-448 first, as the float8 KV writers do).
     """
     import numpy as np
     import triton.language as tl
@@ -59,8 +62,24 @@ def _patch_interpreter() -> None:
 
     builder = interpreter.InterpreterBuilder
     original_cast = builder.cast_impl
+    original_fp_to_fp = builder.create_fp_to_fp
+
+    def to_e4m3(src):  # type: ignore[no-untyped-def]
+        wide = np.asarray(src.data).astype(np.float32)
+        out = torch.from_numpy(np.ascontiguousarray(wide)).to(torch.float8_e4m3fn)
+        return interpreter.TensorHandle(out.view(torch.uint8).numpy(), tl.float8e4nv)
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        # float32 / float16 sources (numpy holds them natively; bf16 is raw uint16 there).
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            return to_e4m3(src)
+        return original_fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.create_fp_to_fp = create_fp_to_fp
 
     def cast_impl(self, src, dst_type):  # type: ignore[no-untyped-def]
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar in (tl.float32, tl.float16):
+            return to_e4m3(src)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32)
             wide = bits.astype(np.uint64)
