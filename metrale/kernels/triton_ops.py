@@ -6,7 +6,8 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`). An op not listed keeps its torch reference.
+  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`, the MoE op in
+  `tests/gpu/test_moe_kernels.py`). An op not listed keeps its torch reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
@@ -37,6 +38,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
+    "moe_experts": ("metrale.kernels.triton_moe", "moe_experts"),
 }
 
 

@@ -1,8 +1,10 @@
 """Sparse mixture-of-experts blocks: a router (top-k with each family's normalisation), the
 experts as two stacked weight tensors, and optional shared experts.
 
-Owner: layers. The grouped expert computation runs through `KernelOps.moe_experts` (torch
-reference now: tokens sorted by expert, one matmul per expert, no Python loop over tokens).
+Owner: layers. The grouped expert computation runs through `KernelOps.moe_experts`: on the CPU
+the torch reference (tokens sorted by expert, one matmul per expert, no Python loop over
+tokens), on CUDA the Triton op of `kernels.triton_moe` (a gathered GEMV for decode batches, a
+sorted grouped GEMM above), which never reads routing data on the host.
 
 Invariants:
 - Parameter names follow transformers 5's in-memory layout: `gate.weight` (router),
@@ -17,6 +19,8 @@ Invariants:
     bias used only for choosing, group-limited top-k, optional renormalisation, then
     `routed_scaling_factor`.
 - Shared experts are added to every token: Qwen3-Next scales theirs by a sigmoid gate.
+- Nothing here syncs with the host (routing is softmax/sigmoid, top-k, scatter and gather on
+  the device), so on CUDA an MoE layer is captured in the decode graphs.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
+from metrale.layers.moe import FusedExperts
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.gpu_setup import (
     GRAPH_RESERVE_BYTES,
@@ -457,13 +458,18 @@ def _capture_graphs(
     breakdown: StartupBreakdown,
     kernels: dict[str, str],
 ) -> None:
-    """Capture decode graphs when every op on the decode path is capturable."""
-    if model.ssm_pool is not None or not kernels.get("paged_attention", "").startswith("triton"):
-        logger.warning(
-            "CUDA graphs disabled: %s; decode runs eagerly (slower)",
-            "recurrent layers use reference ops" if model.ssm_pool is not None
-            else "the attention op is not capturable",
-        )  # fmt: skip
+    """Capture decode graphs when every op on the decode path is capturable (the torch MoE
+    reference is not: it reads the per-expert counts on the host)."""
+    moe = any(isinstance(m, FusedExperts) for m in model.module.modules())
+    reason = None
+    if model.ssm_pool is not None:
+        reason = "recurrent layers use reference ops"
+    elif not kernels.get("paged_attention", "").startswith("triton"):
+        reason = "the attention op is not capturable"
+    elif moe and not kernels.get("moe_experts", "").startswith("triton"):
+        reason = "the MoE experts op is the torch reference, which syncs with the host"
+    if reason is not None:
+        logger.warning("CUDA graphs disabled: %s; decode runs eagerly (slower)", reason)
         return
     spec = config.speculative()
     # Verify steps of k drafts replay their own graphs (k + 1 token rows per sequence).
