@@ -1,9 +1,10 @@
-"""Fused mixture-of-experts on CUDA: `moe_experts`, the Triton form of
-`ssm_reference.moe_experts` (the torch reference the CPU keeps), with no host sync, so a
-decode step of an MoE model is captured in the decode CUDA graphs.
+"""Fused mixture-of-experts on CUDA: `moe_experts` and `moe_softmax_topk`, the Triton forms of
+`ssm_reference.moe_experts` / `moe_softmax_topk` (the torch references the CPU keeps), with
+no host sync, so a decode step of an MoE model is captured in the decode CUDA graphs.
 
-Owner: kernels. `moe_experts` is the CUDA entry of `KernelOps.moe_experts`
-(`triton_ops.TRITON_OPS`); `tests/gpu/test_moe_kernels.py` checks it against the reference.
+Owner: kernels. They are the CUDA entries of `KernelOps.moe_experts` and
+`KernelOps.moe_softmax_topk` (`triton_ops.TRITON_OPS`); `tests/gpu/test_moe_kernels.py`
+checks them against the references.
 
 Two paths, chosen from static shapes only (`use_gemv`: the assignment count `A = T * top_k`
 against the expert count), so a captured graph always replays the path it captured:
@@ -22,7 +23,10 @@ against the expert count), so a captured graph always replays the path it captur
   `.item()`, no `bincount`, which syncs on CUDA); then a `tl.dot` kernel for gate/up with
   the activation fused and one for down, each block reading its expert's weights once.
 
-Both end in one combine kernel: `out[t] = sum_j weight[t, j] * y[t * k + j]`, in float32,
+Softmax routing (`moe_softmax_topk`: softmax, top-k, renormalisation, cast) is one kernel,
+one program per token row.
+
+Both expert paths end in one combine kernel: `out[t] = sum_j weight[t, j] * y[t * k + j]`, in float32,
 in j order (deterministic, no atomics), rounded once to x's dtype.
 
 Invariants:
@@ -286,6 +290,41 @@ def _combine_kernel(
 
 
 # -------------------------------------------------------------------------------------------
+# Softmax routing
+# -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr, ids_ptr, weights_ptr, E, stride_l,
+    TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+):  # fmt: skip
+    """Grid `(T,)`: softmax of one row of router logits (float32), its top k by repeated
+    argmax (ties to the lower id; descending, as `torch.topk`), renormalised if RENORM."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < E,
+                other=float("-inf")).to(tl.float32)  # fmt: skip
+    p = tl.exp(x - tl.max(x, axis=0))
+    probs = p / tl.sum(p, axis=0)
+    probs = tl.where(offs < E, probs, -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(probs, axis=0)
+        idx = tl.min(tl.where(probs == best, offs, BLOCK_E), axis=0)
+        chosen_ids = tl.where(slots == j, idx.to(tl.int64), chosen_ids)
+        chosen = tl.where(slots == j, best, chosen)
+        probs = tl.where(offs == idx, -2.0, probs)
+    if RENORM:
+        chosen = chosen / tl.sum(chosen, axis=0)
+    out = t.to(tl.int64) * TOPK + slots
+    tl.store(ids_ptr + out, chosen_ids, mask=slots < TOPK)
+    tl.store(weights_ptr + out, chosen.to(weights_ptr.dtype.element_ty), mask=slots < TOPK)
+
+
+# -------------------------------------------------------------------------------------------
 # Launchers
 # -------------------------------------------------------------------------------------------
 
@@ -478,3 +517,26 @@ def _run_grouped(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee,
         num_warps=4, num_stages=3,
     )  # fmt: skip
+
+
+def moe_softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ssm_reference.moe_softmax_topk` in one launch (the reference's softmax, top-k,
+    sum, divide and cast are five)."""
+    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"moe_softmax_topk: top_k {top_k} of router logits {tuple(logits.shape)}")
+    tokens, experts = logits.shape
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    weights = torch.empty((tokens, top_k), dtype=out_dtype, device=logits.device)
+    if tokens == 0:
+        return ids, weights
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    block_e = triton.next_power_of_2(experts)
+    _softmax_topk_kernel[(tokens,)](
+        logits, ids, weights, experts, logits.stride(0),
+        TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
+        num_warps=1 if block_e <= 256 else 4,
+    )  # fmt: skip
+    return ids, weights

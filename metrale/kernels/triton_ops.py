@@ -38,6 +38,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
+    "moe_softmax_topk": ("metrale.kernels.triton_moe", "moe_softmax_topk"),
     "moe_experts": ("metrale.kernels.triton_moe", "moe_experts"),
 }
 

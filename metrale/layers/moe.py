@@ -1,7 +1,9 @@
 """Sparse mixture-of-experts blocks: a router (top-k with each family's normalisation), the
 experts as two stacked weight tensors, and optional shared experts.
 
-Owner: layers. The grouped expert computation runs through `KernelOps.moe_experts`: on the CPU
+Owner: layers. Softmax routing runs through `KernelOps.moe_softmax_topk` (one Triton kernel on
+CUDA instead of five torch ones) and the grouped expert computation through
+`KernelOps.moe_experts`: on the CPU
 the torch reference (tokens sorted by expert, one matmul per expert, no Python loop over
 tokens), on CUDA the Triton op of `kernels.triton_moe` (a gathered GEMV for decode batches, a
 sorted grouped GEMM above), which never reads routing data on the host.
@@ -80,7 +82,7 @@ class FusedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, spec: MoeSpec) -> None:
+    def __init__(self, spec: MoeSpec, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size))
         if spec.routing == "sigmoid_group":
@@ -88,19 +90,15 @@ class Router(nn.Module):
         elif spec.routing != "softmax":
             raise ValueError(f"unknown MoE routing '{spec.routing}'")
         self.spec = spec
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(topk_ids [T, k], topk_weights [T, k])`."""
         s = self.spec
         if s.routing == "softmax":
             logits = F.linear(x, self.weight)
-            probs = torch.softmax(logits.float(), dim=-1)
-            weights, ids = torch.topk(probs, s.top_k, dim=-1)
-            if s.renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            if s.weights_in_hidden_dtype:
-                weights = weights.to(logits.dtype)
-            return ids, weights
+            out_dtype = logits.dtype if s.weights_in_hidden_dtype else torch.float32
+            return self.ops.moe_softmax_topk(logits, s.top_k, s.renormalize, out_dtype)
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -157,7 +155,7 @@ class SparseMoeBlock(nn.Module):
         shared_gate: bool = False,
     ) -> None:
         super().__init__()
-        self.gate = Router(spec)
+        self.gate = Router(spec, ops)
         self.experts = FusedExperts(spec, ops)
         self.shared_name = shared_name if shared_intermediate else None
         if shared_intermediate:

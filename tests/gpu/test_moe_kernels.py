@@ -5,7 +5,7 @@ CPU float32 path's greedy tokens on the device with decode graphs on.
 
 Marked `gpu`: runs on a CUDA device (Qwen3-30B-A3B-like expert shapes), or on the CPU under
 Triton's interpreter with `METRALE_TRITON_INTERPRET=1` (tiny shapes; the engine test then
-swaps the Triton op into the CPU model's MoE layers, and the capture and sync tests skip).
+swaps the Triton ops into the CPU model's MoE layers, and the capture and sync tests skip).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from metrale import LLM, SamplingParams
 from metrale.kernels import kernels_for, ssm_reference, triton_moe
-from metrale.layers.moe import FusedExperts, MoeSpec, SparseMoeBlock
+from metrale.layers.moe import FusedExperts, MoeSpec, Router, SparseMoeBlock
 from tests.helpers.checkpoints import MOE_VARIANTS, build
 from tests.helpers.parity import mixed_prompts
 
@@ -108,6 +108,33 @@ def test_op_equals_reference(
         assert err <= bound, f"{path}: relative error {err:.2e} > {bound:.2e}"
     auto = triton_moe.moe_experts(x, w_in, w_out, ids, weights, gated, act)
     assert _rel(auto, want) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(1, 8, 2), (5, 128, 8), (37, 60, 4), (3, 512, 10)]
+)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_softmax_topk_equals_reference(
+    tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> None:
+    """Same ids in the same (descending) order (or, at a tie, an expert of equal probability),
+    weights within rounding, in the weights' dtype (the hidden dtype, or float32 as Mixtral
+    keeps them)."""
+    g = torch.Generator().manual_seed(experts + top_k)
+    logits = (torch.randn(tokens, experts, generator=g) * 3).to(dtype).to(DEVICE)
+    for out_dtype in (dtype, torch.float32):
+        want_ids, want_w = ssm_reference.moe_softmax_topk(logits, top_k, renormalize, out_dtype)
+        ids, weights = triton_moe.moe_softmax_topk(logits, top_k, renormalize, out_dtype)
+        assert ids.dtype == torch.int64 and weights.dtype == out_dtype
+        # bf16 logits tie often: a tied expert may stand in for another of equal probability
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        assert torch.equal(probs.gather(1, ids.cpu()), probs.gather(1, want_ids.cpu()))
+        assert all(len(set(row)) == top_k for row in ids.tolist())
+        if dtype == torch.float32:
+            assert torch.equal(ids.cpu(), want_ids.cpu())
+        tol = 1e-6 if out_dtype == torch.float32 else 8e-3
+        torch.testing.assert_close(weights.float(), want_w.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu", "relu", "silu"])
@@ -218,11 +245,14 @@ def test_engine_greedy_equals_cpu_float32(variant) -> None:  # type: ignore[no-u
     llm = LLM(str(path), device=str(DEVICE), dtype="float32", num_kv_blocks=200, max_num_seqs=8)
     model = llm.engine.model
     if INTERPRET:
-        ops = triton_moe.moe_experts
         swapped = 0
         for module in model.module.modules():
-            if isinstance(module, FusedExperts):
-                module.ops = dataclasses.replace(module.ops, moe_experts=ops)
+            if isinstance(module, (FusedExperts, Router)):
+                module.ops = dataclasses.replace(
+                    module.ops,
+                    moe_experts=triton_moe.moe_experts,
+                    moe_softmax_topk=triton_moe.moe_softmax_topk,
+                )
                 swapped += 1
         assert swapped > 0
     else:
