@@ -330,13 +330,21 @@ def _softmax_topk_kernel(
 
 
 def _gemv_blocks(dtype: torch.dtype, gated: bool, k: int) -> tuple[int, int]:
-    """`(BLOCK_N, BLOCK_K)` of a GEMV program: 1 KiB of a weight row per tile row for 16-bit
-    types (512 B for float32), 16 rows (8 when two accumulators, gate and up, are live), so a
-    thread holds at most 64 float32 accumulator values per projection; BLOCK_K capped at K's
-    next power of two."""
-    block_k = 512 if dtype.itemsize == 2 else 128
+    """`(BLOCK_N, BLOCK_K)` of a GEMV program. BLOCK_K: at most 1 KiB of a weight row for
+    16-bit types (512 B for float32), the largest such power of two dividing K when one of at
+    least 256 B does (no masked tail: Qwen3-30B-A3B's experts are 768 wide), capped at K's
+    next power of two. BLOCK_N: as many rows as keep the tile at 8192 elements (4096 per
+    projection when gate and up are both live), so a thread holds at most 64 float32
+    accumulator values per projection."""
+    cap = 512 if dtype.itemsize == 2 else 128
+    block_k = cap
+    while block_k * dtype.itemsize > 256 and k % block_k:
+        block_k //= 2
+    if k % block_k:
+        block_k = cap
     block_k = max(16 // dtype.itemsize, min(block_k, triton.next_power_of_2(max(k, 1))))
-    return (8 if gated else 16), block_k
+    budget = 4096 if gated else 8192
+    return max(1, min(64, budget // block_k)), block_k
 
 
 def _grouped_blocks(dtype: torch.dtype, assignments: int, experts: int) -> tuple[int, int, int]:

@@ -126,6 +126,29 @@ def _launch_everything() -> None:
     ks = torch.zeros(4, dtype=torch.int64)
     ts.top_k_top_p_sample(logits, ks, torch.ones(4), torch.rand(4, dtype=torch.float64))
     ts.top_k_top_p_filter(logits, ks, torch.ones(4))
+    _launch_moe()
+
+
+def _launch_moe() -> None:
+    """The MoE kernels at Qwen3-30B-A3B's expert shapes (and Mixtral's width): both paths,
+    gated and plain, bf16 and fp32, and the routing kernel."""
+    from metrale.kernels import triton_moe as tm
+
+    for dtype, hidden, inter, experts, top_k in [
+        (torch.bfloat16, 2048, 768, 128, 8),
+        (torch.bfloat16, 4096, 14336, 8, 2),
+        (torch.float32, 2048, 768, 128, 8),
+    ]:
+        for gated in (True, False):
+            w_in = torch.empty(experts, (2 if gated else 1) * inter, hidden, dtype=dtype)
+            w_out = torch.empty(experts, hidden, inter, dtype=dtype)
+            for tokens, path in ((1, "gemv"), (64, "grouped"), (2048, "grouped")):
+                x = torch.randn(tokens, hidden, dtype=dtype)
+                ids = torch.randint(0, experts, (tokens, top_k))
+                weights = torch.rand(tokens, top_k)
+                act = "silu" if gated else "relu2"
+                tm.moe_experts(x, w_in, w_out, ids, weights, gated, act, path=path)
+        tm.moe_softmax_topk(torch.randn(4, experts, dtype=dtype), top_k, True, dtype)
 
 
 def _report() -> list[str]:
