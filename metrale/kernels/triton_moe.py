@@ -37,6 +37,9 @@ Invariants:
 - No host read of routing data: every launch shape and every buffer size depends only on
   `T`, `top_k`, `E` and the weight shapes. Buffers come from `torch.empty` (the graph pool
   under capture).
+- With `pdl` every kernel waits for its predecessor before its first memory access (the
+  expert weights a program reads depend on the routing the previous kernel wrote, so nothing
+  is prefetched across the wait); the decode graphs launch them so (`PDL_OPS`).
 - Inputs are never written; x, w_in and w_out share a float dtype (bf16, fp16, fp32); the
   routing weights may be float32 or x's dtype; an unknown activation is a `ValueError`.
 """
@@ -47,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import _dot, interpreting
+from metrale.kernels.triton_attention_common import _dot, interpreting, pdl_enter, pdl_options
 
 #: Most assignments (`tokens * top_k`) the gathered GEMV takes; above it (or above the expert
 #: count, where assignments start to share experts and a GEMV would read an expert once per
@@ -119,11 +122,12 @@ def _gemv_up_kernel(
     x_ptr, w_ptr, ids_ptr, h_ptr,
     INTER, K, stride_x, stride_we, stride_wr, stride_h,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, STAGES: tl.constexpr,
+    GATED: tl.constexpr, ACT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(A, cdiv(INTER, BLOCK_N))`: intermediate features `[pid1 * BLOCK_N, +BLOCK_N)` of
     assignment `pid0` (token `pid0 // TOPK`), from its expert's gate rows (and the up rows
     `INTER` further down `w_in[e]`)."""
+    pdl_enter(PDL)
     a = tl.program_id(0)
     e = tl.load(ids_ptr + a).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,9 +164,11 @@ def _gemv_down_kernel(
     h_ptr, w_ptr, ids_ptr, y_ptr,
     N, K, stride_h, stride_we, stride_wr, stride_y,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(A, cdiv(H, BLOCK_N))`: output features `[pid1 * BLOCK_N, +BLOCK_N)` of
     assignment `pid0` through its expert's `w_out`, rounded to the dtype, unweighted."""
+    pdl_enter(PDL)
     a = tl.program_id(0)
     e = tl.load(ids_ptr + a).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,10 +202,12 @@ def _grouped_up_kernel(
     A, E, INTER, K, stride_x, stride_we, stride_wr, stride_h,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(blocks, cdiv(INTER, BLOCK_N))`: the BLOCK_M sorted rows of block `pid0` (one
     expert's; rows past its assignments hold `A` and load zeros) times that expert's gate
     (and up) rows, activation fused; written to rows `pid0 * BLOCK_M ..` of `h`."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= E:
@@ -235,11 +243,12 @@ def _grouped_down_kernel(
     h_ptr, w_ptr, sorted_ptr, block_expert_ptr, y_ptr,
     A, E, N, K, stride_h, stride_we, stride_wr, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(blocks, cdiv(H, BLOCK_N))`: block `pid0`'s intermediate rows times its expert's
     `w_out` rows, rounded to the dtype and scattered to the rows of their assignments in `y`
     (padding rows are not written)."""
+    pdl_enter(PDL)
     b = tl.program_id(0)
     e = tl.load(block_expert_ptr + b)
     if e >= E:
@@ -272,10 +281,11 @@ def _grouped_down_kernel(
 @triton.jit
 def _combine_kernel(
     y_ptr, weights_ptr, out_ptr, N, stride_y, stride_o,
-    TOPK: tl.constexpr, BLOCK: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(T, cdiv(H, BLOCK))`: `out[t] = sum_j weights[t, j] * y[t * TOPK + j]`, float32
     in j order, rounded once."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -298,9 +308,11 @@ def _combine_kernel(
 def _softmax_topk_kernel(
     logits_ptr, ids_ptr, weights_ptr, E, stride_l,
     TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(T,)`: softmax of one row of router logits (float32), its top k by repeated
     argmax (ties to the lower id; descending, as `torch.topk`), renormalised if RENORM."""
+    pdl_enter(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < E,
@@ -443,9 +455,11 @@ def moe_experts(
     activation: str,
     *,
     path: str | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """`ssm_reference.moe_experts` on the device (see there for the operands). `path`:
-    "gemv" or "grouped" forces a path (tests, benchmarks); None: `use_gemv`."""
+    "gemv" or "grouped" forces a path (tests, benchmarks); None: `use_gemv`. `pdl`: the
+    kernels launch as programmatic dependents (each waits for its predecessor on entry)."""
     act = _check(x, w_in, w_out, topk_ids, topk_weights, gated, activation)
     tokens, top_k = topk_ids.shape
     experts, _, hidden = w_in.shape
@@ -466,22 +480,22 @@ def moe_experts(
         path = "gemv" if use_gemv(tokens, top_k, experts) else "grouped"
     y = torch.empty((assignments, hidden), dtype=x.dtype, device=x.device)
     if path == "gemv":
-        _run_gemv(x, w_in, w_out, ids, y, top_k, inter, gated, act)
+        _run_gemv(x, w_in, w_out, ids, y, top_k, inter, gated, act, pdl)
     elif path == "grouped":
-        _run_grouped(x, w_in, w_out, topk_ids, y, top_k, inter, gated, act)
+        _run_grouped(x, w_in, w_out, topk_ids, y, top_k, inter, gated, act, pdl)
     else:
         raise ValueError(f"moe_experts: unknown path '{path}' (gemv or grouped)")
     block = min(1024, triton.next_power_of_2(hidden))
     _combine_kernel[(tokens, triton.cdiv(hidden, block))](
-        y, weights, out, hidden, y.stride(0), out.stride(0), TOPK=top_k, BLOCK=block,
-        num_warps=4,
+        y, weights, out, hidden, y.stride(0), out.stride(0), TOPK=top_k, BLOCK=block, PDL=pdl,
+        num_warps=4, **pdl_options(pdl),
     )  # fmt: skip
     return out
 
 
 def _run_gemv(
     x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, ids: torch.Tensor,
-    y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int,
+    y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int, pdl: bool,
 ) -> None:  # fmt: skip
     assignments, hidden = y.shape
     h = torch.empty((assignments, inter), dtype=x.dtype, device=x.device)
@@ -490,20 +504,20 @@ def _run_gemv(
         x, w_in, ids, h, inter, hidden, x.stride(0), w_in.stride(0), w_in.stride(1),
         h.stride(0),
         TOPK=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        GATED=gated, ACT=act, STAGES=3, num_warps=4, num_stages=3,
+        GATED=gated, ACT=act, STAGES=3, PDL=pdl, num_warps=4, num_stages=3, **pdl_options(pdl),
     )  # fmt: skip
     block_n, block_k = _gemv_blocks(x.dtype, False, inter)
     _gemv_down_kernel[(assignments, triton.cdiv(hidden, block_n))](
         h, w_out, ids, y, hidden, inter, h.stride(0), w_out.stride(0), w_out.stride(1),
         y.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, STAGES=3, num_warps=4,
-        num_stages=3,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, STAGES=3, PDL=pdl,
+        num_warps=4, num_stages=3, **pdl_options(pdl),
     )  # fmt: skip
 
 
 def _run_grouped(
     x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, topk_ids: torch.Tensor,
-    y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int,
+    y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int, pdl: bool,
 ) -> None:  # fmt: skip
     assignments, hidden = y.shape
     experts = w_in.shape[0]
@@ -517,21 +531,26 @@ def _run_grouped(
         x, w_in, sorted_ids, block_expert, h, assignments, experts, inter, hidden,
         x.stride(0), w_in.stride(0), w_in.stride(1), h.stride(0),
         TOPK=top_k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GATED=gated, ACT=act,
-        UPCAST=upcast, IEEE=ieee, num_warps=4, num_stages=3,
+        UPCAST=upcast, IEEE=ieee, PDL=pdl, num_warps=4, num_stages=3, **pdl_options(pdl),
     )  # fmt: skip
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         h, w_out, sorted_ids, block_expert, y, assignments, experts, hidden, inter,
         h.stride(0), w_out.stride(0), w_out.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee,
-        num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee, PDL=pdl,
+        num_warps=4, num_stages=3, **pdl_options(pdl),
     )  # fmt: skip
 
 
 def moe_softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    out_dtype: torch.dtype,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ssm_reference.moe_softmax_topk` in one launch (the reference's softmax, top-k,
-    sum, divide and cast are five)."""
+    sum, divide and cast are five); `pdl`: as a programmatic dependent."""
     if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
         raise ValueError(f"moe_softmax_topk: top_k {top_k} of router logits {tuple(logits.shape)}")
     tokens, experts = logits.shape
@@ -545,6 +564,6 @@ def moe_softmax_topk(
     _softmax_topk_kernel[(tokens,)](
         logits, ids, weights, experts, logits.stride(0),
         TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
-        num_warps=1 if block_e <= 256 else 4,
+        PDL=pdl, num_warps=1 if block_e <= 256 else 4, **pdl_options(pdl),
     )  # fmt: skip
     return ids, weights

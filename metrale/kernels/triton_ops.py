@@ -47,7 +47,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 #: each waits for the previous kernel on entry, so it may be launched while that one drains).
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "paged_attention",
-     "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add"}
+     "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add", "moe_softmax_topk",
+     "moe_experts"}
 )  # fmt: skip
 
 

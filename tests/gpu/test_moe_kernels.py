@@ -187,18 +187,30 @@ def test_sort_by_expert_layout(tokens: int, top_k: int, experts: int, block_m: i
 
 
 @cuda_only
+@pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_graph_capture_replays_like_eager(tokens: int) -> None:
-    """Batch 1 takes the GEMV, 64 tokens the grouped GEMM (sort included): each captured once,
-    replayed on new routing and inputs, equal to the eager op."""
+def test_graph_capture_replays_like_eager(tokens: int, pdl: bool) -> None:
+    """Batch 1 takes the GEMV, 64 tokens the grouped GEMM (sort included): each captured once
+    (with and without programmatic dependent launch), replayed on new routing and inputs,
+    equal to the eager op."""
+    from metrale.kernels.triton_attention_common import pdl_supported
+
+    if pdl and not pdl_supported(DEVICE):
+        pytest.skip("programmatic dependent launch needs sm_90+")
     x, w_in, w_out, ids, weights = _operands(tokens, 8, 128, True, torch.bfloat16, 11)
     static = [t.clone() for t in (x, ids, weights)]
+
+    def op() -> torch.Tensor:
+        return triton_moe.moe_experts(
+            static[0], w_in, w_out, static[1], static[2], True, "silu", pdl=pdl
+        )
+
     for _ in range(2):  # compile outside the capture
-        triton_moe.moe_experts(static[0], w_in, w_out, static[1], static[2], True, "silu")
+        op()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_moe.moe_experts(static[0], w_in, w_out, static[1], static[2], True, "silu")
+        out = op()
     for seed in (12, 13):
         nx, _, _, nids, nweights = _operands(tokens, 8, 128, True, torch.bfloat16, seed)
         for dst, src in zip(static, (nx, nids, nweights), strict=True):
