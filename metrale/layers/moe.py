@@ -96,7 +96,10 @@ class Router(nn.Module):
         """`(topk_ids [T, k], topk_weights [T, k])`."""
         s = self.spec
         if s.routing == "softmax":
-            logits = F.linear(x, self.weight)
+            # `ops.linear`: on CUDA the GEMV of few-row batches joins the decode chain's
+            # programmatic dependent launches (cuBLAS above); on the CPU, F.linear below
+            # oneDNN's size threshold (every tiny test router), oneDNN above.
+            logits = self.ops.linear(x, self.weight)
             out_dtype = logits.dtype if s.weights_in_hidden_dtype else torch.float32
             return self.ops.moe_softmax_topk(logits, s.top_k, s.renormalize, out_dtype)
         logits = F.linear(x.float(), self.weight.float())
