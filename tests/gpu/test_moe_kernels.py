@@ -226,7 +226,7 @@ def test_moe_block_never_syncs_with_the_host(tokens: int) -> None:
     """Router (softmax and sigmoid-group), experts and a gated shared expert under
     `torch.cuda.set_sync_debug_mode("error")`: any host sync raises."""
     ops = kernels_for(DEVICE)
-    assert ops.implementations["moe_experts"] == "triton"
+    assert ops.implementations["moe_experts"].startswith("triton")
     for routing in ("softmax", "sigmoid_group"):
         spec = MoeSpec(HIDDEN, 128, 8, INTER, routing=routing, num_groups=8 if routing != "softmax" else 1, topk_groups=4 if routing != "softmax" else 1)  # fmt: skip
         with torch.device(DEVICE):
