@@ -36,7 +36,8 @@ Invariants:
   in the output dtype). Float32 inputs use exact (`ieee`) dots, not tf32.
 - No host read of routing data: every launch shape and every buffer size depends only on
   `T`, `top_k`, `E` and the weight shapes. Buffers come from `torch.empty` (the graph pool
-  under capture).
+  under capture). The assignment count `A` is not specialised on (`do_not_specialize`), so
+  a new batch size never recompiles a kernel.
 - With `pdl` every kernel waits for its predecessor before its first memory access (the
   expert weights a program reads depend on the routing the previous kernel wrote, so nothing
   is prefetched across the wait); the decode graphs launch them so (`PDL_OPS`).
@@ -196,7 +197,7 @@ def _gemv_down_kernel(
 # -------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _grouped_up_kernel(
     x_ptr, w_ptr, sorted_ptr, block_expert_ptr, h_ptr,
     A, E, INTER, K, stride_x, stride_we, stride_wr, stride_h,
@@ -238,7 +239,7 @@ def _grouped_up_kernel(
     tl.store(out, h, mask=n_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["A"])
 def _grouped_down_kernel(
     h_ptr, w_ptr, sorted_ptr, block_expert_ptr, y_ptr,
     A, E, N, K, stride_h, stride_we, stride_wr, stride_y,
