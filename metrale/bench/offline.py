@@ -17,6 +17,7 @@ throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import random
@@ -205,6 +206,9 @@ def _compare_and_record(
     peer = None
     if args.peer:
         if torch.cuda.is_available():
+            # Reference cycles can keep the engine's weights alive past `del engine`; a
+            # Mixtral-8x7B-sized peer (93 GB bf16) needs that memory back.
+            gc.collect()
             torch.cuda.empty_cache()
         from metrale.bench.hf_peer import hf_generate_tok_s
 
