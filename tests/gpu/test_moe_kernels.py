@@ -274,7 +274,12 @@ def test_engine_greedy_equals_cpu_float32(variant) -> None:  # type: ignore[no-u
     for batch in batches:
         want, got = ref.generate(batch, params), llm.generate(batch, params)
         for w, g in zip(want, got, strict=True):
-            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            wt, gt = w.outputs[0].token_ids, g.outputs[0].token_ids
+            if wt != gt:
+                i = next(i for i, (a, b) in enumerate(zip(wt, gt, strict=True)) if a != b)
+                lps = {t: round(lp.logprob, 6) for t, lp in w.outputs[0].logprobs[i].items()}
+                pytest.fail(f"batch {len(batch)}: tokens differ at {i}: CPU {wt[i]}, device "
+                            f"{gt[i]}; CPU top logprobs there {lps}")  # fmt: skip
             for pos_w, pos_g in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
                 for token in pos_w.keys() & pos_g.keys():
                     assert abs(pos_g[token].logprob - pos_w[token].logprob) < 1e-3
