@@ -14,7 +14,9 @@ Method:
   roofline fraction of the expert part of a step (attention and the rest come on top).
 - Each path that applies is timed (the GEMV up to 256 assignments, the grouped GEMM always)
   so the crossover `triton_moe.GEMV_MAX_ASSIGNMENTS` can be checked; `auto` is the engine's
-  choice. The torch reference runs eagerly (it syncs with the host), timed per call.
+  choice; `softmax_experts` is the layer's whole op from the router logits (routing fused into
+  the GEMV at small batches). The torch reference runs eagerly (it syncs with the host), timed
+  per call.
 - Every path is first checked against the torch reference in float32 (relative error).
 """
 
@@ -116,6 +118,12 @@ def _bench_batch(
     logits = [torch.randn(tokens, experts, device=device, dtype=bf) for _ in range(CALLS)]
     row["route_us"] = 1e6 * _graph_time(
         lambda i: triton_moe.moe_softmax_topk(logits[i], top_k, True, bf), CALLS
+    )
+    row["softmax_experts_us"] = 1e6 * _graph_time(
+        lambda i: triton_moe.moe_softmax_experts(
+            xs[i], logits[i], w_in, w_out, top_k, True, bf, True, "silu"
+        ),
+        CALLS,
     )
     row["route_torch_us"] = 1e6 * _graph_time(
         lambda i: ssm_reference.moe_softmax_topk(logits[i], top_k, True, bf), CALLS

@@ -56,6 +56,7 @@ class KernelOps:
     gated_delta_update: Callable = ssm_reference.gated_delta_update
     moe_softmax_topk: Callable = ssm_reference.moe_softmax_topk
     moe_experts: Callable = ssm_reference.moe_experts
+    moe_softmax_experts: Callable = ssm_reference.moe_softmax_experts
     # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
     lora_gather_add: Callable = reference.lora_gather_add
     lora_tiles_add: Callable = reference.lora_tiles_add

@@ -374,6 +374,23 @@ def moe_softmax_topk(
     return ids, weights.to(out_dtype)
 
 
+def moe_softmax_experts(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    gated: bool,
+    activation: str,
+) -> torch.Tensor:
+    """A softmax-routed MoE layer's experts from its router `logits [T, E]`:
+    `moe_softmax_topk` then `moe_experts` (one op so a device can fuse the routing in)."""
+    ids, weights = moe_softmax_topk(logits, top_k, renormalize, weights_dtype)
+    return moe_experts(x, w_in, w_out, ids, weights, gated, activation)
+
+
 def moe_experts(
     x: torch.Tensor,
     w_in: torch.Tensor,

@@ -120,17 +120,32 @@ def _finish_up(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, GATED: tl.c
 
 @triton.jit
 def _gemv_up_kernel(
-    x_ptr, w_ptr, ids_ptr, h_ptr,
-    INTER, K, stride_x, stride_we, stride_wr, stride_h,
+    x_ptr, w_ptr, ids_ptr, h_ptr, logits_ptr, weights_ptr,
+    INTER, K, stride_x, stride_we, stride_wr, stride_h, E, stride_l,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GATED: tl.constexpr, ACT: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    GATED: tl.constexpr, ACT: tl.constexpr, STAGES: tl.constexpr,
+    ROUTE: tl.constexpr = False, BLOCK_E: tl.constexpr = 1, BLOCK_TK: tl.constexpr = 1,
+    RENORM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(A, cdiv(INTER, BLOCK_N))`: intermediate features `[pid1 * BLOCK_N, +BLOCK_N)` of
     assignment `pid0` (token `pid0 // TOPK`), from its expert's gate rows (and the up rows
-    `INTER` further down `w_in[e]`)."""
+    `INTER` further down `w_in[e]`). ROUTE: the expert comes from the router logits
+    (`_route_row` of the token, its slot `pid0 % TOPK`), and the programs of column 0 store
+    it and its weight to `ids` / `weights` for the down and combine kernels."""
     pdl_enter(PDL)
     a = tl.program_id(0)
-    e = tl.load(ids_ptr + a).to(tl.int64)
+    if ROUTE:
+        chosen_ids, chosen = _route_row(
+            logits_ptr, a // TOPK, E, stride_l, TOPK, BLOCK_E, BLOCK_TK, RENORM
+        )
+        slot = tl.arange(0, BLOCK_TK) == a % TOPK
+        e = tl.sum(tl.where(slot, chosen_ids, 0), axis=0)
+        if tl.program_id(1) == 0:
+            tl.store(ids_ptr + a, e)
+            weight = tl.sum(tl.where(slot, chosen, 0.0), axis=0)
+            tl.store(weights_ptr + a, weight.to(weights_ptr.dtype.element_ty))
+    else:
+        e = tl.load(ids_ptr + a).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
     rows = tl.minimum(offs_n, INTER - 1).to(tl.int64)
@@ -306,15 +321,13 @@ def _combine_kernel(
 
 
 @triton.jit
-def _softmax_topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, E, stride_l,
+def _route_row(
+    logits_ptr, t, E, stride_l,
     TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid `(T,)`: softmax of one row of router logits (float32), its top k by repeated
-    argmax (ties to the lower id; descending, as `torch.topk`), renormalised if RENORM."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
+    """Softmax of row `t` of the router logits (float32), its top k by repeated argmax (ties
+    to the lower id; descending, as `torch.topk`), renormalised if RENORM: `(ids [BLOCK_K],
+    weights [BLOCK_K] float32)`, slots past TOPK unused."""
     offs = tl.arange(0, BLOCK_E)
     x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < E,
                 other=float("-inf")).to(tl.float32)  # fmt: skip
@@ -332,6 +345,20 @@ def _softmax_topk_kernel(
         probs = tl.where(offs == idx, -2.0, probs)
     if RENORM:
         chosen = chosen / tl.sum(chosen, axis=0)
+    return chosen_ids, chosen
+
+
+@triton.jit
+def _softmax_topk_kernel(
+    logits_ptr, ids_ptr, weights_ptr, E, stride_l,
+    TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Grid `(T,)`: `_route_row` of each token row, stored as `ids` / `weights [T, TOPK]`."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    chosen_ids, chosen = _route_row(logits_ptr, t, E, stride_l, TOPK, BLOCK_E, BLOCK_K, RENORM)
+    slots = tl.arange(0, BLOCK_K)
     out = t.to(tl.int64) * TOPK + slots
     tl.store(ids_ptr + out, chosen_ids, mask=slots < TOPK)
     tl.store(weights_ptr + out, chosen.to(weights_ptr.dtype.element_ty), mask=slots < TOPK)
@@ -462,6 +489,58 @@ def moe_experts(
     "gemv" or "grouped" forces a path (tests, benchmarks); None: `use_gemv`. `pdl`: the
     kernels launch as programmatic dependents (each waits for its predecessor on entry)."""
     act = _check(x, w_in, w_out, topk_ids, topk_weights, gated, activation)
+    return _experts(x, w_in, w_out, topk_ids, topk_weights, gated, act, path, pdl, None)
+
+
+def moe_softmax_experts(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    gated: bool,
+    activation: str,
+    *,
+    path: str | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """`ssm_reference.moe_softmax_experts`: softmax routing from the router `logits [T, E]`
+    then the experts. On the GEMV path the routing runs inside the gate/up kernel (one launch
+    fewer per layer at decode); on the grouped path `moe_softmax_topk` runs first."""
+    tokens = x.shape[0]
+    if logits.dim() != 2 or logits.shape[0] != tokens or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(
+            f"moe_softmax_experts: top_k {top_k} of router logits {tuple(logits.shape)} for "
+            f"{tokens} tokens"
+        )
+    if logits.shape[1] != w_in.shape[0]:
+        raise ValueError(
+            f"moe_softmax_experts: {logits.shape[1]} router logits per token, "
+            f"{w_in.shape[0]} experts"
+        )
+    if path is None:
+        path = "gemv" if use_gemv(tokens, top_k, w_in.shape[0]) else "grouped"
+    if path != "gemv":
+        ids, weights = moe_softmax_topk(logits, top_k, renormalize, weights_dtype, pdl=pdl)
+        return moe_experts(x, w_in, w_out, ids, weights, gated, activation, path=path, pdl=pdl)
+    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=x.device)
+    weights = torch.empty((tokens, top_k), dtype=weights_dtype, device=x.device)
+    act = _check(x, w_in, w_out, ids, weights, gated, activation)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    route = (logits, renormalize)
+    return _experts(x, w_in, w_out, ids, weights, gated, act, "gemv", pdl, route)
+
+
+def _experts(
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, gated: bool, act: int, path: str | None, pdl: bool,
+    route: tuple[torch.Tensor, bool] | None,
+) -> torch.Tensor:  # fmt: skip
+    """Both paths and the combine; `route` (GEMV only): `(logits, renormalize)`, the up
+    kernel then fills `topk_ids` / `topk_weights` itself."""
     tokens, top_k = topk_ids.shape
     experts, _, hidden = w_in.shape
     inter = w_out.shape[2]
@@ -481,7 +560,7 @@ def moe_experts(
         path = "gemv" if use_gemv(tokens, top_k, experts) else "grouped"
     y = torch.empty((assignments, hidden), dtype=x.dtype, device=x.device)
     if path == "gemv":
-        _run_gemv(x, w_in, w_out, ids, y, top_k, inter, gated, act, pdl)
+        _run_gemv(x, w_in, w_out, ids, weights, y, top_k, inter, gated, act, pdl, route)
     elif path == "grouped":
         _run_grouped(x, w_in, w_out, topk_ids, y, top_k, inter, gated, act, pdl)
     else:
@@ -496,16 +575,22 @@ def moe_experts(
 
 def _run_gemv(
     x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, ids: torch.Tensor,
-    y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int, pdl: bool,
+    weights: torch.Tensor, y: torch.Tensor, top_k: int, inter: int, gated: bool, act: int,
+    pdl: bool, route: tuple[torch.Tensor, bool] | None,
 ) -> None:  # fmt: skip
     assignments, hidden = y.shape
     h = torch.empty((assignments, inter), dtype=x.dtype, device=x.device)
     block_n, block_k = _gemv_blocks(x.dtype, gated, hidden)
+    logits = route[0] if route is not None else x
+    experts = logits.shape[1] if route is not None else 1
     _gemv_up_kernel[(assignments, triton.cdiv(inter, block_n))](
-        x, w_in, ids, h, inter, hidden, x.stride(0), w_in.stride(0), w_in.stride(1),
-        h.stride(0),
+        x, w_in, ids, h, logits, weights, inter, hidden, x.stride(0), w_in.stride(0),
+        w_in.stride(1), h.stride(0), experts, logits.stride(0),
         TOPK=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        GATED=gated, ACT=act, STAGES=3, PDL=pdl, num_warps=4, num_stages=3, **pdl_options(pdl),
+        GATED=gated, ACT=act, STAGES=3, ROUTE=route is not None,
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_TK=triton.next_power_of_2(top_k),
+        RENORM=route is not None and route[1], PDL=pdl, num_warps=4, num_stages=3,
+        **pdl_options(pdl),
     )  # fmt: skip
     block_n, block_k = _gemv_blocks(x.dtype, False, inter)
     _gemv_down_kernel[(assignments, triton.cdiv(hidden, block_n))](

@@ -40,6 +40,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
     "moe_softmax_topk": ("metrale.kernels.triton_moe", "moe_softmax_topk"),
     "moe_experts": ("metrale.kernels.triton_moe", "moe_experts"),
+    "moe_softmax_experts": ("metrale.kernels.triton_moe", "moe_softmax_experts"),
 }
 
 
@@ -48,7 +49,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "paged_attention",
      "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add", "moe_softmax_topk",
-     "moe_experts"}
+     "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """Sparse mixture-of-experts blocks: a router (top-k with each family's normalisation), the
 experts as two stacked weight tensors, and optional shared experts.
 
-Owner: layers. Softmax routing runs through `KernelOps.moe_softmax_topk` (one Triton kernel on
-CUDA instead of five torch ones) and the grouped expert computation through
+Owner: layers. A softmax-routed block runs its routing and experts as one op,
+`KernelOps.moe_softmax_experts` (`moe_softmax_topk` then `moe_experts`; on CUDA's decode path
+the routing is fused into the experts' first kernel, elsewhere it is one Triton kernel instead
+of five torch ones); a sigmoid-group block routes in torch, then calls
 `KernelOps.moe_experts`: on the CPU
 the torch reference (tokens sorted by expert, one matmul per expert, no Python loop over
 tokens), on CUDA the Triton op of `kernels.triton_moe` (a gathered GEMV for decode batches, a
@@ -72,12 +74,16 @@ class FusedExperts(nn.Module):
         self.activation = spec.activation
         self.ops = ops
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w_in, w_out)`: gate|up (or up) and down, stacked over experts."""
+        return (self.gate_up_proj if self.gated else self.up_proj), self.down_proj
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        w_in = self.gate_up_proj if self.gated else self.up_proj
+        w_in, w_out = self.weights()
         return self.ops.moe_experts(
-            x, w_in, self.down_proj, topk_ids, topk_weights, self.gated, self.activation
+            x, w_in, w_out, topk_ids, topk_weights, self.gated, self.activation
         )
 
 
@@ -169,8 +175,19 @@ class SparseMoeBlock(nn.Module):
         self.has_shared_gate = bool(shared_intermediate) and shared_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
+        spec = self.gate.spec
+        if spec.routing == "softmax":
+            # One op from the router logits: on CUDA's decode path the routing runs inside
+            # the experts' first kernel.
+            logits = self.gate.ops.linear(x, self.gate.weight)
+            out = self.experts.ops.moe_softmax_experts(
+                x, logits, *self.experts.weights(), spec.top_k, spec.renormalize,
+                logits.dtype if spec.weights_in_hidden_dtype else torch.float32,
+                spec.gated, spec.activation,
+            )  # fmt: skip
+        else:
+            ids, weights = self.gate(x)
+            out = self.experts(x, ids, weights)
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.has_shared_gate:

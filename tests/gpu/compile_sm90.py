@@ -131,7 +131,7 @@ def _launch_everything() -> None:
 
 def _launch_moe() -> None:
     """The MoE kernels at Qwen3-30B-A3B's expert shapes (and Mixtral's width): both paths,
-    gated and plain, bf16 and fp32, and the routing kernel."""
+    gated and plain, bf16 and fp32, the routing kernel and the GEMV with routing fused."""
     from metrale.kernels import triton_moe as tm
 
     for dtype, hidden, inter, experts, top_k in [
@@ -148,6 +148,9 @@ def _launch_moe() -> None:
                 weights = torch.rand(tokens, top_k)
                 act = "silu" if gated else "relu2"
                 tm.moe_experts(x, w_in, w_out, ids, weights, gated, act, path=path)
+            logits = torch.randn(1, experts, dtype=dtype)
+            x = torch.randn(1, hidden, dtype=dtype)
+            tm.moe_softmax_experts(x, logits, w_in, w_out, top_k, True, dtype, gated, act)
         tm.moe_softmax_topk(torch.randn(4, experts, dtype=dtype), top_k, True, dtype)
 
 

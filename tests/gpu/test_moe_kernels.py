@@ -1,5 +1,6 @@
-"""MoE on CUDA: the Triton op (`triton_moe.moe_experts`, both its gathered-GEMV and its
-grouped-GEMM path) against the torch reference, its device-side sort, a CUDA-graph capture of
+"""MoE on CUDA: the Triton ops (`triton_moe.moe_experts`, both its gathered-GEMV and its
+grouped-GEMM path; the routing `moe_softmax_topk`; both fused as `moe_softmax_experts`)
+against the torch references, its device-side sort, a CUDA-graph capture of
 it, a host-sync audit of a whole MoE block, and tiny Qwen3-MoE / Mixtral checkpoints giving the
 CPU float32 path's greedy tokens on the device with decode graphs on.
 
@@ -137,6 +138,32 @@ def test_softmax_topk_equals_reference(
         torch.testing.assert_close(weights.float(), want_w.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize(("tokens", "top_k", "experts"), [(1, 8, 128), (3, 2, 8), (17, 2, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_experts_equals_reference(
+    tokens: int, top_k: int, experts: int, dtype: torch.dtype
+) -> None:
+    """Routing from the logits, fused into the GEMV's gate/up kernel or run before the
+    grouped GEMM, against the reference (routing then experts) in the same dtype; the
+    weights kept in float32 (Mixtral) or the hidden dtype (Qwen3)."""
+    x, w_in, w_out, _, _ = _operands(tokens, top_k, experts, True, dtype, 21)
+    g = torch.Generator().manual_seed(22)
+    logits = (torch.randn(tokens, experts, generator=g) * 2).to(dtype).to(DEVICE)
+    for weights_dtype, renorm in ((torch.float32, True), (dtype, False)):
+        args = (x, logits, w_in, w_out, top_k, renorm, weights_dtype, True, "silu")
+        f64 = [t.double() if t.is_floating_point() else t for t in (x, w_in, w_out)]
+        ids, weights = ssm_reference.moe_softmax_topk(logits, top_k, renorm, weights_dtype)
+        want = ssm_reference.moe_experts(f64[0], f64[1], f64[2], ids, weights.double(), True,
+                                         "silu")  # fmt: skip
+        same = ssm_reference.moe_softmax_experts(*args)
+        bound = min(TOL[dtype], 1.5 * _rel(same, want) + 1e-6)
+        paths = ["grouped"] + (["gemv"] if tokens * top_k <= 64 else [])
+        for path in paths:
+            got = triton_moe.moe_softmax_experts(*args, path=path)
+            err = _rel(got, want)
+            assert err <= bound, f"{path}: relative error {err:.2e} > {bound:.2e}"
+
+
 @pytest.mark.parametrize("activation", ["gelu_pytorch_tanh", "gelu", "relu", "silu"])
 def test_other_activations(activation: str) -> None:
     x, w_in, w_out, ids, weights = _operands(5, 2, 8, False, torch.float32, 7)
@@ -264,6 +291,7 @@ def test_engine_greedy_equals_cpu_float32(variant) -> None:  # type: ignore[no-u
                     module.ops,
                     moe_experts=triton_moe.moe_experts,
                     moe_softmax_topk=triton_moe.moe_softmax_topk,
+                    moe_softmax_experts=triton_moe.moe_softmax_experts,
                 )
                 swapped += 1
         assert swapped > 0
