@@ -1,10 +1,11 @@
-"""Fused mixture-of-experts on CUDA: `moe_experts` and `moe_softmax_topk`, the Triton forms of
-`ssm_reference.moe_experts` / `moe_softmax_topk` (the torch references the CPU keeps), with
-no host sync, so a decode step of an MoE model is captured in the decode CUDA graphs.
+"""Fused mixture-of-experts on CUDA: `moe_experts`, `moe_softmax_topk` and
+`moe_softmax_experts`, the Triton forms of the `ssm_reference` ops of the same names (the
+torch references the CPU keeps), with no host sync, so a decode step of an MoE model is
+captured in the decode CUDA graphs.
 
-Owner: kernels. They are the CUDA entries of `KernelOps.moe_experts` and
-`KernelOps.moe_softmax_topk` (`triton_ops.TRITON_OPS`); `tests/gpu/test_moe_kernels.py`
-checks them against the references.
+Owner: kernels. They are the CUDA entries of the `KernelOps` fields of the same names
+(`triton_ops.TRITON_OPS`); `tests/gpu/test_moe_kernels.py` checks them against the
+references.
 
 Two paths, chosen from static shapes only (`use_gemv`: the assignment count `A = T * top_k`
 against the expert count), so a captured graph always replays the path it captured:
@@ -24,10 +25,13 @@ against the expert count), so a captured graph always replays the path it captur
   the activation fused and one for down, each block reading its expert's weights once.
 
 Softmax routing (`moe_softmax_topk`: softmax, top-k, renormalisation, cast) is one kernel,
-one program per token row.
+one program per token row. `moe_softmax_experts` (routing + experts from the router logits)
+fuses it into the GEMV's gate/up kernel: each program recomputes its token's top-k from the
+logits row, and the programs of column 0 store the expert ids and weights the down and
+combine kernels read.
 
-Both expert paths end in one combine kernel: `out[t] = sum_j weight[t, j] * y[t * k + j]`, in float32,
-in j order (deterministic, no atomics), rounded once to x's dtype.
+Both expert paths end in one combine kernel: `out[t] = sum_j weight[t, j] * y[t * k + j]`,
+in float32, in j order (deterministic, no atomics), rounded once to x's dtype.
 
 Invariants:
 - Numerics follow the reference's rounding points: the gate/up (or up) projection is
