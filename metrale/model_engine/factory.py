@@ -466,7 +466,9 @@ def _capture_graphs(
         reason = "recurrent layers use reference ops"
     elif not kernels.get("paged_attention", "").startswith("triton"):
         reason = "the attention op is not capturable"
-    elif moe and not kernels.get("moe_experts", "").startswith("triton"):
+    elif moe and not all(
+        kernels.get(op, "").startswith("triton") for op in ("moe_experts", "moe_softmax_experts")
+    ):
         reason = "the MoE experts op is the torch reference, which syncs with the host"
     if reason is not None:
         logger.warning("CUDA graphs disabled: %s; decode runs eagerly (slower)", reason)
