@@ -55,7 +55,7 @@ def _measure(args: argparse.Namespace, quantization: str | None) -> dict[str, An
     offline.decode_latency(engine, args.prompt_len, 16, seed=99)  # warm-up
     figures: dict[str, Any] = offline.decode_latency(engine, args.prompt_len, args.tokens)
     bandwidth = copy_bandwidth(engine.model.device)
-    per_step = offline._bytes_per_step(engine, args.prompt_len + args.tokens // 2)
+    per_step = offline._bytes_per_step(engine, args.prompt_len + args.tokens // 2)["total"]
     report = engine.load_report
     figures.update(
         copy_bandwidth_gb_s=bandwidth / 1e9,

@@ -20,6 +20,9 @@
 #        HYBRID_LADDER overrides the rungs)
 #        fp8kv (issue 22, FP8 KV: tests/gpu/test_fp8_kv.py, then the serve rung C=128 on the
 #        qwen3-8b shape with --kv-cache-dtype auto and fp8, one server each; FP8KV_SERVE=0 skips it)
+#        moe (issue 23: the MoE GPU tests, then batch-1 decode latency of the Qwen3-30B-A3B and
+#        Mixtral-8x7B shapes, random bf16 weights, graphs on, roofline from the active bytes)
+#        moeserve (the C=1..64 serve ladder of the Qwen3-30B-A3B shape, ISL 128, OSL 512)
 #        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
@@ -351,6 +354,41 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
     echo "ladder rc=$?"; tail -6 "$OUT/serve.log"
     kill -TERM $server; wait $server; echo "server exit=$?"
     grep -iE "summary|graphs|KV|error" "$OUT/server.log" | head -8
+    ;;
+  moe)
+    stamp "MoE GPU tests (issue 23)"
+    timeout 500 python3 -m pytest tests/gpu/test_moe_kernels.py -q -p no:cacheprovider --timeout 300 \
+      >"$OUT/moe_tests.log" 2>&1
+    echo "rc=$?"; tail -6 "$OUT/moe_tests.log"
+    for shape in qwen3-30b-a3b mixtral-8x7b; do
+      stamp "latency $shape (batch 1, bf16 random weights, graphs on)"
+      timeout 590 python3 -m metrale.cli bench latency --config-dir bench/configs/$shape \
+        --max-model-len 2048 --tokens 256 --max-num-seqs 8 $( [ "${PEER:-1}" = 1 ] || echo --no-peer ) \
+        --out-dir "$OUT" >"$OUT/latency_$shape.log" 2>&1
+      echo "rc=$?"; tail -16 "$OUT/latency_$shape.log"
+      grep -iE "graphs|kernels:|startup|Error" "$OUT/latency_$shape.log" | tail -5
+    done
+    ;;
+  moeserve)
+    stamp "serve ladder qwen3-30b-a3b C=1..64"
+    rm -rf /tmp/qwen3-30b-a3b && cp -r bench/configs/qwen3-30b-a3b /tmp/qwen3-30b-a3b
+    python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-30b-a3b')"
+    python3 -m metrale.cli serve /tmp/qwen3-30b-a3b --load-format dummy --max-model-len 2048 \
+      --max-num-seqs 64 --served-model-name qwen3-30b-a3b --port 8888 --log-level INFO \
+      >"$OUT/server_moe.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 240); do
+      curl -sf localhost:8888/health >/dev/null 2>&1 && break
+      sleep 1
+    done
+    timeout 420 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-30b-a3b \
+      --shape qwen3-30b-a3b --vocab 151936 --concurrency "${MOELADDER:-1,2,4,8,16,32,64}" --isl 128 \
+      --osl 512 --device cuda \
+      --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 64" \
+      --out-dir "$OUT" >"$OUT/serve_moe.log" 2>&1
+    echo "ladder rc=$?"; tail -10 "$OUT/serve_moe.log"
+    kill -TERM $server; wait $server; echo "server exit=$?"
+    grep -iE "summary|graphs|KV|error" "$OUT/server_moe.log" | head -8
     ;;
   esac
 done

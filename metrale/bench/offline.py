@@ -5,10 +5,12 @@ Owner: bench.
 latency: batch-1 decode after a `--prompt-len` prompt. tok/s = (generated - 1) / time from the
 first to the last token (decode only). The roofline measured in the same run is
 `copy bandwidth / bytes read per step`, where bytes per step = every weight matrix the step
-reads (the embedding table contributes one row unless tied to the LM head) + the KV of the
-mean context + on hybrid models the recurrent state of one slot, read and written. Each weight
-counts at its stored bytes (`--quantization fp8`: the projections at 1 byte, their scales at 4
-per row).
+reads (the embedding table contributes one row unless tied to the LM head; an MoE layer's
+experts count only the `top_k` a token is routed to: the active parameters, not the whole
+checkpoint) + the KV of the mean context (`bytes_per_step`; the record splits it into dense
+weights, routed experts and KV) + on hybrid models the recurrent
+state of one slot, read and written. Each weight counts at its stored bytes (`--quantization
+fp8`: the projections at 1 byte, their scales at 4 per row).
 
 throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform in
 [100, 1024], random token ids, ignore_eos; output tokens / wall time, after a warm-up request.
@@ -17,6 +19,7 @@ throughput: the nano-vllm recipe: 256 requests, input and output lengths uniform
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import logging
 import random
@@ -48,21 +51,60 @@ def _engine(args: argparse.Namespace, **overrides: Any) -> Engine:
     return Engine(EngineConfig(**values))
 
 
-def _bytes_per_step(engine: Engine, context: int) -> int:
-    """Bytes one batch-1 decode step must move: the weights (the embedding table only as the
-    tied LM head), the KV of `context` tokens, and on hybrid models each recurrent layer's
-    slot state read and written once (conv window and float32 SSM state)."""
+def bytes_per_step(
+    module: torch.nn.Module,
+    kv_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    context: int,
+    kv_element_size: int = 2,
+) -> dict[str, int]:
+    """The bytes one batch-1 decode step must read, by part: `dense` (every weight the step
+    reads whole: attention, norms, dense MLPs, routers, shared experts, the LM head; an
+    embedding table contributes one row unless the model is tied (`tied`, logits from it) or
+    it is also a projection's weight),
+    `experts` (each MoE layer's routed experts only: `top_k / num_experts` of its stacked
+    expert weights), `kv` (K and V of `context` tokens of `kv_element_size` bytes) and
+    `total`. Works on any module (no `embed_tokens` attribute needed)."""
+    from metrale.layers.moe import SparseMoeBlock
+
+    # parameters() is deduplicated: a tied weight counts once
+    dense = sum(p.numel() * p.element_size() for p in module.parameters())
+    projections = {
+        id(m.weight) for m in module.modules() if not isinstance(m, torch.nn.Embedding)
+        and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+    }  # fmt: skip
+    # Tied models (`tied`) compute logits from the embedding matrix itself: read whole.
+    tied = bool(getattr(module, "tied", False))
+    for m in module.modules():
+        if isinstance(m, torch.nn.Embedding) and not tied and id(m.weight) not in projections:
+            dense -= (m.weight.numel() - m.weight.shape[-1]) * m.weight.element_size()
+    experts = 0
+    for m in module.modules():
+        if isinstance(m, SparseMoeBlock):
+            stacked = sum(p.numel() * p.element_size() for p in m.experts.parameters())
+            dense -= stacked
+            experts += stacked * m.gate.spec.top_k // m.gate.spec.num_experts
+    kv = context * 2 * kv_layers * kv_heads * head_dim * kv_element_size
+    return {"dense": dense, "experts": experts, "kv": kv, "total": dense + experts + kv}
+
+
+def _bytes_per_step(engine: Engine, context: int) -> dict[str, int]:
+    """`bytes_per_step` of the engine's model at its KV dtype, plus on hybrid models (`state`)
+    each recurrent layer's slot state read and written once (conv window and float32 SSM
+    state)."""
     model = engine.model
-    module = model.module
-    total = sum(p.numel() * p.element_size() for p in module.parameters())
-    embed = module.input_embeddings().weight
-    if not getattr(module, "tied", False):
-        total -= embed.numel() * embed.element_size()  # only one row is gathered
     cfg = model.config
-    kv_per_token = 2 * module.kv_layer_count * cfg.num_key_value_heads * cfg.head_dim
+    kv_dtype = model.kv_cache.dtype if model.kv_cache.layers else model.dtype
+    element = torch.empty((), dtype=kv_dtype).element_size()
+    parts = bytes_per_step(
+        model.module, model.module.kv_layer_count, cfg.num_key_value_heads, cfg.head_dim,
+        context, element,
+    )  # fmt: skip
     pool = model.ssm_pool
-    state = 0 if pool is None else 2 * pool.bytes_total() // pool.num_slots
-    return total + context * kv_per_token * embed.element_size() + state
+    parts["state"] = 0 if pool is None else 2 * pool.bytes_total() // pool.num_slots
+    parts["total"] += parts["state"]
+    return parts
 
 
 def _sync(engine: Engine) -> None:
@@ -97,9 +139,14 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         from metrale.bench.hardware import copy_bandwidth
 
         bandwidth = copy_bandwidth(engine.model.device)
-        per_step = _bytes_per_step(engine, args.prompt_len + args.tokens // 2)
+        parts = _bytes_per_step(engine, args.prompt_len + args.tokens // 2)
+        per_step = parts["total"]
         figures["copy_bandwidth_gb_s"] = bandwidth / 1e9
         figures["bytes_per_step"] = per_step
+        figures["bytes_dense"] = parts["dense"]
+        figures["bytes_routed_experts"] = parts["experts"]
+        figures["bytes_kv"] = parts["kv"]
+        figures["bytes_recurrent_state"] = parts["state"]
         figures["roofline_tok_s"] = bandwidth / per_step
         figures["roofline_ratio"] = figures["tok_s"] / figures["roofline_tok_s"]
     engine_info = _engine_info(engine)
@@ -171,6 +218,9 @@ def _compare_and_record(
     peer = None
     if args.peer:
         if torch.cuda.is_available():
+            # Reference cycles can keep the engine's weights alive past `del engine`; a
+            # Mixtral-8x7B-sized peer (93 GB bf16) needs that memory back.
+            gc.collect()
             torch.cuda.empty_cache()
         from metrale.bench.hf_peer import hf_generate_tok_s
 

@@ -59,7 +59,9 @@ class KernelOps:
     mamba2_state_update: Callable = ssm_reference.mamba2_state_update
     gated_delta_chunk_varlen: Callable = ssm_reference.gated_delta_chunk_varlen
     gated_delta_update: Callable = ssm_reference.gated_delta_update
+    moe_softmax_topk: Callable = ssm_reference.moe_softmax_topk
     moe_experts: Callable = ssm_reference.moe_experts
+    moe_softmax_experts: Callable = ssm_reference.moe_softmax_experts
     # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
     lora_gather_add: Callable = reference.lora_gather_add
     lora_tiles_add: Callable = reference.lora_tiles_add

@@ -1,6 +1,7 @@
 """Torch references of the recurrent-layer and mixture-of-experts ops: causal conv1d (prefill
 and decode), the Mamba-2 SSD scan (chunked) and state update (one step), the gated delta rule
-(chunked and one step), and the grouped expert computation. They are the CPU path and define
+(chunked and one step), and the mixture-of-experts softmax routing and grouped expert
+computation. They are the CPU path and define
 what the future Triton kernels must compute.
 
 Owner: kernels.
@@ -358,6 +359,36 @@ def gated_delta_update(
 # --------------------------------------------------------------------------------------------
 # Mixture of experts
 # --------------------------------------------------------------------------------------------
+
+
+def moe_softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax routing from router logits `[T, E]`: softmax over all experts in float32, the
+    top k (descending), divided by their sum when `renormalize`; `(ids int64 [T, k], weights
+    [T, k] in out_dtype)`."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(out_dtype)
+
+
+def moe_softmax_experts(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    weights_dtype: torch.dtype,
+    gated: bool,
+    activation: str,
+) -> torch.Tensor:
+    """A softmax-routed MoE layer's experts from its router `logits [T, E]`:
+    `moe_softmax_topk` then `moe_experts` (one op so a device can fuse the routing in)."""
+    ids, weights = moe_softmax_topk(logits, top_k, renormalize, weights_dtype)
+    return moe_experts(x, w_in, w_out, ids, weights, gated, activation)
 
 
 def moe_experts(

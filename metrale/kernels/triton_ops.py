@@ -6,9 +6,10 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA op in `tests/gpu/test_lora_kernels.py`,
+  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`,
   the FP8 projections in `tests/gpu/test_fp8_linear.py`, the recurrent-layer ops in
-  `tests/gpu/test_ssm_kernels.py`). An op not listed keeps its torch reference.
+  `tests/gpu/test_ssm_kernels.py`, the MoE ops in `tests/gpu/test_moe_kernels.py`). An op not
+  listed keeps its torch reference.
 - The factory reports every op's implementation ("triton" | "torch") in
   `KernelOps.implementations`, so a slower path is never silent.
 """
@@ -47,6 +48,9 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "causal_conv1d_varlen": ("metrale.kernels.triton_ssm", "causal_conv1d_varlen"),
     "mamba2_chunk_scan_varlen": ("metrale.kernels.triton_ssm", "mamba2_chunk_scan_varlen"),
     "gated_delta_chunk_varlen": ("metrale.kernels.triton_ssm", "gated_delta_chunk_varlen"),
+    "moe_softmax_topk": ("metrale.kernels.triton_moe", "moe_softmax_topk"),
+    "moe_experts": ("metrale.kernels.triton_moe", "moe_experts"),
+    "moe_softmax_experts": ("metrale.kernels.triton_moe", "moe_softmax_experts"),
 }
 
 
@@ -54,8 +58,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 #: each waits for the previous kernel on entry, so it may be launched while that one drains).
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
-     "silu_mul_linear_fp8", "paged_attention",
-     "rotary_write_kv", "qk_norm_rotary_write_kv", "lora_gather_add"}
+     "silu_mul_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
+     "lora_gather_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 
 

@@ -1,8 +1,14 @@
 """Sparse mixture-of-experts blocks: a router (top-k with each family's normalisation), the
 experts as two stacked weight tensors, and optional shared experts.
 
-Owner: layers. The grouped expert computation runs through `KernelOps.moe_experts` (torch
-reference now: tokens sorted by expert, one matmul per expert, no Python loop over tokens).
+Owner: layers. A softmax-routed block runs its routing and experts as one op,
+`KernelOps.moe_softmax_experts` (`moe_softmax_topk` then `moe_experts`; on CUDA's decode path
+the routing is fused into the experts' first kernel, elsewhere it is one Triton kernel instead
+of five torch ones); a sigmoid-group block routes in torch, then calls
+`KernelOps.moe_experts`: on the CPU
+the torch reference (tokens sorted by expert, one matmul per expert, no Python loop over
+tokens), on CUDA the Triton op of `kernels.triton_moe` (a gathered GEMV for decode batches, a
+sorted grouped GEMM above), which never reads routing data on the host.
 
 Invariants:
 - Parameter names follow transformers 5's in-memory layout: `gate.weight` (router),
@@ -17,6 +23,8 @@ Invariants:
     bias used only for choosing, group-limited top-k, optional renormalisation, then
     `routed_scaling_factor`.
 - Shared experts are added to every token: Qwen3-Next scales theirs by a sigmoid gate.
+- Nothing here syncs with the host (routing is softmax/sigmoid, top-k, scatter and gather on
+  the device), so on CUDA an MoE layer is captured in the decode graphs.
 """
 
 from __future__ import annotations
@@ -66,17 +74,21 @@ class FusedExperts(nn.Module):
         self.activation = spec.activation
         self.ops = ops
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(w_in, w_out)`: gate|up (or up) and down, stacked over experts."""
+        return (self.gate_up_proj if self.gated else self.up_proj), self.down_proj
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        w_in = self.gate_up_proj if self.gated else self.up_proj
+        w_in, w_out = self.weights()
         return self.ops.moe_experts(
-            x, w_in, self.down_proj, topk_ids, topk_weights, self.gated, self.activation
+            x, w_in, w_out, topk_ids, topk_weights, self.gated, self.activation
         )
 
 
 class Router(nn.Module):
-    def __init__(self, spec: MoeSpec) -> None:
+    def __init__(self, spec: MoeSpec, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(spec.num_experts, spec.hidden_size))
         if spec.routing == "sigmoid_group":
@@ -84,19 +96,18 @@ class Router(nn.Module):
         elif spec.routing != "softmax":
             raise ValueError(f"unknown MoE routing '{spec.routing}'")
         self.spec = spec
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(topk_ids [T, k], topk_weights [T, k])`."""
         s = self.spec
         if s.routing == "softmax":
-            logits = F.linear(x, self.weight)
-            probs = torch.softmax(logits.float(), dim=-1)
-            weights, ids = torch.topk(probs, s.top_k, dim=-1)
-            if s.renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            if s.weights_in_hidden_dtype:
-                weights = weights.to(logits.dtype)
-            return ids, weights
+            # `ops.linear`: on CUDA the GEMV of few-row batches joins the decode chain's
+            # programmatic dependent launches (cuBLAS above); on the CPU, F.linear below
+            # oneDNN's size threshold (every tiny test router), oneDNN above.
+            logits = self.ops.linear(x, self.weight)
+            out_dtype = logits.dtype if s.weights_in_hidden_dtype else torch.float32
+            return self.ops.moe_softmax_topk(logits, s.top_k, s.renormalize, out_dtype)
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
@@ -153,7 +164,7 @@ class SparseMoeBlock(nn.Module):
         shared_gate: bool = False,
     ) -> None:
         super().__init__()
-        self.gate = Router(spec)
+        self.gate = Router(spec, ops)
         self.experts = FusedExperts(spec, ops)
         self.shared_name = shared_name if shared_intermediate else None
         if shared_intermediate:
@@ -164,8 +175,19 @@ class SparseMoeBlock(nn.Module):
         self.has_shared_gate = bool(shared_intermediate) and shared_gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        out = self.experts(x, ids, weights)
+        spec = self.gate.spec
+        if spec.routing == "softmax":
+            # One op from the router logits: on CUDA's decode path the routing runs inside
+            # the experts' first kernel.
+            logits = self.gate.ops.linear(x, self.gate.weight)
+            out = self.experts.ops.moe_softmax_experts(
+                x, logits, *self.experts.weights(), spec.top_k, spec.renormalize,
+                logits.dtype if spec.weights_in_hidden_dtype else torch.float32,
+                spec.gated, spec.activation,
+            )  # fmt: skip
+        else:
+            ids, weights = self.gate(x)
+            out = self.experts(x, ids, weights)
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name)(x)
             if self.has_shared_gate:

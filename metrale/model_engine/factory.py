@@ -618,9 +618,11 @@ def _capture_graphs(
         reason = "the attention op is not capturable"
     elif hybrid and eager_recurrent:
         reason = f"recurrent layers use reference ops ({', '.join(eager_recurrent)})"
-    elif hybrid and kernels.get("moe_experts") == "torch" and _has_moe(model):
-        # The reference grouped experts read the expert counts on the host.
-        reason = "the hybrid model's MoE layers use the reference op (a host sync)"
+    elif _has_moe(model) and not all(
+        kernels.get(op, "").startswith("triton") for op in ("moe_experts", "moe_softmax_experts")
+    ):
+        # The reference grouped experts read the per-expert counts on the host.
+        reason = "the MoE experts op is the torch reference, which syncs with the host"
     elif model.hss is not None:
         reason = "high-speed swap gathers host blocks per layer"
     else:

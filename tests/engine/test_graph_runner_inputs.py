@@ -119,7 +119,11 @@ def test_factory_refuses_hybrid_graphs_it_cannot_capture(caplog: pytest.LogCaptu
     triton = {"paged_attention": "triton", **dict.fromkeys(RECURRENT_DECODE_OPS, "triton")}
     cases = [
         ("nemotronh-classic", {"paged_attention": "triton"}, "recurrent layers use reference ops"),
-        ("nemotronh-moe", {**triton, "moe_experts": "torch"}, "MoE layers use the reference op"),
+        (
+            "nemotronh-moe",
+            {**triton, "moe_experts": "torch"},
+            "MoE experts op is the torch reference",
+        ),
     ]
     for name, kernels, reason in cases:
         variant = next(v for v in HYBRID_VARIANTS if v.name == name)

@@ -129,6 +129,7 @@ def _launch_everything() -> None:
     ts.top_k_top_p_filter(logits, ks, torch.ones(4))
     _launch_fp8()
     _launch_ssm()
+    _launch_moe()
 
 
 def _launch_fp8() -> None:
@@ -218,6 +219,31 @@ def _launch_fp8_kv() -> None:
     qp = torch.randn(20 * rows, hq, d, dtype=bf)
     ta.prefill_attention(qp, k_cache, v_cache, meta, 0.1, None, torch.empty_like(qp), 0,
                          k_scale=scales[0], v_scale=scales[1])  # fmt: skip
+
+
+def _launch_moe() -> None:
+    """The MoE kernels at Qwen3-30B-A3B's expert shapes (and Mixtral's width): both paths,
+    gated and plain, bf16 and fp32, the routing kernel and the GEMV with routing fused."""
+    from metrale.kernels import triton_moe as tm
+
+    for dtype, hidden, inter, experts, top_k in [
+        (torch.bfloat16, 2048, 768, 128, 8),
+        (torch.bfloat16, 4096, 14336, 8, 2),
+        (torch.float32, 2048, 768, 128, 8),
+    ]:
+        for gated in (True, False):
+            w_in = torch.empty(experts, (2 if gated else 1) * inter, hidden, dtype=dtype)
+            w_out = torch.empty(experts, hidden, inter, dtype=dtype)
+            for tokens, path in ((1, "gemv"), (64, "grouped"), (2048, "grouped")):
+                x = torch.randn(tokens, hidden, dtype=dtype)
+                ids = torch.randint(0, experts, (tokens, top_k))
+                weights = torch.rand(tokens, top_k)
+                act = "silu" if gated else "relu2"
+                tm.moe_experts(x, w_in, w_out, ids, weights, gated, act, path=path)
+            logits = torch.randn(1, experts, dtype=dtype)
+            x = torch.randn(1, hidden, dtype=dtype)
+            tm.moe_softmax_experts(x, logits, w_in, w_out, top_k, True, dtype, gated, act)
+        tm.moe_softmax_topk(torch.randn(4, experts, dtype=dtype), top_k, True, dtype)
 
 
 def _report() -> list[str]:
