@@ -133,6 +133,9 @@ class EngineInfo:
     #: The weights' dtype in words (`LoadReport.weight_dtype`, e.g. "fp8 e4m3 (block 128x128
     #: scales, from the checkpoint; 252 projections), bfloat16 elsewhere"); "" when unknown.
     weight_dtype: str = ""
+    #: The KV pool's dtype (`LoadReport.kv_cache_dtype`: "bfloat16", "fp8_e4m3", ...); "" when
+    #: unknown.
+    kv_cache_dtype: str = ""
 
 
 def engine_info(engine: Engine) -> EngineInfo:
@@ -150,4 +153,5 @@ def engine_info(engine: Engine) -> EngineInfo:
         lora_adapters=tuple(engine.lora_adapter_list()) if engine.config.lora_enabled else None,
         vision=engine.vision,
         weight_dtype=getattr(engine.load_report, "weight_dtype", "") or "",
+        kv_cache_dtype=getattr(engine.load_report, "kv_cache_dtype", "") or "",
     )

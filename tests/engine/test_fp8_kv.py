@@ -158,6 +158,19 @@ def test_fp8_pool_holds_four_times_the_float32_blocks() -> None:
     assert fp8.kv_bytes == auto.kv_bytes
 
 
+def test_the_server_card_reports_the_kv_dtype() -> None:
+    """What `/v1/models` reads (`EngineInfo`, which crosses to the server process)."""
+    from metrale.engine.snapshot import engine_info
+
+    llm = LLM(str(build(VARIANT)), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=16)
+    info = engine_info(llm.engine)
+    assert (info.kv_cache_dtype, info.weight_dtype, info.dtype) == (
+        "fp8_e4m3",
+        "float32",
+        "float32",
+    )
+
+
 def test_bad_kv_cache_dtype_is_a_clear_error() -> None:
     with pytest.raises(InvalidRequestError, match=r"kv_cache_dtype.*'int4' is not one of"):
         EngineConfig(kv_cache_dtype="int4")

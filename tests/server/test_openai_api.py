@@ -72,6 +72,8 @@ def test_health_and_models(server: ServerProcess, client: openai.OpenAI) -> None
     models = client.models.list().data
     assert [m.id for m in models] == [SERVED_NAME]
     assert client.models.retrieve(SERVED_NAME).id == SERVED_NAME
+    card = models[0].model_extra or {}  # the stored dtypes, said plainly
+    assert card["weight_dtype"] == card["kv_cache_dtype"] == card["dtype"] == "float32"
 
 
 def test_completion_same_tokens_as_llm(client: openai.OpenAI, reference: LLM) -> None:

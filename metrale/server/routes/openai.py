@@ -58,6 +58,7 @@ router = APIRouter()
 
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    info = state.engine.info
     return {
         "id": name,
         "object": "model",
@@ -66,6 +67,10 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
         "root": state.model_name,
         "parent": None,
         "max_model_len": state.max_model_len,
+        # What the weights and the KV cache are stored as (FP8 says so: never a silent cast).
+        "dtype": info.dtype,
+        "weight_dtype": info.weight_dtype or info.dtype,
+        "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
     }
 
 
