@@ -23,7 +23,7 @@
 #        moe (issue 23: the MoE GPU tests, then batch-1 decode latency of the Qwen3-30B-A3B and
 #        Mixtral-8x7B shapes, random bf16 weights, graphs on, roofline from the active bytes)
 #        moeserve (the C=1..64 serve ladder of the Qwen3-30B-A3B shape, ISL 128, OSL 512)
-#        alltestsp (the same tests in three pytest processes side by side: about a third of the time)
+#        alltestsp (the same tests in four pytest processes side by side: about a third of the time)
 #        latency8bcompiled (latency8b against HF with static cache + torch.compile)
 #        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
 #        against its roofline, one record: tools/bench_fp8.py) fp8tests (tests/gpu/test_fp8_linear.py)
@@ -62,21 +62,23 @@ for part in $PARTS; do
     echo "rc=$?"; tail -8 "$OUT/gpu_all_tests.log"
     ;;
   alltestsp)
-    stamp "every gpu-marked test, three pytest processes side by side (tiny models, small KV pools)"
+    stamp "every gpu-marked test, four pytest processes side by side (tiny models, small KV pools)"
     G1="tests/gpu/test_kernels.py tests/gpu/test_gemv.py"
     G2="tests/gpu/test_spec_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_decode_runner.py"
-    # the third: every other gpu test module, and the two CUDA sampler modules of tests/unit
-    G3="$(ls tests/gpu/test_*.py | grep -v -e test_kernels.py -e test_gemv.py -e test_spec_gpu.py \
-      -e test_engine_gpu.py -e test_decode_runner.py | tr '\n' ' ')"
-    G3="$G3 tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
+    G3="tests/gpu/test_fp8_linear.py tests/gpu/test_fp8_kv.py tests/gpu/test_moe_kernels.py"
+    # the fourth: every other gpu test module, and the two CUDA sampler modules of tests/unit
+    G4="$(ls tests/gpu/test_*.py | grep -v -e test_kernels.py -e test_gemv.py -e test_spec_gpu.py \
+      -e test_engine_gpu.py -e test_decode_runner.py -e test_fp8_linear.py -e test_fp8_kv.py \
+      -e test_moe_kernels.py | tr '\n' ' ')"
+    G4="$G4 tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
     i=0
-    for g in "$G1" "$G2" "$G3"; do
+    for g in "$G1" "$G2" "$G3" "$G4"; do
       i=$((i+1))
-      timeout 560 python3 -m pytest $g -m gpu -q -p no:cacheprovider --timeout 300 \
+      timeout ${ALLTESTS_TIMEOUT:-560} python3 -m pytest $g -m gpu -q -p no:cacheprovider --timeout 300 \
         >"$OUT/gpu_tests_$i.log" 2>&1 &
     done
     wait
-    for i in 1 2 3; do echo "group $i:"; tail -3 "$OUT/gpu_tests_$i.log"; done
+    for i in 1 2 3 4; do echo "group $i:"; tail -3 "$OUT/gpu_tests_$i.log"; done
     ;;
   fp8kv)
     stamp "fp8 KV: kernel and engine tests (issue 22)"

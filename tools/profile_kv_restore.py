@@ -10,7 +10,9 @@ one warm request (top CUDA and CPU ops). Prints the figures and writes a record
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -94,11 +96,25 @@ def main() -> None:
         activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     ) as prof:
         time_to_first_token(engine, "profiled", [*p, 7])
+    p = evicted_prompt()
+    python = cProfile.Profile()
+    python.enable()
+    time_to_first_token(engine, "cprofiled", [*p, 7])
+    python.disable()
+    stats = pstats.Stats(python)
+    rows = [
+        (f"{Path(f).name}:{line}:{fn}", calls, round(1000 * tt, 3), round(1000 * ct, 3))
+        for (f, line, fn), (_, calls, tt, ct, _) in stats.stats.items()  # type: ignore[attr-defined]
+        if "metrale" in f
+    ]
     table = prof.key_averages()
     top_cuda = sorted(table, key=lambda e: -e.device_time_total)[:15]
     top_cpu = sorted(table, key=lambda e: -e.self_cpu_time_total)[:20]
     result = {
         "parts_ms": parts,
+        # One warm request under cProfile (host time; CUDA work is asynchronous):
+        # (function, calls, self ms, cumulative ms), the top by cumulative time.
+        "python_cumulative": sorted(rows, key=lambda r: -r[3])[:40],
         "top_cuda_ops": [(e.key, e.count, round(e.device_time_total / 1000, 3)) for e in top_cuda],
         "top_cpu_self_ops": [
             (e.key, e.count, round(e.self_cpu_time_total / 1000, 3)) for e in top_cpu
