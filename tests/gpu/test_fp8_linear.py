@@ -109,8 +109,10 @@ def test_silu_mul_linear_fp8_matches_reference(
     g = torch.Generator().manual_seed(m)
     gate_up = (torch.randn(m, 320, generator=g) * 2).to(dtype).to(DEVICE)
     out = tf.silu_mul_linear_fp8(gate_up, q, s, bias, block)
-    ref = reference.silu_mul_linear_fp8(gate_up, q, s, bias, block)
-    torch.testing.assert_close(out, ref)
+    # The stated bound (as every FP8 case here), not `assert_close`'s bf16 defaults: the fused
+    # kernel rounds SiLU-and-multiply once (as `triton_norm.silu_and_mul`), the torch reference
+    # twice, so a sum over a few hundred products moves by an ulp or two of a large output (on
+    # the H200 every bf16/fp16 case tripped the defaults' 1e-5 absolute floor near zero).
     check(out, reference.silu_and_mul(gate_up), q, s, bias, block)
 
 

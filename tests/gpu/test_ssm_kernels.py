@@ -349,16 +349,20 @@ def test_long_chunks_take_the_chunked_form(monkeypatch: pytest.MonkeyPatch) -> N
     v = randn(tokens, 2, 4, dtype=torch.float32, g=g)
     decay, beta = -torch.rand(tokens, 2, generator=g), torch.rand(tokens, 2, generator=g)
     states = torch.randn(POOL, 2, 8, 4, generator=g)
-    ref_states = states.clone()
+
+    def inputs() -> list[torch.Tensor]:
+        return [t.to(DEVICE, copy=True) for t in (q, k, v, decay, beta)]
+
+    # The reference on the same device: the routed call must return exactly its result.
+    ref_states = states.to(DEVICE, copy=True)
     ref = ssm_reference.gated_delta_chunk_varlen(
-        q, k, v, decay, beta, ref_states, qsl(), PREFILL_SLOTS, INITIAL, chunk_size=4
+        *inputs(), ref_states, qsl(), PREFILL_SLOTS, INITIAL, chunk_size=4
     )
-    dev_states = states.to(DEVICE)
+    dev_states = states.to(DEVICE, copy=True)
     out = triton_ssm.gated_delta_chunk_varlen(
-        *(t.to(DEVICE) for t in (q, k, v, decay, beta)), dev_states, qsl(), PREFILL_SLOTS,
-        INITIAL, chunk_size=4,
-    )  # fmt: skip
-    assert torch.equal(out.cpu(), ref) and torch.equal(dev_states.cpu(), ref_states)
+        *inputs(), dev_states, qsl(), PREFILL_SLOTS, INITIAL, chunk_size=4
+    )
+    assert torch.equal(out, ref) and torch.equal(dev_states, ref_states)
 
 
 def test_varlen_ops_reject_a_bad_layout() -> None:
