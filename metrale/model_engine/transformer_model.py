@@ -144,6 +144,8 @@ class TransformerModel(
         self.eager_forwards = 0
         #: Decode steps a graph would have run, run eagerly because a row uses an adapter.
         self.lora_eager_forwards = 0
+        #: One-token prompt chunks run by a decode graph replay (`_graphable_chunks`).
+        self.graphed_prompt_chunks = 0
         #: op name -> "torch" | "triton" | "triton+pdl", as the factory selected them.
         self.kernel_implementations: dict[str, str] = {}
         #: The op set the factory built the layers with (the engine's sampler uses its
@@ -212,7 +214,10 @@ class TransformerModel(
 
     def forward_counters(self) -> dict[str, int]:
         replays = self.graph_runner.replays if self.graph_runner is not None else 0
-        counters = {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+        counters = {
+            "graph_forwards": int(replays), "eager_forwards": self.eager_forwards,
+            "graphed_prompt_chunks": self.graphed_prompt_chunks,
+        }  # fmt: skip
         if self.lora is not None:
             counters["lora_eager_forwards"] = self.lora_eager_forwards
         if self.mtp_enabled:
@@ -454,6 +459,9 @@ class TransformerModel(
         """`feed`: (previous step's token ids on the device, source row of each decode row);
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
+        if runner is not None and num_decode < len(rows) and self._graphable_chunks(rows, feed):
+            self.graphed_prompt_chunks += len(rows) - num_decode
+            num_decode = len(rows)  # one-token prompt chunks replay the decode graph
         if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
             if runner.lora is not None or all(r.seq.adapter_slot < 0 for r in rows):
                 spans = [(i, 1) for i in range(len(rows))]
@@ -497,6 +505,26 @@ class TransformerModel(
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
+
+    def _graphable_chunks(
+        self, rows: list[ForwardRow], feed: tuple[torch.Tensor, list[int]] | None
+    ) -> bool:
+        """Whether this forward's prompt chunks may replay the decode graph: each is one token
+        (a prefix-cache or KV-tier hit up to the prompt's last token) at the sequence's own
+        position, wanting at most that token's logits, on a model whose decode graph computes
+        what the eager prefill would (no recurrent state to start, no MTP head to feed, no
+        image rows, no pooled hidden states), and no row's input comes from the device feed."""
+        if feed is not None or self.ssm_pool is not None or self.mtp_enabled:
+            return False
+        return all(
+            len(r.tokens) == 1
+            and r.start_at is None
+            and not r.all_logits
+            and r.ssm_verify is None
+            and r.seq.pooling is None
+            and r.seq.vision is None
+            for r in rows
+        )
 
     def _forward_graphed(
         self,

@@ -132,3 +132,29 @@ def test_verify_logits_equal_the_prefill_path() -> None:
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     if device == "cuda":
         assert runner.replays == 1
+
+
+def test_one_token_prompt_chunks_replay_the_decode_graph() -> None:
+    """A prompt the prefix cache holds up to its last token leaves a one-token chunk: that
+    forward replays the decode graph (with the decode rows beside it) and gives the tokens of
+    the reference path."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=300, max_num_seqs=8)
+    llm = LLM(str(build(VARIANT)), device=device, dtype="float32", num_kv_blocks=300,
+              max_num_seqs=8, enforce_eager=True, block_size=BS)  # fmt: skip
+    model = llm.engine.model
+    if device == "cpu":
+        _route_through_triton(model)
+    runner = DecodeGraphRunner(model.module, model.kv_cache.layers, model.device, 8, 32, BS)
+    if device == "cuda":
+        runner.capture()
+    model.graph_runner = runner
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
+    prompts = [list(range(7, 7 + 2 * BS + 1)), list(range(300, 300 + 3 * BS + 1))]
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert model.graphed_prompt_chunks == 0
+    again = llm.generate(prompts, params)
+    assert [o.num_cached_tokens for o in again] == [len(p) - 1 for p in prompts]
+    assert model.graphed_prompt_chunks >= 1
+    assert first == want and [o.outputs[0].token_ids for o in again] == want
