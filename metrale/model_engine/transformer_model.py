@@ -214,10 +214,9 @@ class TransformerModel(
 
     def forward_counters(self) -> dict[str, int]:
         replays = self.graph_runner.replays if self.graph_runner is not None else 0
-        counters = {
-            "graph_forwards": int(replays), "eager_forwards": self.eager_forwards,
-            "graphed_prompt_chunks": self.graphed_prompt_chunks,
-        }  # fmt: skip
+        counters = {"graph_forwards": int(replays), "eager_forwards": self.eager_forwards}
+        if self.graph_runner is not None:
+            counters["graphed_prompt_chunks"] = self.graphed_prompt_chunks
         if self.lora is not None:
             counters["lora_eager_forwards"] = self.lora_eager_forwards
         if self.mtp_enabled:
