@@ -2,7 +2,7 @@
 vocabulary (`speculative_config={"method": "draft_model", "model": DIR, ...}`).
 
 Owner: engine (built by `speculation.build_proposer`; the draft is loaded by
-`model_engine.factory.load_draft_model`).
+`model_engine.draft_factory.load_draft_model`).
 
 The draft is its own `TransformerModel` (same device and dtype as the target, no prefix cache,
 eager forwards: no CUDA graphs yet) with its own `PagedKVCache`. Per sequence (`seq_id`) it
@@ -107,7 +107,7 @@ class DraftModelProposer(Proposer):
     @classmethod
     def load(cls, config: SpeculativeConfig, model: Model) -> DraftModelProposer:
         """Load `config.model` beside the target `model` (a `TransformerModel`)."""
-        from metrale.model_engine.factory import load_draft_model
+        from metrale.model_engine.draft_factory import load_draft_model
 
         if not isinstance(model, TransformerModel):
             raise InvalidRequestError(

@@ -16,7 +16,8 @@ Invariants:
 - With a draft checkpoint (`speculative_config` method `draft_model`) the draft's vocabulary
   is checked before any weights load, and the budget pays for the draft too: its weights
   (CUDA) and, per target KV block, one draft block of the same token count, so the draft's
-  pool (`load_draft_model`: as many blocks as the target's) never overcommits memory either.
+  pool (`draft_factory.load_draft_model`: as many blocks as the target's) never overcommits
+  memory either. Device, dtype and KV-dtype resolution live in `load_setup`.
 - The KV pool's dtype is `kv_cache_dtype` (`resolve_kv_dtype`): the model dtype, or float8
   E4M3 whose block bytes (and so the blocks a budget holds) follow the float8 element size.
   A float8 pool takes its per-layer scales from the checkpoint (`k_scale` / `v_scale` /
@@ -27,15 +28,11 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -46,135 +43,37 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
-from metrale.layers.common import AttentionProjections
 from metrale.layers.moe import FusedExperts
 from metrale.model_engine import fp8_weights
 from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS, DecodeGraphRunner
+from metrale.model_engine.draft_factory import _draft_footprint
 from metrale.model_engine.gpu_setup import (
     GRAPH_RESERVE_BYTES,
     StartupBreakdown,
     kv_budget_bytes,
     warm_forward_shapes,
 )
+from metrale.model_engine.load_setup import (
+    checkpoint_kv_scales,
+    default_dtype,
+    dummy_init,
+    kv_dtype_name,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from metrale.model_engine.lora import lora_slot_bytes
 from metrale.model_engine.mtp import require_mtp_head
 from metrale.model_engine.mtp_graphs import MtpGraphRunner
 from metrale.model_engine.ssm_prefix import NEAR_BLOCKS
 from metrale.model_engine.transformer_model import TransformerModel
-from metrale.models.config import ModelConfig, parse_model_config, read_config_json
-from metrale.models.loader import checkpoint_files, load_weights
+from metrale.models.config import parse_model_config, read_config_json
+from metrale.models.loader import load_weights
 from metrale.models.quantization import parse_quantization
 from metrale.models.registry import resolve_architecture
 from metrale.progress import LoadProgress, NullProgress, human_bytes
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise InvalidRequestError(
-            "device 'cuda' was asked for but no CUDA device is available", param="device"
-        )
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-#: `kv_cache_dtype` values that store float8 E4M3 (vLLM's "fp8" and "fp8_e4m3").
-FP8_KV_NAMES = ("fp8", "fp8_e4m3")
-#: Checkpoint tensor names (after the attention module's name) of float8 KV scales; vLLM's
-#: names. `kv_scale` is one scale for both K and V (older checkpoints).
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
-
-
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool dtype of `kv_cache_dtype` `name`: the model dtype for "auto", float8 E4M3
-    for "fp8" / "fp8_e4m3"; anything else is an `InvalidRequestError`."""
-    if name == "auto":
-        return dtype
-    if name in FP8_KV_NAMES:
-        return torch.float8_e4m3fn
-    raise InvalidRequestError(
-        f"kv_cache_dtype '{name}' is not one of auto, {', '.join(FP8_KV_NAMES)}",
-        param="kv_cache_dtype",
-    )
-
-
-def kv_dtype_name(dtype: torch.dtype) -> str:
-    """How logs and reports name a KV dtype: "bfloat16", "float32", "fp8_e4m3"."""
-    return "fp8_e4m3" if dtype == torch.float8_e4m3fn else str(dtype).removeprefix("torch.")
-
-
-def checkpoint_kv_scales(
-    module: torch.nn.Module, model_dir: str, num_layers: int, mapping: Any = None
-) -> torch.Tensor | None:
-    """The checkpoint's float8 KV scales as `[num_layers, 2]` float32 (K, V), matched to the
-    KV pool's layers through the attention modules' names in KV order (`<name>.k_scale`,
-    `<name>.v_scale`, or one `<name>.kv_scale` for both); None when the checkpoint has none.
-    Scales for some layers only, or for modules the pool does not hold, are a
-    `CheckpointError`."""
-    from safetensors import safe_open
-
-    rename = getattr(mapping, "rename", None)
-    found: dict[str, float] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key.rsplit(".", 1)[-1] in KV_SCALE_SUFFIXES:
-                    value = f.get_tensor(key).float()
-                    if value.numel() != 1:
-                        raise CheckpointError(
-                            f"{path}: KV scale '{key}' has {value.numel()} elements; only "
-                            "per-tensor KV scales are supported"
-                        )
-                    found[rename(key) if rename else key] = float(value.reshape(()))
-    if not found:
-        return None
-    every = [n for n, m in module.named_modules() if isinstance(m, AttentionProjections)]
-    # Attention modules past the pool's layers (an MTP head not drafting) keep no KV: their
-    # scales are known names, not used.
-    names = every[:num_layers]
-    scales = torch.ones((num_layers, 2), dtype=torch.float32)
-    used = set()
-    for i, name in enumerate(names):
-        both = found.get(f"{name}.kv_scale")
-        k, v = found.get(f"{name}.k_scale", both), found.get(f"{name}.v_scale", both)
-        if k is None or v is None:
-            raise CheckpointError(
-                f"{model_dir}: the checkpoint has KV scales but none for attention layer "
-                f"'{name}' (k_scale and v_scale, or kv_scale); all layers or none"
-            )
-        scales[i, 0], scales[i, 1] = k, v
-        used.update(f"{name}.{s}" for s in KV_SCALE_SUFFIXES)
-    unused = {f"{n}.{s}" for n in every[num_layers:] for s in KV_SCALE_SUFFIXES}
-    if len(names) != num_layers or set(found) - used - unused:
-        extra = sorted(set(found) - used - unused)[:3]
-        raise CheckpointError(
-            f"{model_dir}: KV scales {extra or sorted(found)[:3]} do not match the model's "
-            f"{num_layers} KV layers"
-        )
-    if not bool((scales > 0).all()) or not bool(torch.isfinite(scales).all()):
-        raise CheckpointError(f"{model_dir}: KV scales must be finite and > 0")
-    return scales
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Construct parameters directly in `dtype` (restores the previous default after)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @dataclass
@@ -202,17 +101,6 @@ class LoadReport:
     kv_scales: str = "none"
     #: KV blocks of `block_size` tokens one GiB holds at this dtype (the null block aside).
     kv_blocks_per_gib: int = 0
-
-
-def _dummy_init(module: torch.nn.Module) -> None:
-    """Small random weights that keep activations finite in any dtype (`--load-format dummy`)."""
-    with torch.no_grad():
-        for i, (name, p) in enumerate(module.named_parameters()):
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:  # drawn where the parameter lives: an 8B model initialises in seconds
-                gen = torch.Generator(device=p.device).manual_seed(i)
-                p.uniform_(-0.02, 0.02, generator=gen)
 
 
 def _kv_tiers(
@@ -282,13 +170,13 @@ def _load_model(
     draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
     ops = kernels_for(device, batch_invariant=config.batch_invariant)
     fp8 = fp8_weights.plan(config, quant, device)
-    with torch.device(device), _default_dtype(dtype):
+    with torch.device(device), default_dtype(dtype):
         module = cls(mcfg, ops, max_model_len)
     module.eval()
     converted = 0
     if config.load_format == "dummy":
         progress.begin_phase("random weights")
-        _dummy_init(module)
+        dummy_init(module)
         if fp8 is not None:  # random float weights, quantized as an online load would
             converted = fp8_weights.convert(module, ops, fp8, quantize=True)
         progress.end_phase("random weights", "--load-format dummy")
@@ -450,154 +338,6 @@ def _load_model(
     if device.type == "cuda":
         logger.info("startup: %s; total %.1fs", breakdown.summary(), report.load_seconds)
     return model, report
-
-
-@dataclass
-class DraftFootprint:
-    """What a draft checkpoint will take, read from its config without loading weights."""
-
-    model_dir: str
-    config: ModelConfig
-    weights_bytes: int
-    #: Bytes of one draft KV block of the target's block size (tokens).
-    per_block: int
-
-
-def draft_checkpoint_dir(config: EngineConfig) -> str | None:
-    """The draft checkpoint of `speculative_config` (method `draft_model`), else None."""
-    spec = config.speculative()
-    if spec is None or spec.method != "draft_model":
-        return None
-    return spec.model
-
-
-def _read_vocab(tokenizer_json: Path) -> tuple[Any, list[tuple[int, str]]]:
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    model = data.get("model") or {}
-    added = sorted((int(t["id"]), str(t["content"])) for t in data.get("added_tokens") or [])
-    return model.get("vocab"), added
-
-
-def check_draft_vocab(
-    target_dir: str | None, target_vocab: int, draft_dir: str, draft_vocab: int
-) -> None:
-    """A draft proposes target token ids, so both checkpoints must share one vocabulary:
-    the same `vocab_size` and, where both directories hold a `tokenizer.json`, the same
-    tokens at the same ids. Anything else is a `CheckpointError` naming both."""
-    target_name = target_dir or "the target model"
-    if draft_vocab != target_vocab:
-        raise CheckpointError(
-            f"speculative_config.model: the draft checkpoint {draft_dir} has vocab_size "
-            f"{draft_vocab} but the target {target_name} has {target_vocab}; a draft model "
-            "must share the target's vocabulary"
-        )
-    if target_dir is None:
-        return
-    a, b = Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
-    if not (a.is_file() and b.is_file()) or a.resolve() == b.resolve():
-        return
-    try:
-        same = _read_vocab(a) == _read_vocab(b)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"cannot compare the tokenizers of {a} and {b}: {exc}") from exc
-    if not same:
-        raise CheckpointError(
-            f"speculative_config.model: the draft checkpoint's tokenizer ({b}) differs from "
-            f"the target's ({a}) although both have vocab_size {target_vocab}; a draft model "
-            "must share the target's vocabulary (the same tokens at the same ids)"
-        )
-
-
-def _draft_footprint(
-    config: EngineConfig,
-    target_dir: str,
-    target: ModelConfig,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> DraftFootprint | None:
-    """The draft checkpoint's vocabulary checked and its bytes counted (a module built on
-    the meta device: no memory, no weights read), before the target loads."""
-    draft_dir = draft_checkpoint_dir(config)
-    if draft_dir is None:
-        return None
-    raw = read_config_json(draft_dir)
-    _, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
-    dcfg = parse_model_config(raw, str(Path(draft_dir) / "config.json"))
-    check_draft_vocab(target_dir, target.vocab_size, draft_dir, dcfg.vocab_size)
-    draft_len = min(max_model_len, dcfg.max_position_embeddings)
-    with torch.device("meta"), _default_dtype(dtype):
-        module = cls(dcfg, kernels_for(torch.device("cpu")), draft_len)
-    _refuse_hybrid_draft(module, draft_dir)
-    weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    per_block = PagedKVCache.bytes_per_block(
-        module.kv_layer_count, config.block_size, dcfg.num_key_value_heads, dcfg.head_dim, dtype
-    )
-    return DraftFootprint(draft_dir, dcfg, weights, per_block)
-
-
-def _refuse_hybrid_draft(module: torch.nn.Module, draft_dir: str) -> None:
-    if hasattr(module, "ssm_layer_specs") and module.ssm_layer_specs():
-        raise CheckpointError(
-            f"speculative_config.model: the draft checkpoint {draft_dir} has recurrent (SSM) "
-            "layers, whose state a rejected draft cannot roll back; use a dense or MoE draft"
-        )
-
-
-def load_draft_model(
-    draft_dir: str,
-    target: TransformerModel,
-    load_format: str = "auto",
-    target_dir: str | None = None,
-    max_num_seqs: int = 32,
-) -> TransformerModel:
-    """The draft checkpoint as its own `TransformerModel` on the target's device and dtype:
-    its own KV pool of as many blocks of the target's block size as the target's (the same
-    token capacity; `load_model` budgeted its bytes), no prefix cache, eager forwards (no
-    CUDA graphs; on CUDA its kernels are compiled for the shapes of up to `max_num_seqs` rows
-    at load), context capped at the target's `max_model_len`. Quantized drafts load as
-    quantized targets do (`quantization.py`)."""
-    start = time.perf_counter()
-    raw = read_config_json(draft_dir)
-    arch_name, cls = resolve_architecture(raw.get("architectures"), raw.get("model_type"))
-    mcfg = parse_model_config(raw, str(Path(draft_dir) / "config.json"))
-    check_draft_vocab(target_dir, target.vocab_size(), draft_dir, mcfg.vocab_size)
-    device, dtype = target.device, target.dtype
-    max_model_len = min(target.max_model_len, mcfg.max_position_embeddings)
-    ops = kernels_for(device)
-    with torch.device(device), _default_dtype(dtype):
-        module = cls(mcfg, ops, max_model_len)
-    module.eval()
-    _refuse_hybrid_draft(module, draft_dir)
-    quant = parse_quantization(raw, str(Path(draft_dir) / "config.json"))
-    if load_format == "dummy":
-        _dummy_init(module)
-    else:
-        absent = load_weights(module, draft_dir, module.weight_mapping(), quant=quant)
-        if absent:
-            module.drop_optional_weights(absent)
-    num_blocks = target.kv_cache.num_blocks
-    kv = PagedKVCache(
-        module.kv_layer_count, num_blocks, target.block_size, mcfg.num_key_value_heads,
-        mcfg.head_dim, dtype, device,
-    )  # fmt: skip
-    model = TransformerModel(
-        module, mcfg, kv, device, dtype, max_model_len, enable_prefix_caching=False
-    )
-    model.kernel_implementations = dict(ops.implementations)
-    model.kernel_ops = ops
-    if device.type == "cuda":  # its kernels compile now, not in the first requests' steps
-        warm = warm_forward_shapes(model, max_num_seqs)
-        logger.info("draft model kernels compiled for the common shapes in %.1fs", warm)
-    weights = sum(p.numel() * p.element_size() for p in module.parameters())
-    per_block = PagedKVCache.bytes_per_block(
-        module.kv_layer_count, target.block_size, mcfg.num_key_value_heads, mcfg.head_dim, dtype
-    )
-    logger.info(
-        "loaded draft %s (%s): weights %.1f MiB, KV %d usable blocks (%.1f MiB) in %.2fs",
-        draft_dir, arch_name, weights / 2**20, num_blocks - 1, num_blocks * per_block / 2**20,
-        time.perf_counter() - start,
-    )  # fmt: skip
-    return model
 
 
 def _capture_graphs(
