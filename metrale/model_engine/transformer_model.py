@@ -3,8 +3,10 @@ KV cache, the block pool, batch metadata and the logits of each forward.
 
 Owner: model-engine. The scheduler drives it only through the `Model` interface. This module
 holds the forward passes; the KV lifecycle between forwards (prefix cache, release, block
-counts, swap) is the `PagedKvLifecycle` mixin (`kv_lifecycle.py`) and speculative verify the
-`VerifyForwards` mixin (`verify.py`), each with its own invariants.
+counts, swap) is the `PagedKvLifecycle` mixin (`kv_lifecycle.py`), speculative verify the
+`VerifyForwards` mixin (`verify.py`), the device token feed and decode-graph replays the
+`FastForwards` mixin (`fast_forwards.py`), each with its own invariants; prompt pooling and
+prompt logprobs are `prompt_outputs.py`'s.
 
 Invariants:
 - Every forward (decode rows, prefill chunks or both) is one call of the architecture module.
@@ -45,7 +47,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from metrale.cache.block_pool import BlockPool
@@ -59,19 +60,18 @@ from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.fast_forwards import FastForwards
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.lora import LoraAdapters
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
+from metrale.model_engine.prompt_outputs import pool_prompt_rows, score_prompt
 from metrale.model_engine.ssm_prefix import SsmPrefixCaching
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
     DETACHED_SLOT,
-    FED_TOKEN,
-    FeedSource,
     MixedBatchResult,
     Model,
     PrefillSlice,
-    PromptTokenLogprob,
     SequenceState,
     Stream,
     blocks_needed,
@@ -94,6 +94,7 @@ def snapshot_cost(module: torch.nn.Module, config: ModelConfig) -> SnapshotCost:
 
 
 class TransformerModel(
+    FastForwards,
     VisionForwards,
     PagedKvLifecycle,
     SsmPrefixCaching,
@@ -347,7 +348,7 @@ class TransformerModel(
         for i, sl in enumerate(prefill_streams):
             first, count = spans[nd + i]
             if sl.seq.collect_prompt_logprobs is not None:
-                self._score_prompt(sl, logits[first : first + count])
+                score_prompt(sl, logits[first : first + count])
             prefill_logits.append(
                 logits[first + count - 1 : first + count] if sl.is_last_chunk else None
             )
@@ -367,49 +368,6 @@ class TransformerModel(
                 slot = row.seq.ssm_slot_idx()
                 assert slot is not None
                 self.ssm_pool.num_tokens[slot] = row.seq.seq_len
-
-    # ------------------------------------------------------------ device token feed
-
-    def supports_device_token_feed(self) -> bool:
-        return True
-
-    def decode_batch_fed(
-        self,
-        sources: Sequence[FeedSource],
-        seqs: Sequence[SequenceState],
-        stream: Stream = None,
-        *,
-        feed: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """A decode step whose input tokens are read on the device: row `i`'s token is
-        `feed[sources[i].from_row]`, `feed` being the previous step's sampled token ids
-        `[rows]` int64, which the host has not read yet. Returns `[rows, vocab]` logits.
-
-        Unlike the seed (which defers it to the commit), the sequences advance here as after
-        any forward (`seq_len`, `kv_valid_tokens`, a block when one fills); `tokens` records
-        `FED_TOKEN` at the new position until the scheduler's commit of the previous step
-        writes the real id. Every source must be a `from_row` one."""
-        if feed is None:
-            raise ValueError("decode_batch_fed needs `feed`, the previous step's token ids")
-        if len(sources) != len(seqs):
-            raise ValueError("sources and seqs differ in length")
-        if not seqs:
-            raise ValueError("decode_batch_fed needs at least one row")
-        from_rows = []
-        for src in sources:
-            if src.from_row is None or not 0 <= src.from_row < feed.shape[0]:
-                raise ValueError(
-                    f"a fed row must name a row of the previous step's {feed.shape[0]} tokens "
-                    f"(got from_row={src.from_row!r}); host tokens go through decode_batch"
-                )
-            from_rows.append(src.from_row)
-        rows = [ForwardRow(s, [FED_TOKEN], True) for s in seqs]
-        self._check_ssm_states(rows)
-        self._allocate_blocks(rows)
-        logits, _ = self._forward(rows, len(rows), (feed, from_rows))
-        self._advance(rows)
-        self._capture_after_forward(rows)
-        return logits
 
     def _check_ssm_states(self, rows: list[ForwardRow]) -> None:
         """On hybrid models, each row's slot state must cover exactly its sequence's tokens."""
@@ -500,110 +458,10 @@ class TransformerModel(
             self._keep_mtp_rows(rows, for_head, owned=True)
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])
         if any(r.prefill and r.seq.pooling is not None for r in rows):
-            self._pool(rows, hidden)
+            pool_prompt_rows(rows, hidden)
         selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
-
-    def _graphable_chunks(
-        self, rows: list[ForwardRow], feed: tuple[torch.Tensor, list[int]] | None
-    ) -> bool:
-        """Whether this forward's prompt chunks may replay the decode graph: each is one token
-        (a prefix-cache or KV-tier hit up to the prompt's last token) at the sequence's own
-        position, wanting at most that token's logits, on a model whose decode graph computes
-        what the eager prefill would (no recurrent state to start, no MTP head to feed, no
-        image rows, no pooled hidden states), and no row's input comes from the device feed."""
-        if feed is not None or self.ssm_pool is not None or self.mtp_enabled:
-            return False
-        return all(
-            len(r.tokens) == 1
-            and r.start_at is None
-            and not r.all_logits
-            and r.ssm_verify is None
-            and r.seq.pooling is None
-            and r.seq.vision is None
-            for r in rows
-        )
-
-    def _forward_graphed(
-        self,
-        runner: DecodeGraphRunner,
-        rows: list[ForwardRow],
-        feed: tuple[torch.Tensor, list[int]] | None,
-    ) -> torch.Tensor:
-        """A decode-only forward replayed from the captured graph of its padded width."""
-        if feed is not None:
-            tokens = np.asarray(feed[1], dtype=np.int64)  # source rows, gathered on device
-        else:
-            tokens = np.fromiter((r.tokens[0] for r in rows), dtype=np.int64, count=len(rows))
-        positions = np.fromiter((r.seq.seq_len for r in rows), dtype=np.int64, count=len(rows))
-        width = max(len(r.seq.block_table) for r in rows)
-        tables = np.zeros((len(rows), width), dtype=np.int64)
-        for i, r in enumerate(rows):
-            tables[i, : len(r.seq.block_table)] = r.seq.block_table
-        self._last_hidden = None
-        adapters = None
-        if runner.lora is not None:
-            adapters = np.fromiter((r.seq.adapter_slot for r in rows), np.int64, len(rows))
-        rope = self._vision_shifted_positions([r.seq for r in rows], positions)
-        ssm_slots = None
-        if self.ssm_pool is not None:
-            ssm_slots = np.fromiter(
-                (r.seq.ssm_slot_idx() for r in rows), dtype=np.int64, count=len(rows)
-            )
-        logits = runner.run(
-            tokens, positions, tables, feed[0] if feed is not None else None,
-            adapter_slots=adapters, rope_positions=rope, ssm_slots=ssm_slots,
-        )  # fmt: skip
-        if self.mtp_enabled:
-            self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
-        return logits
-
-    def _pool(self, rows: list[ForwardRow], hidden: torch.Tensor) -> None:
-        """Fold each pooling prefill row's final hidden states into its sequence's
-        `pooled`; the last chunk turns it into the L2-normalised `embedding` (one host read
-        per embedding request, at its end)."""
-        start = 0
-        for r in rows:
-            n, seq = len(r.tokens), r.seq
-            if r.prefill and seq.pooling is not None:
-                part = hidden[start : start + n].float()
-                if seq.pooling == "mean":
-                    total = part.sum(dim=0)
-                    seq.pooled = total if seq.pooled is None else seq.pooled + total
-                    seq.pooled_count += n
-                else:
-                    seq.pooled = part[-1]
-                if r.want_logits:  # the prompt's last chunk
-                    vector = (
-                        seq.pooled / max(seq.pooled_count, 1)
-                        if seq.pooling == "mean"
-                        else seq.pooled
-                    )
-                    seq.embedding = torch.nn.functional.normalize(vector, dim=0).tolist()
-                    seq.pooled, seq.pooled_count, seq.pooling = None, 0, None
-            start += n
-
-    def _score_prompt(self, sl: PrefillSlice, logits: torch.Tensor) -> None:
-        """Append one PromptTokenLogprob per chunk position that has a next prompt token."""
-        k = sl.seq.collect_prompt_logprobs or 0
-        targets = list(sl.prompt_tokens[sl.chunk_start + 1 : sl.chunk_start + sl.chunk_len + 1])
-        if not targets:
-            return
-        n = len(targets)
-        logprobs = torch.log_softmax(logits[:n].float(), dim=-1)
-        target_ids = torch.tensor(targets, device=logprobs.device).unsqueeze(1)
-        chosen = logprobs.gather(1, target_ids).squeeze(1)
-        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (None, None)
-        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-        top_v = top_vals.tolist() if top_vals is not None else None
-        top_i = top_ids.tolist() if top_ids is not None else None
-        for j in range(n):
-            top = list(zip(top_i[j], top_v[j])) if top_i is not None and top_v is not None else []
-            sl.seq.prompt_logprobs.append(
-                PromptTokenLogprob(targets[j], chosen_l[j], ranks_l[j], top)
-            )
 
     # ------------------------------------------------------------------- logits
 
