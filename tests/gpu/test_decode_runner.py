@@ -35,11 +35,14 @@ def _route_through_triton(model) -> None:  # type: ignore[no-untyped-def]
             module.ops = ops
 
 
-def test_runner_tokens_equal_the_reference_path() -> None:
+def _reference_and_graphed() -> tuple[LLM, LLM]:
+    """The CPU reference, and the same checkpoint (float32) whose model replays a decode
+    graph runner of rungs up to 8 (captured on CUDA; its body run uncaptured through the
+    interpreted kernels on the CPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ref = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=300, max_num_seqs=8)
     llm = LLM(str(build(VARIANT)), device=device, dtype="float32", num_kv_blocks=300,
-              max_num_seqs=8, enforce_eager=True)  # fmt: skip
+              max_num_seqs=8, enforce_eager=True, block_size=BS)  # fmt: skip
     model = llm.engine.model
     if device == "cpu":
         _route_through_triton(model)
@@ -47,6 +50,12 @@ def test_runner_tokens_equal_the_reference_path() -> None:
     if device == "cuda":
         runner.capture()
     model.graph_runner = runner
+    return ref, llm
+
+
+def test_runner_tokens_equal_the_reference_path() -> None:
+    ref, llm = _reference_and_graphed()
+    model = llm.engine.model
     eager_before = model.eager_forwards  # start-up shape warm-up forwards (CUDA) count too
     params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
     for batch in (mixed_prompts(5)[:1], mixed_prompts(5)):  # rungs 1 and 8 (5 padded)
@@ -141,17 +150,8 @@ def test_one_token_prompt_chunks_replay_the_decode_graph() -> None:
     """A prompt the prefix cache holds up to its last token leaves a one-token chunk: that
     forward replays the decode graph (with the decode rows beside it) and gives the tokens of
     the reference path."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    ref = LLM(str(build(VARIANT)), device="cpu", num_kv_blocks=300, max_num_seqs=8)
-    llm = LLM(str(build(VARIANT)), device=device, dtype="float32", num_kv_blocks=300,
-              max_num_seqs=8, enforce_eager=True, block_size=BS)  # fmt: skip
+    ref, llm = _reference_and_graphed()
     model = llm.engine.model
-    if device == "cpu":
-        _route_through_triton(model)
-    runner = DecodeGraphRunner(model.module, model.kv_cache.layers, model.device, 8, 32, BS)
-    if device == "cuda":
-        runner.capture()
-    model.graph_runner = runner
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
     prompts = [list(range(7, 7 + 2 * BS + 1)), list(range(300, 300 + 3 * BS + 1))]
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params)]

@@ -15,7 +15,10 @@ from tests.helpers.checkpoints import DENSE_VARIANTS, build
 pytestmark = pytest.mark.gpu
 
 
-def test_batched_restore_on_cuda_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+def _random_pool():  # type: ignore[no-untyped-def]
+    """A bf16 CUDA KV pool (4 layers, 64 blocks of 16, 2 heads of 64) filled with normal
+    values, and the constructor of empty ones of the same shape."""
+
     def pool() -> kv_cache.PagedKVCache:
         return kv_cache.PagedKVCache(4, 64, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
 
@@ -23,6 +26,11 @@ def test_batched_restore_on_cuda_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -
     for k, v in src.layers:
         k.normal_()
         v.normal_()
+    return src, pool
+
+
+def test_batched_restore_on_cuda_is_bit_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, pool = _random_pool()
     ids = list(range(1, 40))
     payloads = [src.block_bytes(b) for b in ids]
     monkeypatch.setattr(kv_cache, "_STAGING_BYTES", 5 * len(payloads[0]))  # 8 chunks
@@ -39,13 +47,7 @@ def test_pinned_host_blocks_restore_bit_exact_on_cuda(monkeypatch: pytest.Monkey
     restored by a DMA each; mixed with bytes payloads (the disk tier's), across chunks."""
     from metrale.cache.kv_tiers import payload_bytes
 
-    def pool() -> kv_cache.PagedKVCache:
-        return kv_cache.PagedKVCache(4, 64, 16, 2, 64, torch.bfloat16, torch.device("cuda"))
-
-    src = pool()
-    for k, v in src.layers:
-        k.normal_()
-        v.normal_()
+    src, pool = _random_pool()
     ids = list(range(1, 40))
     payloads = [src.block_payload(b) if b % 3 else src.block_bytes(b) for b in ids]
     assert all(p.data.is_pinned() for p in payloads if not isinstance(p, bytes))

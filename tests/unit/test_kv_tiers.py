@@ -15,6 +15,23 @@ from hypothesis import strategies as st
 from metrale.cache.kv_tiers import KvTiers, chain_keys
 
 
+def _random_pool(layers: int, blocks: int):  # type: ignore[no-untyped-def]
+    """A float32 CPU KV pool of `layers` x `blocks` (4 tokens, 2 heads of 8) filled with
+    normal values, and the constructor of empty ones of the same shape."""
+    import torch
+
+    from metrale.cache import kv_cache
+
+    def pool() -> kv_cache.PagedKVCache:
+        return kv_cache.PagedKVCache(layers, blocks, 4, 2, 8, torch.float32, torch.device("cpu"))
+
+    src = pool()
+    for k, v in src.layers:
+        k.normal_()
+        v.normal_()
+    return src, pool
+
+
 def test_chain_keys_name_the_whole_prefix_and_namespace() -> None:
     a = chain_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, namespace=0)
     assert len(a) == 2  # full blocks only
@@ -123,13 +140,7 @@ def test_many_blocks_written_at_once_equal_one_at_a_time(monkeypatch) -> None:  
 
     from metrale.cache import kv_cache
 
-    def pool() -> kv_cache.PagedKVCache:
-        return kv_cache.PagedKVCache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu"))
-
-    src = pool()
-    for k, v in src.layers:
-        k.normal_()
-        v.normal_()
+    src, pool = _random_pool(3, 10)
     payloads = [src.block_bytes(b) for b in (1, 2, 3, 4, 5)]
     one, many = pool(), pool()
     for block, payload in zip((9, 3, 7, 2, 5), payloads, strict=True):
@@ -150,18 +161,11 @@ def test_host_block_payloads_restore_like_bytes_and_spill_to_disk_as_bytes(
     """`block_payload` (the offload path's tensor payload) holds `block_bytes`'s bytes; a
     restore mixing host blocks and bytes (host and disk tiers) writes the same blocks; a host
     block pushed to the disk tier is stored as its bytes."""
-    import torch
 
     from metrale.cache import kv_cache
     from metrale.cache.kv_tiers import HostBlock, KvTiers, payload_bytes
 
-    def pool() -> kv_cache.PagedKVCache:
-        return kv_cache.PagedKVCache(3, 10, 4, 2, 8, torch.float32, torch.device("cpu"))
-
-    src = pool()
-    for k, v in src.layers:
-        k.normal_()
-        v.normal_()
+    src, pool = _random_pool(3, 10)
     blocks = [src.block_payload(b) for b in (1, 2, 3, 4, 5)]
     assert all(isinstance(p, HostBlock) for p in blocks)
     assert [payload_bytes(p) for p in blocks] == [src.block_bytes(b) for b in (1, 2, 3, 4, 5)]
@@ -187,16 +191,9 @@ def test_restore_copies_runs_of_slab_rows_into_the_right_blocks(monkeypatch) -> 
     slab order, runs of adjacent rows at once, each into its own target block."""
     import torch
 
-    from metrale.cache import kv_cache
     from metrale.cache.kv_tiers import HostBlock
 
-    def pool() -> kv_cache.PagedKVCache:
-        return kv_cache.PagedKVCache(2, 12, 4, 2, 8, torch.float32, torch.device("cpu"))
-
-    src = pool()
-    for k, v in src.layers:
-        k.normal_()
-        v.normal_()
+    src, pool = _random_pool(2, 12)
     size = len(src.block_bytes(1))
     slab = torch.empty((8, size), dtype=torch.uint8)
     rows = [5, 4, 3, 0, 7, 1]  # evicted leaf first: rows run backwards along the prefix
