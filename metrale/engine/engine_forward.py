@@ -49,8 +49,8 @@ class EngineForward:
     scheduler: Scheduler
     _grammar_of: dict[str, GrammarState]
 
-    #: `EngineGrammar._advance_grammar`: a constrained row's matcher follows its commit.
-    _advance_grammar: Callable[[Committed], Committed]
+    #: `EngineGrammar._advance_grammars`: constrained rows' matchers follow their commit.
+    _advance_grammars: Callable[[list[Committed]], list[Committed]]
 
     def _forward_step(self, plan: StepPlan, previous: _InFlight | None) -> _Forward:
         """The forward of `plan`, queued on the device (no host sync). A fed plan reads its
@@ -125,5 +125,5 @@ class EngineForward:
         out = batch.to_host()
         committed = self.scheduler.commit(plan, out.token_ids, out.emitted)
         if self._grammar_of:
-            committed = [self._advance_grammar(c) for c in committed]
+            committed = self._advance_grammars(committed)
         return _Pending(out, committed)

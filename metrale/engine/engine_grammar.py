@@ -97,14 +97,20 @@ class EngineGrammar:
                     self.grammar_drafts_cut += len(seq.spec_token_ids) - keep
                     del seq.spec_token_ids[keep:]
 
-    def _advance_grammar(self, c: Committed) -> Committed:
-        """Advance a constrained sequence's matcher over its committed tokens; a grammar that
-        has terminated (a stop token accepted, e.g. under `ignore_eos`) ends the sequence."""
-        grammar = self._grammar_of.get(c.seq.seq_id)
-        if grammar is None:
-            return c
-        grammar.sync(c.seq.output_token_ids)
-        if grammar.terminated and not c.seq.is_finished:
-            self.scheduler.finish(c.seq, "stop")
-            return dataclasses.replace(c, finished=True)
-        return c
+    def _advance_grammars(self, committed: list[Committed]) -> list[Committed]:
+        """Advance the constrained sequences' matchers over their committed tokens (one
+        batched xgrammar call for the rows one token ahead: `GrammarState.sync_many`); a
+        grammar that has terminated (a stop token accepted, e.g. under `ignore_eos`) ends its
+        sequence."""
+        rows = [(c, self._grammar_of.get(c.seq.seq_id)) for c in committed]
+        live = [(c, g) for c, g in rows if g is not None]
+        if not live:
+            return committed
+        GrammarState.sync_many([g for _, g in live], [c.seq.output_token_ids for c, _ in live])
+        out = []
+        for c, grammar in rows:
+            if grammar is not None and grammar.terminated and not c.seq.is_finished:
+                self.scheduler.finish(c.seq, "stop")
+                c = dataclasses.replace(c, finished=True)
+            out.append(c)
+        return out

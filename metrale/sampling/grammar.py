@@ -330,6 +330,40 @@ class GrammarState:
         ):
             self._accepted += 1
 
+    @staticmethod
+    def sync_many(states: Sequence[GrammarState], outputs: Sequence[Sequence[int]]) -> None:
+        """`states[j].sync(outputs[j])` for every j (each state once). A state whose synced list
+        is draft-free, fully accepted and one token short of its output (a decode step's
+        commit) takes that token in one batched xgrammar call for all such states; the others
+        sync one by one. The same result as syncing each: the token is accepted, or the state
+        is left failed at it, exactly as `sync` leaves it."""
+        batch_states: list[GrammarState] = []
+        tokens: list[int] = []
+        for state, output in zip(states, outputs, strict=True):
+            view = state._view
+            if (
+                state._batch is not None
+                and state._drafts_from is None
+                and len(output) == len(view) + 1
+                and state._accepted == len(view)
+                and (not view or output[len(view) - 1] == view[-1])
+                and not state._matcher.is_terminated()
+            ):
+                batch_states.append(state)
+                tokens.append(int(output[-1]))
+            else:
+                state.sync(output)
+        if not batch_states:
+            return
+        accepted = batch_states[0]._batch.batch_accept_token(
+            [state._matcher for state in batch_states], tokens
+        )
+        for state, token, ok in zip(batch_states, tokens, accepted, strict=True):
+            state._version += 1  # the synced list changed: a prefilled row is stale
+            state._view.append(token)
+            if ok:
+                state._accepted += 1
+
     def valid_prefix(self, output: Sequence[int], drafts: Sequence[int]) -> int:
         """How many leading `drafts` the grammar allows after `output` (tried, then given
         back: the matcher ends synced to `output`)."""

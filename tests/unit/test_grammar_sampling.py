@@ -195,3 +195,55 @@ def test_prefilled_rows_are_used_only_at_the_position_they_were_filled_at(
     got = apply_grammar_masks(logits, [0, 1], states, [prefix, other])
     assert [s.prefill_hits for s in states] == [2, 1]
     torch.testing.assert_close(got, plain([prefix, other]), rtol=0, atol=0)
+
+
+def test_sync_many_equals_syncing_each(
+    backend: GrammarBackend, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit's batched advance (`sync_many`) leaves every state as `sync` would: one-token
+    appends (accepted, rejected, after the end), longer jumps, rollbacks to a shorter output
+    and a repeated output, side by side in one call, step after step."""
+    from metrale.sampling.grammar import GrammarState, bitmask_words
+
+    ids = tokenizer.encode('{"k": "yes"}', add_special_tokens=False)
+    eos = sorted(tokenizer.eos_token_ids)[0]
+    bad = tokenizer.encode("zzz", add_special_tokens=False)[0]
+    # Each row's successive outputs (a commit at a time).
+    walks = [
+        [ids[:i] for i in range(1, len(ids) + 1)] + [[*ids, eos]],  # one token a step, then EOS
+        [ids[:1], ids[:2], [*ids[:2], bad], [*ids[:2], bad, bad]],  # rejected, then past it
+        [ids[:1], ids[:4], ids[:4], ids[:2], ids[:3]],  # a jump, a repeat, a rollback
+        [ids[:1], [*ids[:1], bad], ids[:2]],  # rejected, then the output replaced
+        [[*ids, eos], [*ids, eos, 5]],  # a token after the grammar's end
+    ]
+    one = [backend.state(SPEC) for _ in walks]
+    many = [backend.state(SPEC) for _ in walks]
+    batched: list[int] = []
+    real = xgr.BatchGrammarMatcher.batch_accept_token
+
+    def spy(matchers, tokens, debug_print=False):  # type: ignore[no-untyped-def]
+        batched.append(len(matchers))
+        return real(matchers, tokens, debug_print)
+
+    monkeypatch.setattr(xgr.BatchGrammarMatcher, "batch_accept_token", staticmethod(spy))
+    words = bitmask_words(VOCAB)
+    for step in range(max(len(w) for w in walks)):
+        rows = [j for j, w in enumerate(walks) if step < len(w)]
+        for j in rows:
+            one[j].sync(walks[j][step])
+        GrammarState.sync_many([many[j] for j in rows], [walks[j][step] for j in rows])
+        for j in rows:
+            a, b = one[j], many[j]
+            assert (a._view, a._accepted, a.failed, a.terminated, a.live) == (
+                b._view,
+                b._accepted,
+                b.failed,
+                b.terminated,
+                b.live,
+            ), (j, step)
+            ma = torch.zeros(1, words, dtype=torch.int32)
+            mb = torch.zeros(1, words, dtype=torch.int32)
+            a.fill(ma, 0)
+            b.fill(mb, 0)
+            assert torch.equal(ma, mb), (j, step)
+    assert sum(batched) >= len(ids) and max(batched) >= 3  # the batched path ran
