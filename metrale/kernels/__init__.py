@@ -5,8 +5,8 @@ Owner: kernels. Layers receive a `KernelOps` at construction and call through it
 here is global or mutable after selection.
 
 Invariants:
-- Every op in a `KernelOps` computes the same function as its entry in `reference`; each
-  Triton kernel has a test against that reference.
+- Every op in a `KernelOps` computes the same function as its torch reference (`reference`,
+  `ssm_reference`, `lora_reference`); each Triton kernel has a test against that reference.
 - `kernels_for` logs which implementation each op got, so a slower path is never silent.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from metrale.errors import InvalidRequestError
-from metrale.kernels import reference, ssm_reference
+from metrale.kernels import lora_reference, reference, ssm_reference
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class KernelOps:
     moe_experts: Callable = ssm_reference.moe_experts
     moe_softmax_experts: Callable = ssm_reference.moe_softmax_experts
     # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
-    lora_gather_add: Callable = reference.lora_gather_add
-    lora_tiles_add: Callable = reference.lora_tiles_add
+    lora_gather_add: Callable = lora_reference.lora_gather_add
+    lora_tiles_add: Callable = lora_reference.lora_tiles_add
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 

@@ -1,4 +1,4 @@
-"""Multi-LoRA on CUDA: the gather form of `reference.lora_gather_add` as two Triton kernels
+"""Multi-LoRA on CUDA: the gather form of `lora_reference.lora_gather_add` as two Triton kernels
 over one group of targets that share their input (q/k/v, o, gate/up, down): a split-K shrink
 (`x @ A[slot, j].T` for every target j of the group, float32 partial sums per K split) and an
 expand that sums the splits, scales by target and adds `xa_j @ B[slot, :, cols_j]` into each
@@ -12,7 +12,7 @@ per row instead of one program walking all of them (at batch 1 that walk, not th
 the cost: A of a rank-16 group is a few hundred KB, read from L2).
 
 Invariants:
-- Computes `reference.lora_gather_add`: rows of slot -1 are neither read nor written, the
+- Computes `lora_reference.lora_gather_add`: rows of slot -1 are neither read nor written, the
   rank dimension is padded to a power of two and masked, accumulation is float32.
 - No host read of the slot tensor: the launch depends only on shapes, so the op can be
   captured in a CUDA graph with the slot tensor as a graph input.
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.reference import LORA_TILE_ROWS as TILE_ROWS
+from metrale.kernels.lora_reference import LORA_TILE_ROWS as TILE_ROWS
 from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
@@ -149,7 +149,7 @@ def lora_gather_add(
     widths: tuple[int, ...],
     pdl: bool = False,
 ) -> None:
-    """`reference.lora_gather_add` (see there) by the shrink and expand kernels; with `pdl`
+    """`lora_reference.lora_gather_add` (see there) by the shrink and expand kernels; with `pdl`
     both launch as programmatic dependents (the decode graph's chain, `PDL_OPS`)."""
     tokens = x.shape[0]
     if tokens == 0:
@@ -268,7 +268,7 @@ def lora_tiles_add(
     scales: torch.Tensor,
     widths: tuple[int, ...],
 ) -> None:
-    """`reference.lora_tiles_add` (see there): per tile of at most `reference.LORA_TILE_ROWS` token rows of one
+    """`lora_reference.lora_tiles_add` (see there): per tile of at most `lora_reference.LORA_TILE_ROWS` token rows of one
     adapter, a split-K shrink and an expand, each one `tl.dot` per tile, so a prefill chunk
     reads each adapter's A and B once per tile rather than once per token."""
     num_tiles = tiles.shape[0]

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from metrale.kernels import reference
+from metrale.kernels import lora_reference
 
 #: The projections an adapter may target, in transformers' names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -50,7 +50,7 @@ LORA_GROUPS = (
 
 
 #: Token rows per tile of the tiled op (`KernelOps.lora_tiles_add`; the kernels' row tile).
-TILE_ROWS = reference.LORA_TILE_ROWS
+TILE_ROWS = lora_reference.LORA_TILE_ROWS
 
 
 @dataclass
@@ -140,7 +140,7 @@ class LoraSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
-        gather_op: Callable[..., None] = reference.lora_gather_add,
+        gather_op: Callable[..., None] = lora_reference.lora_gather_add,
         tiles_op: Callable[..., None] | None = None,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable

@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("triton")
 
 from metrale import LLM, LoRARequest, SamplingParams
-from metrale.kernels import reference, triton_lora
+from metrale.kernels import lora_reference, triton_lora
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
 from tests.helpers.lora import ADAPTER_A, ADAPTER_B, build_adapter
@@ -52,7 +52,7 @@ def test_triton_gather_op_equals_reference(
     # where the torch op rounds it to the weights' dtype before the expand.
     want = want.float()
     f32 = [t.float() for t in (x, a, b_t)]
-    reference.lora_gather_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], token_slots,
+    lora_reference.lora_gather_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], token_slots,
                               scales, widths)  # fmt: skip
     want = want.to(dtype)
     triton_lora.lora_gather_add(got[:, 20 : 20 + fan_out], x, a, b_t, token_slots, scales, widths)
@@ -87,7 +87,7 @@ def test_triton_tiles_op_equals_reference(
     wide = rand(tokens, fan_out + 40)
     want, got = wide.clone().float(), wide.clone()
     f32 = [t.float() for t in (x, a, b_t)]
-    reference.lora_tiles_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], batch.tiles,
+    lora_reference.lora_tiles_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2], batch.tiles,
                              scales, widths)  # fmt: skip
     triton_lora.lora_tiles_add(got[:, 20 : 20 + fan_out], x, a, b_t, batch.tiles, scales, widths)
     tol = {"rtol": 2e-2, "atol": 3e-2} if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale.kernels import reference
+from metrale.kernels import lora_reference
 from metrale.layers.lora import LoraBatch, LoraSlots
 
 
@@ -49,7 +49,7 @@ def test_routing_of_a_base_only_batch_is_none_and_one_slot_needs_no_index() -> N
 
 
 def test_device_routing_by_gather_equals_the_segment_op() -> None:
-    """The capturable routing (slot tensor only, `reference.lora_gather_add`) gives the
+    """The capturable routing (slot tensor only, `lora_reference.lora_gather_add`) gives the
     segment op's result, after a slot was rewritten with a lower rank (stale rows zeroed)."""
     g = torch.Generator().manual_seed(3)
     cpu = torch.device("cpu")
@@ -83,7 +83,7 @@ def test_route_gives_eager_forwards_tiles_when_a_tiled_op_is_there() -> None:
     assert batch is not None and batch.tiles is not None
     # rows of one slot cut into tiles of at most TILE_ROWS; the base row is in none
     assert batch.tiles.tolist() == [[0, 32, 0], [32, 8, 0], [43, 2, 1]]
-    tiled = LoraSlots(shapes, 2, 8, torch.float64, cpu, tiles_op=reference.lora_tiles_add)
+    tiled = LoraSlots(shapes, 2, 8, torch.float64, cpu, tiles_op=lora_reference.lora_tiles_add)
     routed = tiled.route(batch)
     assert routed is not None and routed.groups is None and routed.tiles is batch.tiles
     assert tiled.route(None) is None
@@ -95,7 +95,7 @@ def test_tiled_op_equals_the_segment_op() -> None:
     g = torch.Generator().manual_seed(9)
     cpu = torch.device("cpu")
     shapes = {(0, "gate_proj"): (16, 24), (0, "up_proj"): (16, 24)}
-    slots = LoraSlots(shapes, 3, 8, torch.float64, cpu, tiles_op=reference.lora_tiles_add)
+    slots = LoraSlots(shapes, 3, 8, torch.float64, cpu, tiles_op=lora_reference.lora_tiles_add)
     for slot, rank in ((0, 8), (2, 5)):
         slots.write_slot(slot, {
             key: (torch.randn(rank, 16, generator=g, dtype=torch.float64),
@@ -126,7 +126,7 @@ def test_a_group_is_added_in_one_gather_call_and_a_foreign_layout_is_refused() -
 
     def counting_op(*args: object) -> None:
         calls.append(args[-1])  # type: ignore[arg-type]
-        reference.lora_gather_add(*args)  # type: ignore[arg-type]
+        lora_reference.lora_gather_add(*args)  # type: ignore[arg-type]
 
     slots = LoraSlots(shapes, 2, 8, torch.float64, cpu, gather_op=counting_op)
     for slot, rank in ((0, 8), (1, 3)):
