@@ -416,14 +416,17 @@ class TransformerModel(
         """`feed`: (previous step's token ids on the device, source row of each decode row);
         those rows' input ids are read from it on the device."""
         runner = self.graph_runner
-        if runner is not None and num_decode < len(rows) and self._graphable_chunks(rows, feed):
-            self.graphed_prompt_chunks += len(rows) - num_decode
-            num_decode = len(rows)  # one-token prompt chunks replay the decode graph
-        if runner is not None and num_decode == len(rows) and runner.can_run(num_decode):
-            if runner.lora is not None or all(r.seq.adapter_slot < 0 for r in rows):
-                spans = [(i, 1) for i in range(len(rows))]
-                return self._forward_graphed(runner, rows, feed), spans
-            self.lora_eager_forwards += 1
+        if runner is not None and runner.can_run(len(rows)):
+            adapters_ok = runner.lora is not None or all(r.seq.adapter_slot < 0 for r in rows)
+            if num_decode < len(rows) and adapters_ok and self._graphable_chunks(rows, feed):
+                # One-token prompt chunks (with any decode rows) replay the decode graph.
+                self.graphed_prompt_chunks += len(rows) - num_decode
+                return self._forward_graphed(runner, rows, feed), [(i, 1) for i in range(len(rows))]
+            if num_decode == len(rows):
+                if adapters_ok:
+                    spans = [(i, 1) for i in range(len(rows))]
+                    return self._forward_graphed(runner, rows, feed), spans
+                self.lora_eager_forwards += 1
         self.eager_forwards += 1
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
         if batch.lora is not None and self.lora is None:
