@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,24 @@ class AttentionMetadata:
     #: entries are negative (the CPU reference reads them there), or on CUDA the forward's
     #: `HssStaging` (the Triton op gathers each layer's blocks through it); None otherwise.
     host_kv: Any = None
+
+    @functools.cached_property
+    def attention_decode_seqs(self) -> int:
+        """The leading sequences an attention kernel may run as decode rows: `num_decode`, or
+        every sequence when the decode rows are single tokens and so is every prompt chunk
+        (a prefix-cache or KV-tier hit up to the prompt's last token). One query row each, so
+        the split-context decode kernel spreads a long context over the device, where a
+        prefill kernel's one query tile per KV head would leave it on a few programs.
+        Computed once per forward, on host lists only (graph metadata, which has none, keeps
+        `num_decode`)."""
+        lens = self.query_lens_host
+        if (
+            self.decode_query_len == 1
+            and self.num_decode < len(lens) == self.seq_lens.shape[0]
+            and all(n == 1 for n in lens[self.num_decode :])
+        ):
+            return len(lens)
+        return self.num_decode
 
     @property
     def num_seqs(self) -> int:

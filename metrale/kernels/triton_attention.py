@@ -152,11 +152,10 @@ def paged_attention(
     """Causal attention of query rows `[T, Hq, D]` over paged K/V (float8 K/V dequantized
     with `k_scale` / `v_scale`); returns `[T, Hq, D]`.
 
-    Same function as `reference.paged_attention`: the first `num_decode` sequences
-    (`meta.decode_query_len` rows each: 1 for decode, k + 1 for a speculative verify step) go
-    to the split-context decode kernel, the rest (rows from `query_start_loc[num_decode]` on)
-    to the varlen prefill kernel (or, when every prefill sequence brings one token, to the
-    decode kernel as well). A batch of decode rows only reads no host data
+    Same function as `reference.paged_attention`: the first `meta.attention_decode_seqs`
+    sequences (`meta.decode_query_len` rows each: 1 for decode, k + 1 for a speculative verify
+    step; one-token prompt chunks count when every chunk is one) go to the split-context
+    decode kernel, the rest to the varlen prefill kernel. A batch of decode rows only reads no host data
     (graph-capturable). With high-speed swap (`meta.host_kv`, a `metrale.cache.hss.HssStaging`)
     both kernels read the staging's scratch cache instead (eager forwards only).
     """
@@ -165,17 +164,7 @@ def paged_attention(
     if meta.host_kv is not None:  # high-speed swap: this layer's blocks gathered on the device
         k_cache, v_cache, meta = meta.host_kv.stage(k_cache, v_cache, meta)
     out = torch.empty_like(q)
-    num_decode = meta.num_decode
-    num_seqs = meta.seq_lens.shape[0]
-    if (
-        meta.decode_query_len == 1
-        and num_decode < num_seqs == q.shape[0] == len(meta.query_lens_host)
-        and all(n == 1 for n in meta.query_lens_host[num_decode:])
-    ):
-        # Prefill chunks of one token (a prefix-cache hit up to the prompt's last token) are
-        # decode rows: the split-context kernel spreads a long context over the SMs, where
-        # the prefill kernel's one query tile per KV head runs it on a handful of programs.
-        num_decode = num_seqs
+    num_decode = meta.attention_decode_seqs
     if num_decode:
         rows = num_decode * meta.decode_query_len
         decode_attention(
