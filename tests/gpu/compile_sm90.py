@@ -152,6 +152,7 @@ def _launch_ssm() -> None:
     """The recurrent-layer kernels on Nemotron-H-8B (Mamba-2) and Qwen3-Next (gated delta)
     shapes, bf16 activations, float32 state."""
     from metrale.kernels import triton_ssm as tm
+    from metrale.kernels import triton_ssm_prefill as tp
 
     bf = torch.bfloat16
     slots = torch.arange(4, dtype=torch.int64)
@@ -159,14 +160,14 @@ def _launch_ssm() -> None:
     tm.causal_conv1d_update(torch.randn(4, 10240, dtype=bf), torch.randn(10240, 4, dtype=bf),
                             torch.randn(10240, dtype=bf), conv, slots, "silu")  # fmt: skip
     qsl, pre_slots, initial = [0, 40, 100], [0, 1], [False, True]
-    tm.causal_conv1d_varlen(torch.randn(100, 10240, dtype=bf), torch.randn(10240, 4, dtype=bf),
+    tp.causal_conv1d_varlen(torch.randn(100, 10240, dtype=bf), torch.randn(10240, 4, dtype=bf),
                             torch.randn(10240, dtype=bf), conv, qsl, pre_slots, initial, "silu")  # fmt: skip
     ssm = torch.zeros(8, 128, 64, 128)
     heads = (torch.randn(128), torch.randn(128, dtype=bf), torch.randn(128, dtype=bf))
     tm.mamba2_state_update(torch.randn(4, 128, 64, dtype=bf), torch.randn(4, 128, dtype=bf),
                            heads[0], torch.randn(4, 8, 128, dtype=bf), torch.randn(4, 8, 128, dtype=bf),
                            heads[1], heads[2], ssm, slots)  # fmt: skip
-    tm.mamba2_chunk_scan_varlen(torch.randn(100, 128, 64, dtype=bf), torch.randn(100, 128, dtype=bf),
+    tp.mamba2_chunk_scan_varlen(torch.randn(100, 128, 64, dtype=bf), torch.randn(100, 128, dtype=bf),
                                 heads[0], torch.randn(100, 8, 128, dtype=bf),
                                 torch.randn(100, 8, 128, dtype=bf), heads[1], heads[2], (0.0, 1e4),
                                 128, ssm, qsl, pre_slots, initial)  # fmt: skip
@@ -174,7 +175,7 @@ def _launch_ssm() -> None:
     tm.gated_delta_update(torch.randn(4, 16, 128, dtype=bf), torch.randn(4, 16, 128, dtype=bf),
                           torch.randn(4, 32, 128, dtype=bf), torch.randn(4, 32),
                           torch.rand(4, 32, dtype=bf), gdn, slots)  # fmt: skip
-    tm.gated_delta_chunk_varlen(torch.randn(100, 16, 128, dtype=bf), torch.randn(100, 16, 128, dtype=bf),
+    tp.gated_delta_chunk_varlen(torch.randn(100, 16, 128, dtype=bf), torch.randn(100, 16, 128, dtype=bf),
                                 torch.randn(100, 32, 128, dtype=bf), torch.randn(100, 32),
                                 torch.rand(100, 32, dtype=bf), gdn, qsl, pre_slots, initial)  # fmt: skip
 

@@ -22,6 +22,7 @@ DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 pytestmark = [pytest.mark.gpu, pytest.mark.interpretable]
 
 triton_ssm = pytest.importorskip("metrale.kernels.triton_ssm")
+triton_ssm_prefill = pytest.importorskip("metrale.kernels.triton_ssm_prefill")
 
 #: Relative error bounds by dtype (float64 reference); the kernels round only their outputs.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -262,7 +263,7 @@ def test_causal_conv1d_varlen(
         activation,
     )  # fmt: skip
     dev_states = states.to(DEVICE)
-    out = triton_ssm.causal_conv1d_varlen(
+    out = triton_ssm_prefill.causal_conv1d_varlen(
         wide.to(DEVICE)[:, 4 : 4 + channels], weight.to(DEVICE),
         bias.to(DEVICE) if bias is not None else None, dev_states, qsl(), PREFILL_SLOTS,
         INITIAL, activation,
@@ -297,7 +298,7 @@ def test_mamba2_chunk_scan_varlen(
         x, dt, a, b, c, d, dt_bias, limit, 4, ref_states, qsl(), PREFILL_SLOTS, INITIAL
     )
     dev_states = states.to(DEVICE)
-    out = triton_ssm.mamba2_chunk_scan_varlen(
+    out = triton_ssm_prefill.mamba2_chunk_scan_varlen(
         *(t.to(DEVICE) for t in (x, dt, a, b, c, d, dt_bias)), limit, 4, dev_states, qsl(),
         PREFILL_SLOTS, INITIAL,
     )  # fmt: skip
@@ -327,7 +328,7 @@ def test_gated_delta_chunk_varlen(
         PREFILL_SLOTS, INITIAL, chunk_size=4,
     )  # fmt: skip
     dev_states = states.to(DEVICE)
-    out = triton_ssm.gated_delta_chunk_varlen(
+    out = triton_ssm_prefill.gated_delta_chunk_varlen(
         *(t.to(DEVICE) for t in (q, k, v, decay, beta)), dev_states, qsl(), PREFILL_SLOTS,
         INITIAL, chunk_size=4,
     )  # fmt: skip
@@ -339,7 +340,7 @@ def test_gated_delta_chunk_varlen(
 def test_long_chunks_take_the_chunked_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """Past `SCAN_MAX_TOKENS` the scans route the call to the torch chunked form, whose result
     (the same function) they return unchanged."""
-    monkeypatch.setattr(triton_ssm, "SCAN_MAX_TOKENS", 4)  # the 13-token chunk is long
+    monkeypatch.setattr(triton_ssm_prefill, "SCAN_MAX_TOKENS", 4)  # the 13-token chunk is long
     g = torch.Generator().manual_seed(7)
     tokens = sum(LENGTHS)
     q, k = (
@@ -359,7 +360,7 @@ def test_long_chunks_take_the_chunked_form(monkeypatch: pytest.MonkeyPatch) -> N
         *inputs(), ref_states, qsl(), PREFILL_SLOTS, INITIAL, chunk_size=4
     )
     dev_states = states.to(DEVICE, copy=True)
-    out = triton_ssm.gated_delta_chunk_varlen(
+    out = triton_ssm_prefill.gated_delta_chunk_varlen(
         *inputs(), dev_states, qsl(), PREFILL_SLOTS, INITIAL, chunk_size=4
     )
     assert torch.equal(out, ref) and torch.equal(dev_states, ref_states)
@@ -369,10 +370,10 @@ def test_varlen_ops_reject_a_bad_layout() -> None:
     x = torch.zeros(3, 8, device=DEVICE)
     states = torch.zeros(2, 8, 4, device=DEVICE)
     with pytest.raises(ValueError, match="do not describe one batch"):
-        triton_ssm.causal_conv1d_varlen(
+        triton_ssm_prefill.causal_conv1d_varlen(
             x, torch.zeros(8, 4, device=DEVICE), None, states, [0, 3], [0, 1], [False], "silu"
         )
     with pytest.raises(ValueError, match="needs a pool slot"):
-        triton_ssm.causal_conv1d_varlen(
+        triton_ssm_prefill.causal_conv1d_varlen(
             x, torch.zeros(8, 4, device=DEVICE), None, states, [0, 3], [-1], [False], "silu"
         )
