@@ -3,6 +3,8 @@ query length Q (1: decode; k + 1: a speculative verify step of k draft tokens), 
 startup into one memory pool, replayed with persistent input buffers.
 
 Owner: model-engine (`TransformerModel` routes decode-only forwards here when graphs exist).
+`GraphCapture` is the capture session of every graph runner here and in `mtp_graphs.py`:
+side stream, one pool, two warm-up runs per graph, then wait, sync and measure.
 
 Invariants:
 - A graph is replayed only for a forward whose sequences all take the same number Q of

@@ -3,7 +3,7 @@ catch-up over each sequence's pending rows (padded to Q = k + 1 rows), then k - 
 head steps, each drafting with an on-device argmax; one read back at the end.
 
 Owner: model-engine (`MtpDrafting.mtp_propose` routes steady-state proposes here; the
-factory captures it when the MTP head drafts on CUDA).
+factory captures it, through `cuda_graphs.GraphCapture`, when the MTP head drafts on CUDA).
 
 Invariants:
 - A replay serves sequences whose pending rows number 1..Q and end at `seq_len`, each with
