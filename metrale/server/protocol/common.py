@@ -1,7 +1,9 @@
 """Request-body parsing shared by the OpenAI and Anthropic protocols.
 
 Owner: server. `parse_body` validates a JSON body against a pydantic v2 model and turns every
-failure into an `InvalidRequestError` whose `param` names the offending field.
+failure into an `InvalidRequestError` whose `param` names the offending field;
+`content_parts` walks a message's content list (OpenAI parts, Anthropic blocks), each API
+saying which other kinds it keeps or refuses.
 
 Invariants:
 - A field the server does not know is, by default, ignored as vLLM ignores it: `parse_body`
