@@ -1,6 +1,7 @@
-"""Starting a tensor-parallel engine on one host: rank 0 (the engine's process) checks the
-config, spawns one worker process per other rank, and every rank loads its share through the
-ordinary factory (`load_model(..., sharding=RankSharding)`), in lockstep.
+"""Starting a tensor-parallel engine: rank 0 (the engine's process) checks the config, spawns
+one worker process per other rank on this host (or, under `torchrun`, finds them started by
+it, on this host or others), and every rank loads its share through the ordinary factory
+(`load_model(..., sharding=RankSharding)`), in lockstep.
 
 Owner: distributed.
 
@@ -9,8 +10,11 @@ Invariants:
   shapes `ShardPlan` cannot cut, and the features not yet tensor-parallel (speculative
   decoding, LoRA, float8 KV, quantized weights, KV offload tiers, high-speed swap, swap
   preemption, batch-invariant kernels): never silently served by one rank.
-- Rendezvous: a `TCPStore` on 127.0.0.1 at a free port (port 0: the OS picks), never our own
-  sockets for tensors. Every worker reports `ready`, then the checkpoint's fingerprint
+- Rendezvous: a `TCPStore` (every key under `metrale/`) on 127.0.0.1 at a free port (port 0:
+  the OS picks), or under `torchrun` at its `MASTER_ADDR:MASTER_PORT` (rank 0 hosts it unless
+  torchrun's agent does); never our own sockets for tensors. Under `torchrun` the world
+  size must equal `tensor_parallel_size`, and ranks above 0 run `torchrun_worker` (the CLI
+  sends them there) instead of an engine. Every worker reports `ready`, then the checkpoint's fingerprint
   (config.json and the world's settings); a mismatch or a worker that exits first ends
   start-up with an error naming the rank (and its own error message, when it sent one).
 - On any start-up failure every worker is killed; once loaded, rank 0's module is armed
@@ -30,6 +34,8 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -135,20 +141,59 @@ def fingerprint(model_dir: str, config: EngineConfig) -> str:
     return h.hexdigest()
 
 
-class Workers:
-    """Rank 0's handle on the worker processes."""
+@dataclass(frozen=True)
+class TorchrunWorld:
+    """This process's place in a world `torchrun` started (its environment variables)."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen[bytes]], store: Any) -> None:
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    port: int
+    #: torchrun's agent hosts the store (`TORCHELASTIC_USE_AGENT_STORE`): rank 0 joins it.
+    agent_store: bool
+
+
+def torchrun_world(env: Mapping[str, str] | None = None) -> TorchrunWorld | None:
+    """The torchrun world of this process, or None when torchrun did not start it."""
+    env = os.environ if env is None else env
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return TorchrunWorld(
+        int(env["RANK"]), int(env.get("LOCAL_RANK", env["RANK"])), int(env["WORLD_SIZE"]),
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+        env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+    )  # fmt: skip
+
+
+def _store(host: str, port: int, world_size: int, master: bool, timeout: Any) -> Any:
+    """The world's store, every key under `metrale/`; `.port` is the TCP port."""
+    tcp = dist.TCPStore(host, port, world_size, master, timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("metrale", tcp)
+    return store, tcp.port
+
+
+class Workers:
+    """Rank 0's handle on the worker ranks (and their processes, when it spawned them)."""
+
+    def __init__(
+        self, ranks: list[int], procs: dict[int, subprocess.Popen[bytes]], store: Any
+    ) -> None:
+        self.ranks = ranks
         self.procs = procs
         self.store = store
 
     def dead(self) -> str:
-        """The ranks whose process has exited, with their exit codes and messages."""
+        """The ranks whose process has exited, with their exit codes and messages (ranks
+        torchrun started elsewhere: only the messages they left)."""
         gone = []
-        for rank, proc in self.procs.items():
-            code = proc.poll()
+        for rank in self.ranks:
+            proc = self.procs.get(rank)
+            code = proc.poll() if proc is not None else None
             if code is not None:
                 gone.append(f"rank {rank} exited with code {code}{self._message(rank)}")
+            elif proc is None and self._message(rank):
+                gone.append(f"rank {rank} failed{self._message(rank)}")
         return "; ".join(gone)
 
     def _message(self, rank: int) -> str:
@@ -161,7 +206,7 @@ class Workers:
 
     def wait_for(self, key: str, deadline: float) -> None:
         """Until every worker has set `key/<rank>`; an exited worker or the deadline fails."""
-        keys = [f"{key}/{rank}" for rank in self.procs]
+        keys = [f"{key}/{rank}" for rank in self.ranks]
         while not self.store.check(keys):
             dead = self.dead()
             if dead:
@@ -189,17 +234,20 @@ class Workers:
                 proc.wait()
 
 
-def _worker_spec(config: EngineConfig, model_dir: str, rank: int, port: int) -> str:
-    return json.dumps(
-        {
-            "rank": rank,
-            "world_size": config.tensor_parallel_size,
-            "port": port,
-            "model_dir": model_dir,
-            "config": dataclasses.asdict(config),
-            "timeout_s": DEFAULT_TIMEOUT.total_seconds(),
-        }
-    )
+def _worker_spec(
+    config: EngineConfig, model_dir: str, rank: int, port: int, host: str = "127.0.0.1",
+    local_rank: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "rank": rank,
+        "local_rank": rank if local_rank is None else local_rank,
+        "world_size": config.tensor_parallel_size,
+        "host": host,
+        "port": port,
+        "model_dir": model_dir,
+        "config": dataclasses.asdict(config),
+        "timeout_s": DEFAULT_TIMEOUT.total_seconds(),
+    }
 
 
 def load_tensor_parallel(
@@ -213,18 +261,31 @@ def load_tensor_parallel(
     check_config(config, mcfg)
     device = resolve_device(config.device)
     n = config.tensor_parallel_size
-    store = dist.TCPStore("127.0.0.1", 0, n, True, timeout=DEFAULT_TIMEOUT, wait_for_workers=False)
+    world = torchrun_world()
     procs: dict[int, subprocess.Popen[bytes]] = {}
-    for rank in range(1, n):
-        cmd = [sys.executable, "-m", "metrale.distributed.worker"]
-        cmd.append(_worker_spec(config, model_dir, rank, store.port))
-        procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ))
-    workers = Workers(procs, store)
+    if world is not None:
+        if world.world_size != n or world.rank != 0:
+            raise InvalidRequestError(
+                f"tensor_parallel_size {n} under torchrun: the world has {world.world_size} "
+                f"ranks and this is rank {world.rank}; the engine runs on rank 0 of a world of "
+                "exactly tensor_parallel_size ranks",
+                param="tensor_parallel_size",
+            )
+        store, port = _store(world.host, world.port, n, not world.agent_store, DEFAULT_TIMEOUT)
+        where = f"torchrun world at {world.host}:{port}"
+    else:
+        store, port = _store("127.0.0.1", 0, n, True, DEFAULT_TIMEOUT)
+        for rank in range(1, n):
+            spec = json.dumps(_worker_spec(config, model_dir, rank, port))
+            cmd = [sys.executable, "-m", "metrale.distributed.worker", spec]
+            procs[rank] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ))
+        pids = ", ".join(str(p.pid) for p in procs.values())
+        where = f"workers pid {pids}, store port {port}"
+    workers = Workers(list(range(1, n)), procs, store)
     finalizer = weakref.finalize(workers, Workers.kill, workers)
     logger.info(
-        "tensor parallel: %d ranks (%s, %s backend), workers pid %s, store port %d",
-        n, device, "nccl" if device.type == "cuda" else "gloo",
-        ", ".join(str(p.pid) for p in procs.values()), store.port,
+        "tensor parallel: %d ranks (%s, %s backend), %s",
+        n, device, "nccl" if device.type == "cuda" else "gloo", where,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -272,9 +333,9 @@ def worker_main(spec: dict[str, Any]) -> int:
     model_dir = spec["model_dir"]
     device = resolve_device(config.device)
     if device.type == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(int(spec["local_rank"]) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
-    store = dist.TCPStore("127.0.0.1", int(spec["port"]), n, False, timeout=timeout)
+    store, _ = _store(spec["host"], int(spec["port"]), n, False, timeout)
     store.set(f"ready/{rank}", "1")
     tp = connect(rank, n, device, store=store, timeout=timeout)
     try:
@@ -289,8 +350,22 @@ def worker_main(spec: dict[str, Any]) -> int:
     assert isinstance(module, TensorParallelModule)
     try:
         steps = serve_steps(module, model.main_kv_layers, model.dtype)
-    except RuntimeError as exc:  # rank 0 gone: its collectives fail
+    except RuntimeError as exc:
+        # Rank 0 gone (its process ended, or crashed: its own exit status says which).
         logger.info("tensor parallel rank %d: rank 0 gone (%s); exiting", rank, exc)
-        return 1
+        return 0
     logger.info("tensor parallel rank %d: stopped after %d steps", rank, steps)
     return 0
+
+
+def torchrun_worker(config: EngineConfig, model_dir: str, world: TorchrunWorld) -> int:
+    """A rank above 0 of a torchrun world (`metrale serve|generate ...` under torchrun): this
+    rank's share of the engine's model, serving rank 0's steps until it stops."""
+    if world.world_size != config.tensor_parallel_size:
+        raise InvalidRequestError(
+            f"torchrun started {world.world_size} ranks but tensor_parallel_size is "
+            f"{config.tensor_parallel_size}",
+            param="tensor_parallel_size",
+        )
+    spec = _worker_spec(config, model_dir, world.rank, world.port, world.host, world.local_rank)
+    return worker_main(spec)
