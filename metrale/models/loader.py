@@ -17,6 +17,9 @@ Invariants:
   the checkpoint's FP8 weight and scale as stored, its fused parts' scale rows at
   `offset // block rows`; a float checkpoint tensor for it is quantized on the way
   (`reference.quantize_fp8`). Every other parameter receives float values.
+- With a `reader` (a tensor-parallel rank, `metrale.distributed.shard`) only the parts it
+  returns are read from the files, under the names it gives; they are shape-checked against
+  the rank's parameters like any tensor, and the completeness check is unchanged.
 """
 
 from __future__ import annotations
