@@ -94,7 +94,10 @@ def connect(
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
         options._timeout = timeout
+        options.global_ranks_in_group = list(range(world_size))
+        options.group_name = "metrale-tensor-parallel"
         group: Any = dist.ProcessGroupNCCL(
             dist.PrefixStore("nccl", store), rank, world_size, options
         )
