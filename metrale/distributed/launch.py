@@ -354,6 +354,9 @@ def worker_main(spec: dict[str, Any]) -> int:
         # Rank 0 gone (its process ended, or crashed: its own exit status says which).
         logger.info("tensor parallel rank %d: rank 0 gone (%s); exiting", rank, exc)
         return 0
+    except Exception as exc:  # this rank's own failure: rank 0 names it from the store
+        store.set(f"error/{rank}", f"step failed: {type(exc).__name__}: {exc}")
+        raise
     logger.info("tensor parallel rank %d: stopped after %d steps", rank, steps)
     return 0
 

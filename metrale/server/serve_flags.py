@@ -157,7 +157,7 @@ def add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
         dest="tensor_parallel_size",
         type=int,
         default=argparse.SUPPRESS,
-        help="vLLM's short form of --tensor-parallel-size",
+        help="vLLM's short form of --tensor-parallel-size (default: 1)",
     )
     compat.add_argument(
         "--enable-chunked-prefill",
