@@ -1,21 +1,31 @@
-"""Multi-LoRA on CUDA: the gather form of `lora_reference.lora_gather_add` as two Triton kernels
-over one group of targets that share their input (q/k/v, o, gate/up, down): a split-K shrink
-(`x @ A[slot, j].T` for every target j of the group, float32 partial sums per K split) and an
-expand that sums the splits, scales by target and adds `xa_j @ B[slot, :, cols_j]` into each
-target's columns; each token row reads its adapter through its slot.
+"""Multi-LoRA on CUDA, over one group of targets that share their input (q/k/v, o, gate/up,
+down): the gather form of `lora_reference.lora_gather_add` (each token row reads its adapter
+through its slot), the tiled form of `lora_reference.lora_tiles_add` (each tile of rows of one
+adapter reads it once, `tl.dot` tiles), and `lora_plan`, which groups a decode graph's rows by
+slot on the device so the tiled form can serve it.
 
-Owner: kernels. `lora_gather_add` is the CUDA entry of `KernelOps.lora_gather_add`.
+Owner: kernels. `lora_gather_add`, `lora_tiles_add` and `lora_plan` are the CUDA entries of
+the `KernelOps` ops of the same names.
 
-Why this shape: a decode step calls the op once per group and layer (4 x layers launch pairs,
-not 7), and the shrink's reduction over the input features is spread over `splits` programs
-per row instead of one program walking all of them (at batch 1 that walk, not the bytes, was
-the cost: A of a rank-16 group is a few hundred KB, read from L2).
+Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
+- split (more than `FUSED_MAX_ROWS` rows): a split-K shrink (`x @ A[slot, j].T` for every
+  target j, float32 partial sums per K split) and an expand that sums the splits, scales by
+  target and adds `xa_j @ B[slot, :, cols_j]` into each target's columns. The shrink's
+  reduction over the input features is spread over `splits` programs per row instead of one
+  program walking all of them.
+- fused (one or two rows: batch-1 decode): one launch per group instead of two; each of a
+  row's `FUSED_PROGRAMS` programs repeats the row's whole shrink (A of a rank-16 group is a
+  few hundred KB, read from L2) and expands its share of the columns.
+Many rows (a decode graph of `layers.lora.PLAN_MIN_ROWS` rows or more) go through
+`lora_plan` + `lora_tiles_add(order=...)` instead, SGMV-like: a 64-row batch over 8 adapters
+reads each adapter's weights once per 16-row tile, not once per row.
 
 Invariants:
-- Computes `lora_reference.lora_gather_add`: rows of slot -1 are neither read nor written, the
-  rank dimension is padded to a power of two and masked, accumulation is float32.
-- No host read of the slot tensor: the launch depends only on shapes, so the op can be
-  captured in a CUDA graph with the slot tensor as a graph input.
+- Each op computes its reference (`lora_reference`): rows of slot -1 (or in no tile) are
+  neither read nor written, the rank dimension is padded to a power of two and masked,
+  accumulation is float32; an empty tile (count 0) reads and writes nothing.
+- No host read of the slot tensor or of the plan: every launch depends only on shapes, so the
+  ops can be captured in a CUDA graph with the slot tensor as a graph input.
 """
 
 from __future__ import annotations
@@ -26,12 +36,19 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.lora_reference import LORA_PLAN_ROWS as PLAN_ROWS
 from metrale.kernels.lora_reference import LORA_TILE_ROWS as TILE_ROWS
+from metrale.kernels.lora_reference import lora_plan_max_tiles
 from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
 _MAX_SPLITS = 64
+#: `lora_gather_add` runs the one-launch fused form up to this many token rows (each row's
+#: programs repeat its shrink, so it pays only while the rows are few), over this many
+#: programs per row (a trade: more programs spread the expand, each repeats the shrink).
+FUSED_MAX_ROWS = 2
+FUSED_PROGRAMS = 16
 
 
 class _Geometry(NamedTuple):
@@ -148,11 +165,22 @@ def lora_gather_add(
     scales: torch.Tensor,
     widths: tuple[int, ...],
     pdl: bool = False,
+    form: str = "auto",
+    fused_programs: int = FUSED_PROGRAMS,
 ) -> None:
-    """`lora_reference.lora_gather_add` (see there) by the shrink and expand kernels; with `pdl`
-    both launch as programmatic dependents (the decode graph's chain, `PDL_OPS`)."""
+    """`lora_reference.lora_gather_add` (see there). `form`: "split" (the shrink and expand
+    kernels), "fused" (one kernel: each of `fused_programs` programs per row repeats the row's
+    shrink, then expands its share of the columns), "auto" (fused up to `FUSED_MAX_ROWS`
+    rows, else split). With `pdl` the kernels launch as programmatic dependents (the decode
+    graph's chain, `PDL_OPS`)."""
     tokens = x.shape[0]
     if tokens == 0:
+        return
+    if form not in ("auto", "split", "fused"):
+        raise ValueError(f"lora_gather_add: form {form!r} is not auto, split or fused")
+    if form == "fused" or (form == "auto" and tokens <= FUSED_MAX_ROWS):
+        g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
+        _lora_fused_add(y, x, a, b_t, token_slots, scales, g, fused_programs, pdl)
         return
     g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
     part = torch.empty(tokens, g.splits, g.block_tr, dtype=torch.float32, device=x.device)
@@ -172,24 +200,104 @@ def lora_gather_add(
 
 
 @triton.jit
+def _lora_fused(
+    x_ptr, a_ptr, b_ptr, slots_ptr, scales_ptr, y_ptr,
+    K, N, R, n1, n2, cols_per_prog, stride_x, stride_as, stride_at, stride_ar, stride_y,
+    stride_bs, stride_br, stride_ss,
+    T: tl.constexpr, T_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One launch per group for few rows: program (t, p) computes row t's whole shrink (every
+    program of the row repeats it, reading A from L2) and then the expand of its
+    `cols_per_prog` columns."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    pid = tl.program_id(1)
+    slot = tl.load(slots_ptr + t)
+    s = tl.maximum(slot, 0).to(tl.int64)
+    jr = tl.arange(0, BLOCK_TR)
+    j = jr // BLOCK_R
+    r = jr % BLOCK_R
+    row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
+    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    acc = tl.zeros((BLOCK_TR, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = (k < K) & ((k * 0 + slot) >= 0)
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        av = tl.load(
+            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += av * xv[None, :]
+    xa = tl.reshape(tl.sum(acc, axis=1), (T_P2, BLOCK_R))
+    tj = tl.arange(0, T_P2)
+    rr = tl.arange(0, BLOCK_R)
+    r_mask = rr < R
+    for n0 in range(0, cols_per_prog, BLOCK_N):
+        n = pid * cols_per_prog + n0 + tl.arange(0, BLOCK_N)
+        n_mask = (n < N) & ((n * 0 + slot) >= 0)  # base rows (slot -1) are not written
+        bv = tl.load(
+            b_ptr + s * stride_bs + rr[:, None] * stride_br + n[None, :],
+            mask=r_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)  # which target owns column n
+        delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for jj in tl.static_range(T):
+            xa_j = tl.sum(tl.where(tj[:, None] == jj, xa, 0.0), axis=0)
+            xa_j = xa_j * tl.load(scales_ptr + s * stride_ss + jj)
+            delta = tl.where(target == jj, tl.sum(bv * xa_j[:, None], axis=0), delta)
+        ptr = y_ptr + t * stride_y + n
+        yv = tl.load(ptr, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(ptr, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _lora_fused_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+    token_slots: torch.Tensor, scales: torch.Tensor, g: _Geometry, programs: int, pdl: bool,
+) -> None:  # fmt: skip
+    block_n = 256
+    block_k = min(256, max(32, 8192 // g.block_tr))  # the [rank rows, K] tile: 32 floats a thread
+    cols_per_prog = triton.cdiv(triton.cdiv(g.fan_out, programs), block_n) * block_n
+    _lora_fused[(x.shape[0], triton.cdiv(g.fan_out, cols_per_prog))](
+        x, a, b_t, token_slots, scales, y, g.fan_in, g.fan_out, g.rank, *g.bounds,
+        cols_per_prog, x.stride(0), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
+        b_t.stride(0), b_t.stride(1), scales.stride(0),
+        T=g.targets, T_P2=g.block_tr // g.block_r, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr,
+        BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=8, **pdl_options(pdl),
+    )  # fmt: skip
+
+
+@triton.jit
+def _lora_tile_rows(order_ptr, start, count, BLOCK_M: tl.constexpr, ORDERED: tl.constexpr):
+    """A tile's token rows (int64) and their mask: `order[start + m]` or `start + m`."""
+    m = tl.arange(0, BLOCK_M)
+    m_mask = m < count
+    if ORDERED:
+        rows = tl.load(order_ptr + start + m, mask=m_mask, other=0).to(tl.int64)
+    else:
+        rows = (start + m).to(tl.int64)
+    return rows, m_mask
+
+
+@triton.jit
 def _lora_tile_shrink(
-    x_ptr, a_ptr, tiles_ptr, part_ptr,
+    x_ptr, a_ptr, tiles_ptr, order_ptr, part_ptr,
     K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, ORDERED: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     sp = tl.program_id(1)
     start = tl.load(tiles_ptr + tile * 3)
     count = tl.load(tiles_ptr + tile * 3 + 1)
     s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < count
-    rows_x = x_ptr + (start + m).to(tl.int64) * stride_x
+    rows, m_mask = _lora_tile_rows(order_ptr, start, count, BLOCK_M, ORDERED)
+    rows_x = x_ptr + rows * stride_x
     jr = tl.arange(0, BLOCK_TR)
     j = jr // BLOCK_R
     r = jr % BLOCK_R
-    jr_mask = (j < T) & (r < R)
+    jr_mask = (j < T) & (r < R) & ((jr * 0 + count) > 0)  # an empty tile reads nothing
     rows_a = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
     acc = tl.zeros((BLOCK_M, BLOCK_TR), dtype=tl.float32)
     k_start = sp * k_per_split
@@ -209,27 +317,25 @@ def _lora_tile_shrink(
             acc += tl.dot(xf, af, input_precision="ieee")
         else:
             acc += tl.dot(xf, af, input_precision="tf32")
-    out = part_ptr + ((start + m).to(tl.int64)[:, None] * SPLITS + sp) * BLOCK_TR + jr[None, :]
+    out = part_ptr + (rows[:, None] * SPLITS + sp) * BLOCK_TR + jr[None, :]
     tl.store(out, acc, mask=m_mask[:, None])
 
 
 @triton.jit
 def _lora_tile_expand(
-    part_ptr, b_ptr, tiles_ptr, scales_ptr, y_ptr,
+    part_ptr, b_ptr, tiles_ptr, order_ptr, scales_ptr, y_ptr,
     N, R, n1, n2, stride_y, stride_bs, stride_br, stride_ss,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ORDERED: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(tiles_ptr + tile * 3)
     count = tl.load(tiles_ptr + tile * 3 + 1)
     s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < count
-    tokens = (start + m).to(tl.int64)
+    tokens, m_mask = _lora_tile_rows(order_ptr, start, count, BLOCK_M, ORDERED)
     r = tl.arange(0, BLOCK_R)
-    r_mask = r < R
+    r_mask = (r < R) & ((r * 0 + count) > 0)  # an empty tile reads nothing
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     bv = tl.load(
@@ -267,26 +373,93 @@ def lora_tiles_add(
     tiles: torch.Tensor,
     scales: torch.Tensor,
     widths: tuple[int, ...],
+    order: torch.Tensor | None = None,
 ) -> None:
-    """`lora_reference.lora_tiles_add` (see there): per tile of at most `lora_reference.LORA_TILE_ROWS` token rows of one
-    adapter, a split-K shrink and an expand, each one `tl.dot` per tile, so a prefill chunk
-    reads each adapter's A and B once per tile rather than once per token."""
+    """`lora_reference.lora_tiles_add` (see there): per tile of token rows of one adapter (at
+    most `LORA_TILE_ROWS` of them, or `LORA_PLAN_ROWS` through `order`), a split-K shrink and
+    an expand, each one `tl.dot` per tile, so the tile reads its adapter's A and B once rather
+    than once per token. Empty tiles (count 0) read and write nothing. The launch depends only
+    on the shapes (capturable with `lora_plan`'s outputs as inputs)."""
     num_tiles = tiles.shape[0]
     if num_tiles == 0 or x.shape[0] == 0:
         return
     g = _geometry("lora_tiles_add", y, x, a, b_t, widths, 64, 2 * _K_PER_SPLIT, _MAX_SPLITS // 4)
     ieee = x.dtype == torch.float32
+    ordered = order is not None
+    block_m = PLAN_ROWS if ordered else TILE_ROWS
     part = torch.empty(x.shape[0], g.splits, g.block_tr, dtype=torch.float32, device=x.device)
     _lora_tile_shrink[(num_tiles, g.splits)](
-        x, a, tiles, part, g.fan_in, g.rank, g.k_per_split, x.stride(0), a.stride(0),
-        a.stride(1), a.stride(2),
-        T=g.targets, SPLITS=g.splits, BLOCK_M=TILE_ROWS, BLOCK_R=g.block_r,
-        BLOCK_TR=g.block_tr, BLOCK_K=g.block_k, IEEE=ieee,
+        x, a, tiles, order if ordered else tiles, part, g.fan_in, g.rank, g.k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        T=g.targets, SPLITS=g.splits, BLOCK_M=block_m, BLOCK_R=g.block_r,
+        BLOCK_TR=g.block_tr, BLOCK_K=g.block_k, IEEE=ieee, ORDERED=ordered,
     )  # fmt: skip
     block_n = 64
     _lora_tile_expand[(num_tiles, triton.cdiv(g.fan_out, block_n))](
-        part, b_t, tiles, scales, y, g.fan_out, g.rank, *g.bounds, y.stride(0),
-        b_t.stride(0), b_t.stride(1), scales.stride(0),
-        T=g.targets, SPLITS=g.splits, BLOCK_M=TILE_ROWS, BLOCK_R=g.block_r,
-        BLOCK_TR=g.block_tr, BLOCK_N=block_n, IEEE=ieee,
+        part, b_t, tiles, order if ordered else tiles, scales, y, g.fan_out, g.rank, *g.bounds,
+        y.stride(0), b_t.stride(0), b_t.stride(1), scales.stride(0),
+        T=g.targets, SPLITS=g.splits, BLOCK_M=block_m, BLOCK_R=g.block_r,
+        BLOCK_TR=g.block_tr, BLOCK_N=block_n, IEEE=ieee, ORDERED=ordered,
     )  # fmt: skip
+
+
+@triton.jit
+def _lora_plan(
+    slots_ptr, order_ptr, tiles_ptr, T, max_tiles,
+    NUM_SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_TILES: tl.constexpr,
+):  # fmt: skip
+    """One program: a counting sort of the rows by slot (bucket NUM_SLOTS: the base rows),
+    then the tile table (see `lora_reference.lora_plan`)."""
+    b = tl.arange(0, BLOCK_S)
+    counts = tl.zeros((BLOCK_S,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        sv = tl.load(slots_ptr + t, mask=t < T, other=0).to(tl.int32)
+        bucket = tl.where(t < T, tl.where(sv < 0, NUM_SLOTS, sv), BLOCK_S)  # past T: none
+        counts += tl.sum((bucket[:, None] == b[None, :]).to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    seen = tl.zeros((BLOCK_S,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        sv = tl.load(slots_ptr + t, mask=t < T, other=0).to(tl.int32)
+        bucket = tl.where(t < T, tl.where(sv < 0, NUM_SLOTS, sv), BLOCK_S)
+        hot = (bucket[:, None] == b[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=0) - hot  # earlier rows of the same bucket in this chunk
+        pos = tl.sum(hot * ((starts + seen)[None, :] + before), axis=1)
+        tl.store(order_ptr + pos, t, mask=t < T)
+        seen += tl.sum(hot, axis=0)
+    ntiles = tl.where(b < NUM_SLOTS, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tstart = tl.cumsum(ntiles, axis=0) - ntiles
+    i = tl.arange(0, BLOCK_TILES)
+    hit = ((i[:, None] >= tstart[None, :]) & (i[:, None] < (tstart + ntiles)[None, :])).to(tl.int32)
+    has = tl.sum(hit, axis=1) > 0
+    j = i - tl.sum(hit * tstart[None, :], axis=1)
+    first = tl.sum(hit * starts[None, :], axis=1) + j * BLOCK_M
+    count = tl.minimum(tl.sum(hit * counts[None, :], axis=1) - j * BLOCK_M, BLOCK_M)
+    slot = tl.sum(hit * b[None, :], axis=1)
+    live = i < max_tiles
+    tl.store(tiles_ptr + i * 3, tl.where(has, first, 0), mask=live)
+    tl.store(tiles_ptr + i * 3 + 1, tl.where(has, count, 0), mask=live)
+    tl.store(tiles_ptr + i * 3 + 2, tl.where(has, slot, 0), mask=live)
+
+
+def lora_plan(
+    token_slots: torch.Tensor, num_slots: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`lora_reference.lora_plan` (see there) in one single-program launch: no host read, the
+    outputs' sizes fixed by the shapes, so a decode graph captures it with the slot tensor as
+    its input. Slots must lie in `[-1, num_slots)` (not checked on the device)."""
+    tokens = token_slots.shape[0]
+    max_tiles = lora_plan_max_tiles(tokens, num_slots, block_m)
+    order = torch.empty(tokens, dtype=torch.int32, device=token_slots.device)
+    tiles = torch.empty(max_tiles, 3, dtype=torch.int32, device=token_slots.device)
+    if tokens == 0:
+        return order, tiles
+    _lora_plan[(1,)](
+        token_slots, order, tiles, tokens, max_tiles,
+        NUM_SLOTS=num_slots, BLOCK_S=triton.next_power_of_2(num_slots + 1),
+        BLOCK_T=min(128, triton.next_power_of_2(tokens)), BLOCK_M=block_m,
+        BLOCK_TILES=triton.next_power_of_2(max_tiles),
+    )  # fmt: skip
+    return order, tiles
