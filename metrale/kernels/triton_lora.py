@@ -286,7 +286,9 @@ def _lora_tile_shrink(
     K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr, ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     sp = tl.program_id(1)
     start = tl.load(tiles_ptr + tile * 3)
@@ -327,7 +329,9 @@ def _lora_tile_expand(
     N, R, n1, n2, stride_y, stride_bs, stride_br, stride_ss,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, ORDERED: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     nb = tl.program_id(1)
     start = tl.load(tiles_ptr + tile * 3)
@@ -374,12 +378,14 @@ def lora_tiles_add(
     scales: torch.Tensor,
     widths: tuple[int, ...],
     order: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> None:
     """`lora_reference.lora_tiles_add` (see there): per tile of token rows of one adapter (at
     most `LORA_TILE_ROWS` of them, or `LORA_PLAN_ROWS` through `order`), a split-K shrink and
     an expand, each one `tl.dot` per tile, so the tile reads its adapter's A and B once rather
     than once per token. Empty tiles (count 0) read and write nothing. The launch depends only
-    on the shapes (capturable with `lora_plan`'s outputs as inputs)."""
+    on the shapes (capturable with `lora_plan`'s outputs as inputs). With `pdl` both kernels
+    launch as programmatic dependents (`PDL_OPS`)."""
     num_tiles = tiles.shape[0]
     if num_tiles == 0 or x.shape[0] == 0:
         return
@@ -392,14 +398,16 @@ def lora_tiles_add(
         x, a, tiles, order if ordered else tiles, part, g.fan_in, g.rank, g.k_per_split,
         x.stride(0), a.stride(0), a.stride(1), a.stride(2),
         T=g.targets, SPLITS=g.splits, BLOCK_M=block_m, BLOCK_R=g.block_r,
-        BLOCK_TR=g.block_tr, BLOCK_K=g.block_k, IEEE=ieee, ORDERED=ordered,
+        BLOCK_TR=g.block_tr, BLOCK_K=g.block_k, IEEE=ieee, ORDERED=ordered, PDL=pdl,
+        **pdl_options(pdl),
     )  # fmt: skip
     block_n = 64
     _lora_tile_expand[(num_tiles, triton.cdiv(g.fan_out, block_n))](
         part, b_t, tiles, order if ordered else tiles, scales, y, g.fan_out, g.rank, *g.bounds,
         y.stride(0), b_t.stride(0), b_t.stride(1), scales.stride(0),
         T=g.targets, SPLITS=g.splits, BLOCK_M=block_m, BLOCK_R=g.block_r,
-        BLOCK_TR=g.block_tr, BLOCK_N=block_n, IEEE=ieee, ORDERED=ordered,
+        BLOCK_TR=g.block_tr, BLOCK_N=block_n, IEEE=ieee, ORDERED=ordered, PDL=pdl,
+        **pdl_options(pdl),
     )  # fmt: skip
 
 

@@ -60,7 +60,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
      "silu_mul_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
-     "lora_gather_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
+     "lora_gather_add", "lora_tiles_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 
 
