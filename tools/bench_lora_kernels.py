@@ -17,7 +17,9 @@ Method:
   back (programmatic dependent launches where the engine uses them: the gather forms), the
   median of several replays divided by the layer count: microseconds per group op.
 - Forms: `split` (old: split-K shrink + expand per row), `fused` (one launch per group, each
-  of `--fused-programs` programs per row repeating the shrink), `grouped` (the tiled op over
+  of `--fused-programs` programs per row repeating the shrink), `sync` (one launch per group:
+  K splits, a grid barrier, column blocks; timed last, its counters checked after),
+  `grouped` (the tiled op over
   the device plan's 16-row tiles; the plan itself, one launch per forward, is timed apart as
   `plan`), and `auto`, what the engine now picks at that row count (`PLAN_MIN_ROWS`,
   `FUSED_MAX_ROWS`). Every form is first checked against the float32 torch reference
@@ -87,6 +89,7 @@ def _forms(
     stacks: list[tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, y: torch.Tensor,
     token_slots: torch.Tensor, scales: torch.Tensor, widths: tuple[int, ...],
     tiles: torch.Tensor, order: torch.Tensor, pdl: bool, programs: list[int],
+    sync: torch.Tensor | None,
 ) -> dict[str, Callable[[int], None]]:  # fmt: skip
     """Each form of one group op as `fn(layer)` over that layer's copy of the stacks."""
     from metrale.kernels import triton_lora
@@ -110,6 +113,15 @@ def _forms(
     forms: dict[str, Callable[[int], None]] = {"split": split, "grouped": grouped}
     for p in programs:
         forms[f"fused/{p}"] = functools.partial(fused, p=p)
+    if sync is not None:  # last: a broken barrier would cost the most here
+
+        def synced(i: int) -> None:
+            a, b_t = stacks[i]
+            triton_lora.lora_gather_add(
+                y, x, a, b_t, token_slots, scales, widths, pdl=pdl, form="sync", sync=sync
+            )
+
+        forms[f"sync/{triton_lora.SYNC_PROGRAMS}"] = synced
     return forms
 
 
@@ -126,6 +138,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     programs_list = [int(p) for p in args.fused_programs.split(",")]
     results: list[dict[str, Any]] = []
     plan_us: dict[int, float] = {}
+    sync = torch.zeros(4, dtype=torch.int32, device=device) if cuda and not args.no_sync else None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
     print(f"{'group':<8} {'rows':>4} {'form':<12} {'us/op':>8} {'max err':>9}", flush=True)
     for rows in rows_list:
         token_slots = (torch.arange(rows) % adapters).to(device)
@@ -160,10 +174,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             x = torch.randn(rows, fan_in, generator=g).to(device, dtype)
             y = torch.randn(rows, fan_out, generator=g).to(device, dtype)
             forms = _forms(
-                stacks, x, y, token_slots, scales, widths, tiles, order, pdl, programs_list
-            )
+                stacks, x, y, token_slots, scales, widths, tiles, order, pdl, programs_list,
+                sync if rows * triton_lora.SYNC_PROGRAMS <= sms else None,
+            )  # fmt: skip
             for form, fn in forms.items():
-                if form.startswith("fused") and rows > args.fused_max_rows:
+                if form.startswith(("fused", "sync")) and rows > args.fused_max_rows:
                     continue
                 ref = y.float().clone()
                 a0, b0 = stacks[0]
@@ -175,14 +190,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 err = float((y.float() - ref).abs().max())
                 us = _timed(fn, layers, cuda)
                 y.copy_(saved)
+                if form.startswith("sync") and sync is not None and sync.tolist() != [0] * 4:
+                    raise SystemExit(
+                        f"sync form: counters left at {sync.tolist()} (timeout flag 3rd)"
+                    )
+                few = (
+                    f"sync/{triton_lora.SYNC_PROGRAMS}"
+                    if triton_lora.FEW_ROWS_FORM == "sync"
+                    else f"fused/{triton_lora.FUSED_PROGRAMS}"
+                )
                 auto = (
                     "grouped"
                     if rows >= PLAN_MIN_ROWS
-                    else (
-                        f"fused/{triton_lora.FUSED_PROGRAMS}"
-                        if rows <= triton_lora.FUSED_MAX_ROWS
-                        else "split"
-                    )
+                    else (few if rows <= triton_lora.FUSED_MAX_ROWS else "split")
                 )
                 results.append(
                     {"group": name, "rows": rows, "form": form, "us": us, "max_err": err,
@@ -221,6 +241,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "plan_min_rows": PLAN_MIN_ROWS,
         "fused_max_rows": triton_lora.FUSED_MAX_ROWS,
         "fused_programs_default": triton_lora.FUSED_PROGRAMS,
+        "few_rows_form": triton_lora.FEW_ROWS_FORM,
+        "sync_programs": triton_lora.SYNC_PROGRAMS,
         "plan_us": plan_us,
         "ops": results,
         "summary": summary,
@@ -241,6 +263,7 @@ def main() -> int:
         "--fused-max-rows", type=int, default=8, help="time the fused form up to these rows"
     )
     parser.add_argument("--no-pdl", action="store_true", help="launch without PDL")
+    parser.add_argument("--no-sync", action="store_true", help="skip the sync form")
     parser.add_argument("--scale", type=int, default=1, help="divide every dimension (smoke)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.scale > 1:

@@ -27,13 +27,15 @@ def lora_gather_add(
     token_slots: torch.Tensor,
     scales: torch.Tensor,
     widths: tuple[int, ...],
+    sync: torch.Tensor | None = None,
 ) -> None:
     """Multi-LoRA by gather (capturable: no host read) over one group of T targets that share
     the input `x`: for every token row t with `s = token_slots[t] >= 0` and each target j,
     `y[t, cols_j] += ((a[s, j] @ x[t]) * scales[s, j]) @ b_t[s, :, cols_j]`, where the targets'
     column ranges `cols_j` lie side by side with `widths`; rows with slot -1 are untouched.
     `a` `[slots, T, R, in]`, `b_t` `[slots, R, sum(widths)]` (rows past an adapter's rank are
-    zero), `scales` `[slots, T]` float32; `y` may be a column slice."""
+    zero), `scales` `[slots, T]` float32; `y` may be a column slice. `sync`: the CUDA
+    kernel's barrier counters (`triton_lora.lora_gather_add`), unused here."""
     valid = token_slots >= 0
     safe = token_slots.clamp(min=0)
     b_rows = b_t.index_select(0, safe)

@@ -16,6 +16,10 @@ Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
 - fused (one or two rows: batch-1 decode): one launch per group instead of two; each of a
   row's `FUSED_PROGRAMS` programs repeats the row's whole shrink (A of a rank-16 group is a
   few hundred KB, read from L2) and expands its share of the columns.
+- sync (opt-in: `FEW_ROWS_FORM`, or `form="sync"`; CUDA only): one launch per group, each of
+  a row's `SYNC_PROGRAMS` programs a K split of the shrink, then a grid barrier on the
+  caller's counters, then a column block of the expand (no repeated shrink; the grid stays
+  within the SM count so every program is resident while it waits).
 Many rows (a decode graph of `layers.lora.PLAN_MIN_ROWS` rows or more) go through
 `lora_plan` + `lora_tiles_add(order=...)` instead, SGMV-like: a 64-row batch over 8 adapters
 reads each adapter's weights once per 16-row tile, not once per row.
@@ -26,6 +30,8 @@ Invariants:
   accumulation is float32; an empty tile (count 0) reads and writes nothing.
 - No host read of the slot tensor or of the plan: every launch depends only on shapes, so the
   ops can be captured in a CUDA graph with the slot tensor as a graph input.
+- The sync form leaves its counters as it found them (zero): the last program through the
+  barrier resets them, so stream-ordered calls (and graph replays) can share one buffer.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import triton.language as tl
 from metrale.kernels.lora_reference import LORA_PLAN_ROWS as PLAN_ROWS
 from metrale.kernels.lora_reference import LORA_TILE_ROWS as TILE_ROWS
 from metrale.kernels.lora_reference import lora_plan_max_tiles
-from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
+from metrale.kernels.triton_attention_common import multiprocessor_count, pdl_enter, pdl_options
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
@@ -49,6 +55,14 @@ _MAX_SPLITS = 64
 #: programs per row (a trade: more programs spread the expand, each repeats the shrink).
 FUSED_MAX_ROWS = 2
 FUSED_PROGRAMS = 16
+#: The form "auto" runs up to `FUSED_MAX_ROWS` rows: "fused", or "sync" (needs the caller's
+#: counters, `sync=`; without them "auto" runs "fused").
+FEW_ROWS_FORM = "fused"
+#: Programs per row of the "sync" form (each a K split of the shrink, then a column block).
+SYNC_PROGRAMS = 32
+#: Polls of the "sync" form's barrier before a program gives up waiting (and flags it in
+#: `sync[2]`): a bound so that a broken barrier fails a test instead of hanging the device.
+SYNC_MAX_SPINS = 1 << 22
 
 
 class _Geometry(NamedTuple):
@@ -167,18 +181,30 @@ def lora_gather_add(
     pdl: bool = False,
     form: str = "auto",
     fused_programs: int = FUSED_PROGRAMS,
+    sync: torch.Tensor | None = None,
 ) -> None:
     """`lora_reference.lora_gather_add` (see there). `form`: "split" (the shrink and expand
     kernels), "fused" (one kernel: each of `fused_programs` programs per row repeats the row's
-    shrink, then expands its share of the columns), "auto" (fused up to `FUSED_MAX_ROWS`
-    rows, else split). With `pdl` the kernels launch as programmatic dependents (the decode
-    graph's chain, `PDL_OPS`)."""
+    shrink, then expands its share of the columns), "sync" (one kernel: `SYNC_PROGRAMS` per
+    row, each a K split of the shrink, a grid barrier on the counters `sync`, then a column
+    block of the expand; CUDA only), "auto" (`FEW_ROWS_FORM` up to `FUSED_MAX_ROWS` rows,
+    else split). With `pdl` the kernels launch as programmatic dependents (the decode graph's
+    chain, `PDL_OPS`). `sync`: int32 `[4]` zeros on the device, left zero by every call;
+    calls sharing it must be stream-ordered."""
     tokens = x.shape[0]
     if tokens == 0:
         return
-    if form not in ("auto", "split", "fused"):
-        raise ValueError(f"lora_gather_add: form {form!r} is not auto, split or fused")
-    if form == "fused" or (form == "auto" and tokens <= FUSED_MAX_ROWS):
+    if form not in ("auto", "split", "fused", "sync"):
+        raise ValueError(f"lora_gather_add: form {form!r} is not auto, split, fused or sync")
+    if form == "auto" and tokens <= FUSED_MAX_ROWS:
+        form = FEW_ROWS_FORM if FEW_ROWS_FORM != "sync" or sync is not None else "fused"
+    if form == "sync":
+        if sync is None or sync.dtype != torch.int32 or sync.numel() < 4:
+            raise ValueError("lora_gather_add: the sync form needs int32 counters `sync` [4]")
+        g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
+        _lora_sync_add(y, x, a, b_t, token_slots, scales, g, sync, pdl)
+        return
+    if form == "fused":
         g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
         _lora_fused_add(y, x, a, b_t, token_slots, scales, g, fused_programs, pdl)
         return
@@ -264,6 +290,126 @@ def _lora_fused_add(
         cols_per_prog, x.stride(0), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
         b_t.stride(0), b_t.stride(1), scales.stride(0),
         T=g.targets, T_P2=g.block_tr // g.block_r, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr,
+        BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=8, **pdl_options(pdl),
+    )  # fmt: skip
+
+
+@triton.jit
+def _lora_sync(
+    x_ptr, a_ptr, b_ptr, slots_ptr, scales_ptr, y_ptr, part_ptr, sync_ptr,
+    K, N, R, n1, n2, k_per_split, stride_x, stride_as, stride_at, stride_ar, stride_y,
+    stride_bs, stride_br, stride_ss, max_spins,
+    T: tl.constexpr, T_P2: tl.constexpr, P: tl.constexpr, P_P2: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One launch per group: program (t, p) sums row t's shrink over its K split into
+    `part[t, p]`, waits on a grid barrier (every program of the launch is resident: the grid
+    is at most the SM count), sums the row's P partials and expands column block p. B is
+    loaded before the barrier, so its latency overlaps the wait. The last program through the
+    barrier resets the counters for the next call."""
+    pdl_enter(PDL)
+    t = tl.program_id(0)
+    pid = tl.program_id(1)
+    total = tl.num_programs(0) * tl.num_programs(1)
+    slot = tl.load(slots_ptr + t)
+    s = tl.maximum(slot, 0).to(tl.int64)
+    jr = tl.arange(0, BLOCK_TR)
+    j = jr // BLOCK_R
+    r = jr % BLOCK_R
+    row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
+    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    acc = tl.zeros((BLOCK_TR, BLOCK_K), dtype=tl.float32)
+    k_start = pid * k_per_split
+    for k0 in range(0, k_per_split, BLOCK_K):
+        k = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = (k < K) & ((k * 0 + slot) >= 0)
+        xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        av = tl.load(
+            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += av * xv[None, :]
+    tl.store(part_ptr + (t * P + pid) * BLOCK_TR + jr, tl.sum(acc, axis=1))
+    rr = tl.arange(0, BLOCK_R)
+    r_mask = rr < R
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = (n < N) & ((n * 0 + slot) >= 0)  # base rows (slot -1) are not written
+    bv = tl.load(
+        b_ptr + s * stride_bs + rr[:, None] * stride_br + n[None, :],
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+    # The grid barrier: every thread's partial stored, then one release arrival, polls with
+    # acquire until all have arrived (bounded: a timeout is flagged in sync[2], not hung).
+    tl.debug_barrier()
+    arrived = tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu") + 1
+    spins = 0
+    while (arrived < total) & (spins < max_spins):
+        arrived = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    if arrived < total:
+        tl.atomic_xchg(sync_ptr + 2, 1)
+    left = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu")
+    if left == total - 1:  # every program is past the wait: reset for the next call
+        tl.atomic_xchg(sync_ptr, 0)
+        tl.atomic_xchg(sync_ptr + 1, 0)
+    tl.debug_barrier()
+    sp = tl.arange(0, P_P2)
+    parts = tl.load(
+        part_ptr + (t * P + sp[:, None]) * BLOCK_TR + jr[None, :],
+        mask=(sp[:, None] < P) & (jr[None, :] >= 0),
+        other=0.0,
+        cache_modifier=".cg",  # written by other SMs: not through this SM's L1
+    )
+    xa = tl.reshape(tl.sum(parts, axis=0), (T_P2, BLOCK_R))
+    tj = tl.arange(0, T_P2)
+    target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)  # which target owns column n
+    bf = bv.to(tl.float32)
+    delta = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for jj in tl.static_range(T):
+        xa_j = tl.sum(tl.where(tj[:, None] == jj, xa, 0.0), axis=0)
+        xa_j = xa_j * tl.load(scales_ptr + s * stride_ss + jj)
+        delta = tl.where(target == jj, tl.sum(bf * xa_j[:, None], axis=0), delta)
+    ptr = y_ptr + t * stride_y + n
+    yv = tl.load(ptr, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(ptr, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _lora_sync_add(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+    token_slots: torch.Tensor, scales: torch.Tensor, g: _Geometry, sync: torch.Tensor,
+    pdl: bool,
+) -> None:  # fmt: skip
+    if x.device.type != "cuda":
+        raise ValueError(
+            "lora_gather_add: the sync form needs CUDA (its programs must be resident)"
+        )
+    tokens = x.shape[0]
+    if tokens * SYNC_PROGRAMS > multiprocessor_count(x.device):
+        raise ValueError(
+            f"lora_gather_add: the sync form's {tokens} x {SYNC_PROGRAMS} programs exceed the SMs"
+        )
+    launch_sync(y, x, a, b_t, token_slots, scales, g, sync, pdl)
+
+
+def launch_sync(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
+    token_slots: torch.Tensor, scales: torch.Tensor, g: _Geometry, sync: torch.Tensor,
+    pdl: bool,
+) -> None:  # fmt: skip
+    """The sync kernel's launch, unchecked (`tests/gpu/compile_sm90.py` compiles it on CPU)."""
+    tokens = x.shape[0]
+    programs = SYNC_PROGRAMS
+    block_k = min(256, max(32, 8192 // g.block_tr))
+    k_per_split = triton.cdiv(triton.cdiv(g.fan_in, programs), block_k) * block_k
+    block_n = triton.next_power_of_2(triton.cdiv(g.fan_out, programs))
+    part = torch.empty(tokens, programs, g.block_tr, dtype=torch.float32, device=x.device)
+    _lora_sync[(tokens, programs)](
+        x, a, b_t, token_slots, scales, y, part, sync, g.fan_in, g.fan_out, g.rank, *g.bounds,
+        k_per_split, x.stride(0), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
+        b_t.stride(0), b_t.stride(1), scales.stride(0), SYNC_MAX_SPINS,
+        T=g.targets, T_P2=g.block_tr // g.block_r, P=programs,
+        P_P2=triton.next_power_of_2(programs), BLOCK_R=g.block_r, BLOCK_TR=g.block_tr,
         BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=8, **pdl_options(pdl),
     )  # fmt: skip
 

@@ -175,6 +175,11 @@ class LoraSlots:
         #: Forwards whose device routing was grouped by slot (`plan`): a metric of which op
         #: the decode graphs run (counted at capture, or per eager run).
         self.planned = 0
+        #: On CUDA, the gather op's barrier counters (int32 zeros, left zero by every call;
+        #: the decode graphs' calls are stream-ordered): its one-launch "sync" form needs them.
+        self.sync = (
+            torch.zeros(4, dtype=torch.int32, device=device) if device.type == "cuda" else None
+        )
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = dict(shapes)
@@ -327,9 +332,11 @@ class LoraLayer:
                     out, x, group.a, group.b_t, batch.tiles, group.scales, group.widths, **ordered
                 )
             else:
+                counters = {} if slots.sync is None else {"sync": slots.sync}
                 slots.gather_op(
-                    out, x, group.a, group.b_t, batch.token_slots, group.scales, group.widths
-                )
+                    out, x, group.a, group.b_t, batch.token_slots, group.scales, group.widths,
+                    **counters,
+                )  # fmt: skip
             return
         for name, start, width in present:
             key = (self.layer_idx, name)

@@ -71,6 +71,52 @@ def test_triton_gather_op_equals_reference(
     assert not torch.equal(got, wide)
 
 
+@pytest.mark.skipif(INTERPRET, reason="the sync form's grid barrier needs resident programs")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_sync_form_equals_reference_and_leaves_its_counters_zero(rows: int) -> None:
+    """The one-launch sync form (K splits, grid barrier, column blocks) on a q/k/v-like group
+    of rank 64, eagerly twice and as a CUDA graph replayed twice: each call adds the reference
+    delta, and the counters are back to zero (no timeout flagged) after every call."""
+    g = torch.Generator().manual_seed(17)
+    widths, fan_in, rank, slots = (1024, 256, 256), 3000, 64, 3
+    fan_out = sum(widths)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.1).to(DEVICE)
+
+    a, b_t = rand(slots, 3, rank, fan_in), rand(slots, rank, fan_out)
+    scales = torch.rand(slots, 3, generator=g).to(DEVICE) + 0.5
+    token_slots = torch.tensor([2, -1][:rows], device=DEVICE)
+    x, y0 = rand(rows, fan_in), rand(rows, fan_out)
+    delta = torch.zeros(rows, fan_out, device=DEVICE)
+    lora_reference.lora_gather_add(delta, x, a, b_t, token_slots, scales, widths)
+    sync = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    y = y0.clone()
+
+    def call() -> None:
+        triton_lora.lora_gather_add(
+            y, x, a, b_t, token_slots, scales, widths, form="sync", sync=sync
+        )
+
+    for n in (1, 2):
+        call()
+        torch.testing.assert_close(y, y0 + n * delta, rtol=1e-4, atol=1e-4)
+        assert sync.tolist() == [0, 0, 0, 0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    y.copy_(y0)
+    for n in (1, 2):
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(y, y0 + n * delta, rtol=1e-4, atol=1e-4)
+        assert sync.tolist() == [0, 0, 0, 0]
+    if rows == 2:
+        assert torch.equal(y[1], y0[1])  # the base row
+    with pytest.raises(ValueError, match="int32 counters"):
+        triton_lora.lora_gather_add(y, x, a, b_t, token_slots, scales, widths, form="sync")
+
+
 @pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rank", "widths", "fan_in"), [(8, (300,), 200), (64, (160, 72, 72), 700)])
