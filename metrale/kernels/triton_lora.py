@@ -13,13 +13,18 @@ Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
   target and adds `xa_j @ B[slot, :, cols_j]` into each target's columns. The shrink's
   reduction over the input features is spread over `splits` programs per row instead of one
   program walking all of them.
-- fused (one or two rows: batch-1 decode): one launch per group instead of two; each of a
-  row's `FUSED_PROGRAMS` programs repeats the row's whole shrink (A of a rank-16 group is a
-  few hundred KB, read from L2) and expands its share of the columns.
-- sync (opt-in: `FEW_ROWS_FORM`, or `form="sync"`; CUDA only): one launch per group, each of
-  a row's `SYNC_PROGRAMS` programs a K split of the shrink, then a grid barrier on the
-  caller's counters, then a column block of the expand (no repeated shrink; the grid stays
-  within the SM count so every program is resident while it waits).
+- sync (one or two rows, batch-1 decode, `FEW_ROWS_FORM`; CUDA, with the caller's counters,
+  and a grid within the SM count): one launch per group instead of two, each of a row's
+  `SYNC_PROGRAMS` programs a K split of the shrink (one K tile: its A tile and its B block
+  load before the PDL wait), then a grid barrier on the counters, then a column block of
+  the expand. Every program is resident while it waits (the grid is at most the SM count,
+  and a PDL dependent launches only once all of them have started).
+- fused (the few-rows form where sync cannot run: no counters, the interpreter, a small
+  GPU): one launch per group; each of a row's `FUSED_PROGRAMS` programs repeats the row's
+  whole shrink (a pipelined walk over K: A of a rank-16 group is a few hundred KB, read from
+  L2) and expands its share of the columns.
+Static weights and the slot tensor (a graph input) are read before the PDL wait in the
+gather forms, never what the kernel before writes (x, y, partials, counters).
 Many rows (a decode graph of `layers.lora.PLAN_MIN_ROWS` rows or more) go through
 `lora_plan` + `lora_tiles_add(order=...)` instead, SGMV-like: a 64-row batch over 8 adapters
 reads each adapter's weights once per 16-row tile, not once per row.
@@ -45,19 +50,25 @@ import triton.language as tl
 from metrale.kernels.lora_reference import LORA_PLAN_ROWS as PLAN_ROWS
 from metrale.kernels.lora_reference import LORA_TILE_ROWS as TILE_ROWS
 from metrale.kernels.lora_reference import lora_plan_max_tiles
-from metrale.kernels.triton_attention_common import multiprocessor_count, pdl_enter, pdl_options
+from metrale.kernels.triton_attention_common import (
+    interpreting,
+    multiprocessor_count,
+    pdl_enter,
+    pdl_options,
+)
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
 _MAX_SPLITS = 64
-#: `lora_gather_add` runs the one-launch fused form up to this many token rows (each row's
-#: programs repeat its shrink, so it pays only while the rows are few), over this many
-#: programs per row (a trade: more programs spread the expand, each repeats the shrink).
+#: `lora_gather_add` runs a one-launch form up to this many token rows (`FEW_ROWS_FORM`);
+#: the fused form over `FUSED_PROGRAMS` programs per row (a trade: more programs spread the
+#: expand, each repeats the shrink).
 FUSED_MAX_ROWS = 2
 FUSED_PROGRAMS = 16
-#: The form "auto" runs up to `FUSED_MAX_ROWS` rows: "fused", or "sync" (needs the caller's
-#: counters, `sync=`; without them "auto" runs "fused").
-FEW_ROWS_FORM = "fused"
+#: The form "auto" runs up to `FUSED_MAX_ROWS` rows: "sync" where it can run (the caller's
+#: counters `sync=`, CUDA, rows x `SYNC_PROGRAMS` within the SM count), else "fused";
+#: "fused" here: always fused; "split": the two-kernel form at every row count.
+FEW_ROWS_FORM = "sync"
 #: Programs per row of the "sync" form (each a K split of the shrink, then a column block).
 SYNC_PROGRAMS = 32
 #: Polls of the "sync" form's barrier before a program gives up waiting (and flags it in
@@ -113,7 +124,6 @@ def _lora_shrink(
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     t = tl.program_id(0)
     sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -123,16 +133,23 @@ def _lora_shrink(
     r = jr % BLOCK_R
     row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
     rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
-    acc = tl.zeros((BLOCK_TR,), dtype=tl.float32)
     k_start = sp * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
+    # The first A tile loads before the PDL wait (see `lora_gather_add`: nothing the kernel
+    # before writes), so its latency hides behind that kernel's tail.
+    k = k_start + tl.arange(0, BLOCK_K)
+    k_mask = (k < K) & ((k * 0 + slot) >= 0)
+    av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_enter(PDL)
+    xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-        av = tl.load(
+        xt = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        at = tl.load(
             rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
-        acc += tl.sum(av * xv[None, :], axis=1)
+        acc += tl.sum(at * xt[None, :], axis=1)
     tl.store(part_ptr + (t * SPLITS + sp) * BLOCK_TR + jr, acc)
 
 
@@ -143,7 +160,6 @@ def _lora_expand(
     T: tl.constexpr, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(PDL)
     t = tl.program_id(0)
     nb = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -152,11 +168,12 @@ def _lora_expand(
     r_mask = r < R
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (n < N) & ((n * 0 + slot) >= 0)  # base rows (slot -1) are not written
-    bv = tl.load(
+    bv = tl.load(  # before the PDL wait, as the shrink's first A tile
         b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
         mask=r_mask[:, None] & n_mask[None, :],
         other=0.0,
     ).to(tl.float32)
+    pdl_enter(PDL)
     target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)  # which target owns column n
     sp = tl.arange(0, SPLITS_P2)
     parts = part_ptr + (t * SPLITS + sp[:, None]) * BLOCK_TR + r[None, :]
@@ -197,7 +214,9 @@ def lora_gather_add(
     if form not in ("auto", "split", "fused", "sync"):
         raise ValueError(f"lora_gather_add: form {form!r} is not auto, split, fused or sync")
     if form == "auto" and tokens <= FUSED_MAX_ROWS:
-        form = FEW_ROWS_FORM if FEW_ROWS_FORM != "sync" or sync is not None else "fused"
+        form = FEW_ROWS_FORM
+        if form == "sync" and not _sync_fits(x, sync):
+            form = "fused"
     if form == "sync":
         if sync is None or sync.dtype != torch.int32 or sync.numel() < 4:
             raise ValueError("lora_gather_add: the sync form needs int32 counters `sync` [4]")
@@ -231,12 +250,12 @@ def _lora_fused(
     K, N, R, n1, n2, cols_per_prog, stride_x, stride_as, stride_at, stride_ar, stride_y,
     stride_bs, stride_br, stride_ss,
     T: tl.constexpr, T_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
-    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One launch per group for few rows: program (t, p) computes row t's whole shrink (every
     program of the row repeats it, reading A from L2) and then the expand of its
-    `cols_per_prog` columns."""
-    pdl_enter(PDL)
+    `cols_per_prog` columns. The walk over K is software-pipelined (`STAGES`), its first A
+    tile loaded before the PDL wait."""
     t = tl.program_id(0)
     pid = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -246,15 +265,20 @@ def _lora_fused(
     r = jr % BLOCK_R
     row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
     rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
-    acc = tl.zeros((BLOCK_TR, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k = tl.arange(0, BLOCK_K)
+    k_mask = (k < K) & ((k * 0 + slot) >= 0)
+    av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_enter(PDL)
+    xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+    acc = av.to(tl.float32) * xv[None, :]
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-        av = tl.load(
+        xt = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        at = tl.load(
             rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
-        acc += av * xv[None, :]
+        acc += at * xt[None, :]
     xa = tl.reshape(tl.sum(acc, axis=1), (T_P2, BLOCK_R))
     tj = tl.arange(0, T_P2)
     rr = tl.arange(0, BLOCK_R)
@@ -290,7 +314,7 @@ def _lora_fused_add(
         cols_per_prog, x.stride(0), a.stride(0), a.stride(1), a.stride(2), y.stride(0),
         b_t.stride(0), b_t.stride(1), scales.stride(0),
         T=g.targets, T_P2=g.block_tr // g.block_r, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr,
-        BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=8, **pdl_options(pdl),
+        BLOCK_K=block_k, BLOCK_N=block_n, STAGES=3, PDL=pdl, num_warps=8, **pdl_options(pdl),
     )  # fmt: skip
 
 
@@ -306,9 +330,9 @@ def _lora_sync(
     """One launch per group: program (t, p) sums row t's shrink over its K split into
     `part[t, p]`, waits on a grid barrier (every program of the launch is resident: the grid
     is at most the SM count), sums the row's P partials and expands column block p. B is
-    loaded before the barrier, so its latency overlaps the wait. The last program through the
-    barrier resets the counters for the next call."""
-    pdl_enter(PDL)
+    loaded before the barrier, so its latency overlaps the wait, and (with the first A tile)
+    before the PDL wait. The last program through the barrier resets the counters for the
+    next call."""
     t = tl.program_id(0)
     pid = tl.program_id(1)
     total = tl.num_programs(0) * tl.num_programs(1)
@@ -319,17 +343,10 @@ def _lora_sync(
     r = jr % BLOCK_R
     row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
     rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
-    acc = tl.zeros((BLOCK_TR, BLOCK_K), dtype=tl.float32)
     k_start = pid * k_per_split
-    for k0 in range(0, k_per_split, BLOCK_K):
-        k = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
-        av = tl.load(
-            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        ).to(tl.float32)
-        acc += av * xv[None, :]
-    tl.store(part_ptr + (t * P + pid) * BLOCK_TR + jr, tl.sum(acc, axis=1))
+    k = k_start + tl.arange(0, BLOCK_K)
+    k_mask = (k < K) & ((k * 0 + slot) >= 0)
+    av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     rr = tl.arange(0, BLOCK_R)
     r_mask = rr < R
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -339,6 +356,18 @@ def _lora_sync(
         mask=r_mask[:, None] & n_mask[None, :],
         other=0.0,
     )
+    pdl_enter(PDL)  # x, y, the partials and the counters are the chain's: only after it
+    xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+    acc = av.to(tl.float32) * xv[None, :]
+    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
+        k = k_start + k0 + tl.arange(0, BLOCK_K)
+        k_mask = (k < K) & ((k * 0 + slot) >= 0)
+        xt = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        at = tl.load(
+            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
+        ).to(tl.float32)
+        acc += at * xt[None, :]
+    tl.store(part_ptr + (t * P + pid) * BLOCK_TR + jr, tl.sum(acc, axis=1))
     # The grid barrier: every thread's partial stored, then one release arrival, polls with
     # acquire until all have arrived (bounded: a timeout is flagged in sync[2], not hung).
     tl.debug_barrier()
@@ -375,6 +404,17 @@ def _lora_sync(
     tl.store(ptr, (yv + delta).to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
+def _sync_fits(x: torch.Tensor, sync: torch.Tensor | None) -> bool:
+    """Whether the sync form can run `x`'s rows: counters given, compiled CUDA, and the grid
+    (rows x `SYNC_PROGRAMS`) within the SM count, so every program is resident at once."""
+    return (
+        sync is not None
+        and x.device.type == "cuda"
+        and not interpreting()
+        and x.shape[0] * SYNC_PROGRAMS <= multiprocessor_count(x.device)
+    )
+
+
 def _lora_sync_add(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor,
     token_slots: torch.Tensor, scales: torch.Tensor, g: _Geometry, sync: torch.Tensor,
@@ -400,7 +440,10 @@ def launch_sync(
     """The sync kernel's launch, unchecked (`tests/gpu/compile_sm90.py` compiles it on CPU)."""
     tokens = x.shape[0]
     programs = SYNC_PROGRAMS
-    block_k = min(256, max(32, 8192 // g.block_tr))
+    # one K tile per program where it fits in 64 float32 a thread (Qwen3-8B at rank 16: all)
+    block_k = min(
+        max(32, 16384 // g.block_tr), triton.next_power_of_2(triton.cdiv(g.fan_in, programs))
+    )
     k_per_split = triton.cdiv(triton.cdiv(g.fan_in, programs), block_k) * block_k
     block_n = triton.next_power_of_2(triton.cdiv(g.fan_out, programs))
     part = torch.empty(tokens, programs, g.block_tr, dtype=torch.float32, device=x.device)

@@ -25,7 +25,7 @@ Invariants:
   device (`LoraSlots.plan`: `order` and `tiles`, kept on the batch for every later layer;
   captured with the graph, no host read) and every group runs the tiled op through `order`,
   reading each adapter once per tile of its rows (SGMV-like); fewer rows keep the gather
-  op (`triton_lora.lora_gather_add`: one fused launch per group for one or two rows).
+  op (`triton_lora.lora_gather_add`: one launch per group for one or two rows).
 - A slot's stack rows are zero past its rank and for targets it does not adapt (the gather
   op reads all `max_rank` rows of every target).
 - The delta of a row using slot s on a target is `(x @ A_s.T) @ B_s.T * scale_s`, added to the

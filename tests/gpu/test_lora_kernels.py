@@ -196,10 +196,13 @@ def test_triton_plan_equals_reference(token_slots: list[int]) -> None:
     assert len(tiles_l) == lora_reference.lora_plan_max_tiles(len(token_slots), num_slots, block_m)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_lora_decode_graphs_give_each_row_its_adapter(grouped: bool) -> None:
+@pytest.mark.parametrize("routing", ["gather", "grouped", "few"])
+def test_lora_decode_graphs_give_each_row_its_adapter(routing: str) -> None:
     """`grouped`: the graphs group the rows by slot on the device (`LoraSlots.plan`, forced
-    from one row on) and run the tiled op; else the per-row gather op."""
+    from one row on) and run the tiled op; `gather`: the per-row gather op (split form, five
+    rows); `few`: two rows, the gather op's one-launch form (sync on CUDA, fused under the
+    interpreter)."""
+    grouped = routing == "grouped"
     variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
     base = build(variant)
     lr_a = LoRARequest(ADAPTER_A.name, 1, str(build_adapter(base, ADAPTER_A)))
@@ -232,6 +235,8 @@ def test_lora_decode_graphs_give_each_row_its_adapter(grouped: bool) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, min_tokens=6)
     prompts = mixed_prompts(5)
     adapters = [lr_a, None, lr_b, lr_b, lr_a]
+    if routing == "few":
+        prompts, adapters = prompts[:2], [lr_b, lr_a]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=adapters)]
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, lora_request=adapters)]
     assert got == want
