@@ -23,8 +23,11 @@ Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
   GPU): one launch per group; each of a row's `FUSED_PROGRAMS` programs repeats the row's
   whole shrink (a pipelined walk over K: A of a rank-16 group is a few hundred KB, read from
   L2) and expands its share of the columns.
-Static weights and the slot tensor (a graph input) are read before the PDL wait in the
-gather forms, never what the kernel before writes (x, y, partials, counters).
+With PDL, the gather forms read A, B, the scales and the slot tensor before the wait for
+the kernel launched just before (their latency then hides behind its tail): that kernel must
+not write them. In a decode graph it cannot (the slot tensor is a graph input copied in
+before the replay, the stacks change only between steps); x, y, the partials and the
+counters are read only after the wait.
 Many rows (a decode graph of `layers.lora.PLAN_MIN_ROWS` rows or more) go through
 `lora_plan` + `lora_tiles_add(order=...)` instead, SGMV-like: a 64-row batch over 8 adapters
 reads each adapter's weights once per 16-row tile, not once per row.
