@@ -132,7 +132,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16
     pdl = cuda and torch.cuda.get_device_capability()[0] >= 9 and not args.no_pdl
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
     rank, adapters, layers = args.rank, args.adapters, args.layers
     rows_list = [int(r) for r in args.rows.split(",")]
     programs_list = [int(p) for p in args.fused_programs.split(",")]
@@ -140,6 +140,21 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     plan_us: dict[int, float] = {}
     sync = torch.zeros(4, dtype=torch.int32, device=device) if cuda and not args.no_sync else None
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
+    shapes = {
+        name: (fan_in // args.scale, tuple(w // args.scale for w in widths))
+        for name, (fan_in, widths) in GROUPS.items()
+    }
+    # Per group, one copy of the 8 slots' stacks per layer (made once, on the device).
+    all_stacks = {
+        name: [
+            (
+                torch.randn(adapters, len(widths), rank, fan_in, device=device).to(dtype) * 0.02,
+                torch.randn(adapters, rank, sum(widths), device=device).to(dtype) * 0.02,
+            )
+            for _ in range(layers)
+        ]
+        for name, (fan_in, widths) in shapes.items()
+    }
     print(f"{'group':<8} {'rows':>4} {'form':<12} {'us/op':>8} {'max err':>9}", flush=True)
     for rows in rows_list:
         token_slots = (torch.arange(rows) % adapters).to(device)
@@ -157,22 +172,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             cuda,
         )
         print(f"{'-':<8} {rows:>4} {'plan':<12} {plan_us[rows]:>8.2f}", flush=True)
-        for name, (fan_in, widths) in GROUPS.items():
-            fan_in //= args.scale
-            widths = tuple(w // args.scale for w in widths)
-            fan_out = sum(widths)
-            stacks = [
-                (
-                    (torch.randn(adapters, len(widths), rank, fan_in, generator=g) * 0.02).to(
-                        device, dtype
-                    ),
-                    (torch.randn(adapters, rank, fan_out, generator=g) * 0.02).to(device, dtype),
-                )
-                for _ in range(layers)
-            ]
+        for name, (fan_in, widths) in shapes.items():
+            stacks = all_stacks[name]
             scales = torch.full((adapters, len(widths)), 2.0, device=device)
-            x = torch.randn(rows, fan_in, generator=g).to(device, dtype)
-            y = torch.randn(rows, fan_out, generator=g).to(device, dtype)
+            x = torch.randn(rows, fan_in, device=device).to(dtype)
+            y = torch.randn(rows, sum(widths), device=device).to(dtype)
             forms = _forms(
                 stacks, x, y, token_slots, scales, widths, tiles, order, pdl, programs_list,
                 sync if rows * triton_lora.SYNC_PROGRAMS <= sms else None,
@@ -210,7 +214,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 )  # fmt: skip
                 mark = " (auto)" if form == auto else ""
                 print(f"{name:<8} {rows:>4} {form + mark:<12} {us:>8.2f} {err:>9.2e}", flush=True)
-            del stacks
     summary = []
     print(f"\nper layer (4 ops) and per decode step ({layers} layers; grouped: + plan)")
     for rows in rows_list:
