@@ -8,12 +8,12 @@ Owner: kernels. `lora_gather_add`, `lora_tiles_add` and `lora_plan` are the CUDA
 the `KernelOps` ops of the same names.
 
 Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
-- split (more than `FUSED_MAX_ROWS` rows): a split-K shrink (`x @ A[slot, j].T` for every
+- split (every row count by default: `FEW_ROWS_FORM`, measured fastest on the H200): a split-K shrink (`x @ A[slot, j].T` for every
   target j, float32 partial sums per K split) and an expand that sums the splits, scales by
   target and adds `xa_j @ B[slot, :, cols_j]` into each target's columns. The shrink's
   reduction over the input features is spread over `splits` programs per row instead of one
   program walking all of them.
-- sync (one or two rows, batch-1 decode, `FEW_ROWS_FORM`; CUDA, with the caller's counters,
+- sync (opt-in for one or two rows, `FEW_ROWS_FORM = "sync"`; CUDA, with the caller's counters,
   and a grid within the SM count): one launch per group instead of two, each of a row's
   `SYNC_PROGRAMS` programs a K split of the shrink (one K tile: its A tile and its B block
   load before the PDL wait), then a grid barrier on the counters, then a column block of
@@ -70,8 +70,12 @@ FUSED_MAX_ROWS = 2
 FUSED_PROGRAMS = 16
 #: The form "auto" runs up to `FUSED_MAX_ROWS` rows: "sync" where it can run (the caller's
 #: counters `sync=`, CUDA, rows x `SYNC_PROGRAMS` within the SM count), else "fused";
-#: "fused" here: always fused; "split": the two-kernel form at every row count.
-FEW_ROWS_FORM = "sync"
+#: "fused" here: always fused; "split": the two-kernel form at every row count. "split":
+#: measured on the H200 (Qwen3-8B shapes, rank 16, one row, us per layer of four group ops:
+#: split 22.5, sync 33.3, fused/32 104.6, fused/16 127.9; record
+#: `bench/records/20261202T011500-lora-kernels-qwen3-8b.json`), the one-launch forms stay
+#: opt-in.
+FEW_ROWS_FORM = "split"
 #: Programs per row of the "sync" form (each a K split of the shrink, then a column block).
 SYNC_PROGRAMS = 32
 #: Polls of the "sync" form's barrier before a program gives up waiting (and flags it in

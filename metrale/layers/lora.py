@@ -59,8 +59,11 @@ LORA_GROUPS = (
 TILE_ROWS = lora_reference.LORA_TILE_ROWS
 #: Device routing groups rows by slot (`LoraSlots.plan`) from this many token rows up; below
 #: it the per-row gather op reads each row's adapter itself (fewer launches, and with few
-#: rows there is little for a tile to share).
-PLAN_MIN_ROWS = 16
+#: rows there is little for a tile to share). 8: on the H200 (Qwen3-8B shapes, rank 16, 8
+#: adapters) grouped tiles took 37.9 us a layer at 8 rows against the gather op's 49.3 (and
+#: 55.6 against 220.8 at 64 rows; even at one row, 22.1 against 22.5; record
+#: `bench/records/20261202T011500-lora-kernels-qwen3-8b.json`).
+PLAN_MIN_ROWS = 8
 
 
 @dataclass

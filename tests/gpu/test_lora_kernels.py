@@ -200,8 +200,7 @@ def test_triton_plan_equals_reference(token_slots: list[int]) -> None:
 def test_lora_decode_graphs_give_each_row_its_adapter(routing: str) -> None:
     """`grouped`: the graphs group the rows by slot on the device (`LoraSlots.plan`, forced
     from one row on) and run the tiled op; `gather`: the per-row gather op (split form, five
-    rows); `few`: two rows, the gather op's one-launch form (sync on CUDA, fused under the
-    interpreter)."""
+    rows); `few`: two rows, the gather op's few-rows form (`triton_lora.FEW_ROWS_FORM`)."""
     grouped = routing == "grouped"
     variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
     base = build(variant)
