@@ -61,3 +61,92 @@ def test_sampler_with_triton_ops_draws_the_torch_path_tokens(ties: bool) -> None
         assert kernel.token_ids == torch_path.token_ids
         assert kernel.unsamplable_rows == torch_path.unsamplable_rows == [1]
         assert kernel.logprobs == torch_path.logprobs
+
+
+def _hard_logits(g: torch.Generator, size: int, vocab: int) -> torch.Tensor:
+    logits = torch.round(torch.randn(size, vocab, generator=g) * 8) / 4  # exact ties
+    logits[0, 5:] = float("-inf")  # few finite logits
+    logits[1] = float("-inf")  # unsamplable
+    logits[2, 9] = float("nan")
+    logits[3, 17] = float("inf")
+    logits[4] = 0.5  # every logit tied
+    return logits
+
+
+def test_full_row_kernel_tempers_on_the_fly_and_skips_inactive_rows() -> None:
+    """`temperature=` divides as torch does before the filters; `active=` leaves rows out."""
+    from metrale.kernels import reference
+
+    vocab = 600 if INTERPRET else 151_936
+    size = 8 if INTERPRET else 48
+    g = torch.Generator().manual_seed(31)
+    logits = _hard_logits(g, size, vocab)
+    temperature = torch.tensor([0.7, 1.0, 1.3, 0.8, 2.0, 0.5, 1.1, 0.9] * (size // 8))
+    top_k = torch.tensor([5, 50, 1, 20, 7, 300, 2, 40] * (size // 8))
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.8, 0.3, 1.0, 0.7] * (size // 8))
+    min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.0, 0.02] * (size // 8))
+    uniforms = torch.rand(size, generator=g, dtype=torch.float64)
+    active = torch.arange(size) % 3 != 1
+    args = [t.to(DEVICE) for t in (logits, top_k, top_p, uniforms, min_p)]
+    ids, ok = ts.top_k_top_p_sample(
+        *args, temperature=temperature.to(DEVICE), active=active.to(DEVICE)
+    )
+    ref_ids, ref_ok = reference.top_k_top_p_sample(
+        *[t.cpu() for t in args], temperature=temperature, active=active
+    )
+    assert ids.cpu().tolist() == ref_ids.tolist()
+    assert ok.cpu().tolist() == ref_ok.tolist()
+    assert not ok.cpu()[~active].any() and (ids.cpu()[~active] == 0).all()
+
+
+def test_token_logprobs_kernel_matches_the_reference() -> None:
+    from metrale.kernels import reference
+
+    vocab = 600 if INTERPRET else 151_936
+    g = torch.Generator().manual_seed(32)
+    logits = _hard_logits(g, 8, vocab)
+    tokens = torch.tensor([0, 3, 9, 17, 100, 5, 599, 42])
+    samplable = torch.tensor([True, False, True, True, True, False, True, True])
+    ids, packed = ts.token_logprobs(logits.to(DEVICE), tokens.to(DEVICE), samplable.to(DEVICE))
+    ref_ids, ref_packed = reference.token_logprobs(logits, tokens, samplable)
+    assert ids.cpu().tolist() == ref_ids.tolist()
+    packed = packed.cpu()
+    assert packed[:, [0, 2, 3]].tolist() == ref_packed[:, [0, 2, 3]].tolist()
+    torch.testing.assert_close(packed[:, 1], ref_packed[:, 1], rtol=0, atol=1e-5)
+
+
+def test_candidate_draw_with_triton_ops_draws_the_torch_path_tokens() -> None:
+    """The candidate draw on the device, its re-routed rows through the gated kernel, the
+    result through `token_logprobs`: the same tokens as the full-row torch path."""
+    vocab = 600 if INTERPRET else 151_936
+    size = 8 if INTERPRET else 64
+    ops = KernelOps(
+        top_k_top_p_sample=ts.top_k_top_p_sample,
+        token_logprobs=ts.token_logprobs,
+        implementations={"top_k_top_p_sample": "triton", "token_logprobs": "triton"},
+    )
+    g = torch.Generator().manual_seed(33)
+    kinds = [
+        SamplingParams(seed=1, top_k=50, top_p=0.95, temperature=0.8),
+        SamplingParams(seed=2, top_k=20, temperature=0.7),
+        SamplingParams(temperature=0.0),
+        SamplingParams(seed=3, top_k=5, min_p=0.05, temperature=1.2),
+        SamplingParams(seed=4, top_k=40, top_p=0.6, repetition_penalty=1.2),
+    ]
+    for step in range(2):
+        logits = _hard_logits(g, size, vocab).to(DEVICE)
+        rows = [
+            SamplingRow(kinds[i % len(kinds)], output_token_ids=[3, 5] * (step + i % 3))
+            for i in range(size)
+        ]
+        sampler = Sampler(ops=ops)
+        fast = sampler(logits, rows)
+        full = Sampler(candidate_k_max=None)(logits, rows)
+        assert fast.token_ids == full.token_ids
+        assert fast.unsamplable_rows == full.unsamplable_rows
+        assert fast.ranks == full.ranks
+        torch.testing.assert_close(
+            torch.tensor(fast.logprobs), torch.tensor(full.logprobs), rtol=0, atol=1e-4
+        )
+        assert {2, 4} <= set(fast.rerouted_rows)
+        assert sampler.stats["candidates"] == 1
