@@ -1,12 +1,21 @@
-"""Where the sampler should switch from its torch path to the sort-free Triton kernel: time
-`Sampler.sample` (the whole call, as the engine makes it) for batches of non-greedy rows with
-`kernel_min_rows=1, kernel_for_full_sort_only=False` (always the kernel) and
-`kernel_min_rows=None` (always torch).
+"""What sampling costs per step: time `Sampler.sample` (the whole call, as the engine makes it,
+read back with `to_host`) for batches of non-greedy rows through each path:
+
+- "candidates": the default sampler (`metrale.sampling.candidates`: rows with a top-k draw on
+  their top candidates; other settings fall through to the full-row paths, as in serving);
+- "kernel": `kernel_min_rows=1, kernel_for_full_sort_only=False`, no candidates (always the
+  sort-free Triton kernel);
+- "torch": `kernel_min_rows=None`, no candidates (always the torch path);
+- "greedy": the same batch of greedy rows (the one-pass `greedy_logprobs` kernel), the
+  baseline the sampled step is measured against (issue 23: a sampled batch within 0.15 ms
+  of greedy at 1 row and 0.5 ms at 128 rows).
 
 Usage (GPU): PYTHONPATH=. python3 tools/bench_sampler.py [--out result.json]
-The result decides the sampler's routing (`metrale.sampling.sampler.KERNEL_MIN_ROWS` and the
-full-sort rule): per setting, the smallest batch from which the kernel is at least as fast at
-every larger batch. `--profile` prints torch.profiler tables of one-row calls instead.
+Per setting and batch it prints each path's ms and the candidate path's excess over greedy,
+and writes them (with the sampler's path counters, so a batch that fell back shows) to
+`--out`. The kernel/torch figures decide the full-row routing
+(`metrale.sampling.sampler.KERNEL_MIN_ROWS` and the full-sort rule). `--profile` prints
+torch.profiler tables of one-row calls instead.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from metrale.sampling.sampler import Sampler, SamplingRow
 VOCAB = 151_936
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 SETTINGS = {
+    "top_k50_top_p0.95_t0.8": SamplingParams(temperature=0.8, top_k=50, top_p=0.95),
     "top_k50_top_p0.9_t0.8": SamplingParams(temperature=0.8, top_k=50, top_p=0.9),
+    "top_k20_min_p0.05_t0.7": SamplingParams(temperature=0.7, top_k=20, min_p=0.05),
     "top_p0.95": SamplingParams(temperature=1.0, top_p=0.95),
     "t0.7": SamplingParams(temperature=0.7),
 }
@@ -50,9 +61,15 @@ def main() -> None:
     device = torch.device("cuda")
     ops = triton_kernel_ops()
     samplers = {
-        "kernel": Sampler(seed=0, ops=ops, kernel_min_rows=1, kernel_for_full_sort_only=False),
-        "torch": Sampler(seed=0, ops=ops, kernel_min_rows=None),
-    }
+        "candidates": Sampler(seed=0, ops=ops),
+        "kernel": Sampler(
+            seed=0, ops=ops, kernel_min_rows=1, kernel_for_full_sort_only=False,
+            candidate_k_max=None,
+        ),
+        "torch": Sampler(seed=0, ops=ops, kernel_min_rows=None, candidate_k_max=None),
+    }  # fmt: skip
+    greedy_sampler = Sampler(seed=0, ops=ops)
+    greedy = SamplingParams(temperature=0.0)
     g = torch.Generator(device=device).manual_seed(0)
     result: dict[str, dict[str, dict[str, float]]] = {}
     if args.profile:
@@ -73,19 +90,31 @@ def main() -> None:
     for name, params in SETTINGS.items():
         result[name] = {}
         for batch in BATCHES:
-            logits = torch.randn(batch, VOCAB, generator=g, device=device) * 2.5
+            # bf16-valued float32 logits, as the engine's graphs hand the sampler (ties).
+            logits = (torch.randn(batch, VOCAB, generator=g, device=device) * 2.5).bfloat16()
+            logits = logits.float()
             rows = [SamplingRow(params=params) for _ in range(batch)]
-            figures = {}
+            greedy_rows = [SamplingRow(params=greedy) for _ in range(batch)]
+            figures = {
+                "greedy": time_ms(
+                    lambda x=logits, r=greedy_rows: greedy_sampler.sample(x, r).to_host()
+                )
+            }
             for path, sampler in samplers.items():
                 figures[path] = time_ms(
                     lambda s=sampler, x=logits, r=rows: s.sample(x, r).to_host()
                 )
+            figures["candidates_over_greedy"] = figures["candidates"] - figures["greedy"]
             result[name][str(batch)] = figures
-            print(f"{name:24s} B={batch:4d} kernel {figures['kernel']:.3f} ms  "
+            print(f"{name:24s} B={batch:4d} greedy {figures['greedy']:.3f}  "
+                  f"candidates {figures['candidates']:.3f} "
+                  f"(+{figures['candidates_over_greedy']:.3f})  kernel {figures['kernel']:.3f}  "
                   f"torch {figures['torch']:.3f} ms", flush=True)  # fmt: skip
+    counters = {path: sampler.stats for path, sampler in samplers.items()}
+    print("path counters:", counters)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"ms": result, "counters": counters}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -150,3 +150,32 @@ def test_candidate_draw_with_triton_ops_draws_the_torch_path_tokens() -> None:
         )
         assert {2, 4} <= set(fast.rerouted_rows)
         assert sampler.stats["candidates"] == 1
+
+
+@pytest.mark.skipif(INTERPRET, reason="CUDA only: synchronisation and device agreement")
+def test_candidate_draw_does_not_synchronise_and_repeats_the_cpu_tokens() -> None:
+    from metrale.kernels.triton_ops import triton_kernel_ops
+
+    vocab = 151_936
+    g = torch.Generator().manual_seed(34)
+    logits = _hard_logits(g, 32, vocab)
+    rows = [
+        SamplingRow(SamplingParams(seed=100 + i, top_k=50, top_p=0.95, temperature=0.8))
+        for i in range(32)
+    ]
+    rows[7] = SamplingRow(SamplingParams(temperature=0.0))
+    sampler = Sampler(ops=triton_kernel_ops())
+    device_logits = logits.cuda()
+    sampler.sample(device_logits, rows).to_host()  # compiles the kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = sampler.sample(device_logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    gpu = batch.to_host()
+    cpu = Sampler()(logits, rows)
+    assert gpu.token_ids == cpu.token_ids
+    assert gpu.unsamplable_rows == cpu.unsamplable_rows == [1]
+    assert {2, 4} <= set(gpu.rerouted_rows)
+    assert sampler.stats["candidates"] == 2
