@@ -48,34 +48,9 @@ from metrale.kernels.triton_key_search import (
 
 
 @triton.jit
-def _load_row(base, cols, V, temp, HAS_TEMP: tl.constexpr):
-    """A chunk of a row as float32, NaN read as -inf; with HAS_TEMP divided by the row's
-    temperature first (IEEE division, as torch divides) and +inf read as the float32 max
-    (the sampler's `_temper` then `_sanitize`)."""
+def _load_row(base, cols, V):
     x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-    if HAS_TEMP:
-        x = tl.math.div_rn(x, temp)
-        x = tl.where(x != x, float("-inf"), x)
-        return tl.minimum(x, 3.4028234663852886e38)
     return tl.where(x != x, float("-inf"), x)
-
-
-@triton.jit
-def _row_temp(temp_ptr, row, HAS_TEMP: tl.constexpr):
-    """The row's temperature (float32; 1.0 without HAS_TEMP, unused then)."""
-    temp = tl.full([], 1.0, dtype=tl.float32)
-    if HAS_TEMP:
-        temp = tl.load(temp_ptr + row).to(tl.float32)
-    return temp
-
-
-@triton.jit
-def _gate(start, end, active_ptr, row, HAS_ACTIVE: tl.constexpr):
-    """The end of this slice's range: `start` (an empty range) for a row that `active`
-    leaves out, so the row reads as one without a finite logit and no launch scans it."""
-    if HAS_ACTIVE:
-        end = tl.where(tl.load(active_ptr + row) != 0, end, start)
-    return end
 
 
 #: Elements per chunk of the draw kernels' loops; a slice of a row is whole chunks.
@@ -137,21 +112,16 @@ def _row_filters(scalars_ptr, pz_ptr, min_p_ptr, row, S, SP: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(
-    x_ptr, temp_ptr, active_ptr, pmax_ptr, pkmin_ptr, stride_x, V, S, span,
-    HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr,
-):  # fmt: skip
+def _stats_kernel(x_ptr, pmax_ptr, pkmin_ptr, stride_x, V, S, span, CHUNK: tl.constexpr):
     """Grid (rows, slices): each slice's largest logit and smallest key."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
-    end = _gate(start, end, active_ptr, row, HAS_ACTIVE)
     m_part = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
     kmin_part = tl.full([CHUNK], 2147483647, dtype=tl.int32)
     for c in range(start, end, CHUNK):
         cols = c + offs
-        x = _load_row(base, cols, end, temp, HAS_TEMP)
+        x = _load_row(base, cols, end)
         m_part = tl.maximum(m_part, x)
         kmin_part = tl.minimum(kmin_part, tl.where(cols < end, order_key(x), 2147483647))
     tl.store(pmax_ptr + row * S + sl, tl.max(m_part, 0))
@@ -160,16 +130,13 @@ def _stats_kernel(
 
 @triton.jit
 def _top_k_pass_kernel(
-    x_ptr, temp_ptr, active_ptr, top_k_ptr, pmax_ptr, pkmin_ptr, state_ptr, counts_ptr, stride_x, V,
-    B, S, span, t,
-    HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr,
-    SP: tl.constexpr,
+    x_ptr, top_k_ptr, pmax_ptr, pkmin_ptr, state_ptr, counts_ptr, stride_x, V, B, S, span, t,
+    CHUNK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """Pass `t` of the top-k search: narrow the row's key range with the previous pass's
     counts, then count this slice's keys >= each new pivot."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     k = tl.load(top_k_ptr + row).to(tl.int64)
     _m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (k > 0) & (k < V) & samplable:
@@ -181,25 +148,22 @@ def _top_k_pass_kernel(
             part = tl.zeros([CHUNK, NP], dtype=tl.int32)
             for c in range(start, end, CHUNK):
                 cols = c + offs
-                key = order_key(_load_row(base, cols, end, temp, HAS_TEMP))
+                key = order_key(_load_row(base, cols, end))
                 part += ((key[:, None] >= piv[None, :]) & (cols < end)[:, None]).to(tl.int32)
             tl.store(counts_ptr + (cur * S + sl) * NP + tl.arange(0, NP), tl.sum(part, 0))
 
 
 @triton.jit
 def _z_kernel(
-    x_ptr, temp_ptr, active_ptr, top_k_ptr, pmax_ptr, pkmin_ptr, state_ptr, counts_ptr, scalars_ptr,
-    pz_ptr,
+    x_ptr, top_k_ptr, pmax_ptr, pkmin_ptr, state_ptr, counts_ptr, scalars_ptr, pz_ptr,
     stride_x, V, B, S, span,
-    HAS_TOP_K: tl.constexpr, PASSES: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr,
-    CHUNK: tl.constexpr, NP: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, PASSES: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr,
     SP: tl.constexpr,
 ):  # fmt: skip
     """The top-k threshold key t_k (slice 0 stores it), then this slice's share of the
     softmax normaliser over the logits whose key >= t_k."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     t_k = key_min
     if HAS_TOP_K:
@@ -211,11 +175,10 @@ def _z_kernel(
     if sl == 0:
         tl.store(scalars_ptr + row * 2 + _T_K, t_k)
     base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
-    end = _gate(start, end, active_ptr, row, HAS_ACTIVE)
     z_part = tl.zeros([CHUNK], dtype=tl.float32)
     for c in range(start, end, CHUNK):
         cols = c + offs
-        x = _load_row(base, cols, end, temp, HAS_TEMP)
+        x = _load_row(base, cols, end)
         kept = (order_key(x) >= t_k) & (cols < end)
         z_part += tl.where(kept, tl.exp(x - m), 0.0)
     tl.store(pz_ptr + row * S + sl, tl.sum(z_part, 0))
@@ -228,15 +191,12 @@ def _probs(x, m, inv_z):
 
 @triton.jit
 def _top_p_total_kernel(
-    x_ptr, temp_ptr, active_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr,
-    ptot_ptr,
-    stride_x, V, S, span, HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr,
-    SP: tl.constexpr,
+    x_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
+    stride_x, V, S, span, CHUNK: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """This slice's float64 mass of the top-k and min-p survivors (top-p rows only)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     m, _key_min, _key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (top_p < 1.0) & samplable:
@@ -245,7 +205,7 @@ def _top_p_total_kernel(
         total = tl.zeros([CHUNK], dtype=tl.float64)
         for c in range(start, end, CHUNK):
             cols = c + offs
-            x = _load_row(base, cols, end, temp, HAS_TEMP)
+            x = _load_row(base, cols, end)
             p = _probs(x, m, inv_z)
             kept = (order_key(x) >= t_k) & (p >= p_floor) & (cols < end)
             total += tl.where(kept, p, 0.0).to(tl.float64)
@@ -254,17 +214,14 @@ def _top_p_total_kernel(
 
 @triton.jit
 def _top_p_pass_kernel(
-    x_ptr, temp_ptr, active_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr,
-    ptot_ptr,
+    x_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
     state_ptr, masses_ptr, stride_x, V, B, S, span, t,
-    HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr,
-    SP: tl.constexpr,
+    CHUNK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """Pass `t` of the top-p search: narrow the boundary key's range with the previous pass's
     masses, then sum this slice's surviving mass above each new pivot (float64)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (top_p < 1.0) & samplable:
@@ -278,7 +235,7 @@ def _top_p_pass_kernel(
             part = tl.zeros([CHUNK, NP], dtype=tl.float64)
             for c in range(start, end, CHUNK):
                 cols = c + offs
-                x = _load_row(base, cols, end, temp, HAS_TEMP)
+                x = _load_row(base, cols, end)
                 key = order_key(x)
                 p = _probs(x, m, inv_z)
                 w = tl.where((key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
@@ -288,17 +245,14 @@ def _top_p_pass_kernel(
 
 @triton.jit
 def _ties_kernel(
-    x_ptr, temp_ptr, active_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr,
-    ptot_ptr,
+    x_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
     state_ptr, masses_ptr, pabove_ptr, pties_ptr, stride_x, V, B, S, span,
-    PASSES: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr,
-    NP: tl.constexpr, SP: tl.constexpr,
+    PASSES: tl.constexpr, CHUNK: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """The top-p boundary key k_b (slice 0 stores it), then this slice's surviving mass
     strictly above it and its count of logits tied at it."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     top_p = tl.load(top_p_ptr + row).to(tl.float32)
     m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
     if (top_p < 1.0) & samplable:
@@ -314,7 +268,7 @@ def _ties_kernel(
         ties = tl.zeros([CHUNK], dtype=tl.int32)
         for c in range(start, end, CHUNK):
             cols = c + offs
-            x = _load_row(base, cols, end, temp, HAS_TEMP)
+            x = _load_row(base, cols, end)
             key = order_key(x)
             p = _probs(x, m, inv_z)
             w = tl.where((key > k_b) & (key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
@@ -373,17 +327,14 @@ def _keep_chunk(x, cols, end, m, inv_z, p_floor, lower, k_b, keep_ties, limit_ti
 
 @triton.jit
 def _keep_kernel(
-    x_ptr, temp_ptr, active_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr,
-    ptot_ptr,
+    x_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
     pabove_ptr, pties_ptr, pkeep_ptr, probs_ptr, ok_ptr, stride_x, V, S, span,
-    HAS_TOP_P: tl.constexpr, WRITE_PROBS: tl.constexpr, HAS_TEMP: tl.constexpr,
-    HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, WRITE_PROBS: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """This slice's float64 surviving mass (and, WRITE_PROBS, its survivors' probabilities);
     slice 0 writes whether the row is samplable."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     m, inv_z, p_floor, lower, k_b, keep_ties, limit_ties, ties_seen, samplable = _survivors(
         row, sl, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
         pabove_ptr, pties_ptr, S, HAS_TOP_P, SP,
@@ -391,11 +342,10 @@ def _keep_kernel(
     if sl == 0:
         tl.store(ok_ptr + row, samplable.to(tl.int8))
     base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
-    end = _gate(start, end, active_ptr, row, HAS_ACTIVE)
     total = tl.zeros([CHUNK], dtype=tl.float64)
     for c in range(start, end, CHUNK):
         cols = c + offs
-        x = _load_row(base, cols, end, temp, HAS_TEMP)
+        x = _load_row(base, cols, end)
         w, ties_seen = _keep_chunk(
             x, cols, end, m, inv_z, p_floor, lower, k_b, keep_ties, limit_ties, ties_seen
         )
@@ -407,17 +357,14 @@ def _keep_kernel(
 
 @triton.jit
 def _draw_kernel(
-    x_ptr, temp_ptr, active_ptr, top_p_ptr, min_p_ptr, u_ptr, pmax_ptr, pkmin_ptr, scalars_ptr,
-    pz_ptr, ptot_ptr,
+    x_ptr, top_p_ptr, min_p_ptr, u_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
     pabove_ptr, pties_ptr, pkeep_ptr, ids_ptr, stride_x, V, S, span,
-    HAS_TOP_P: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_ACTIVE: tl.constexpr, CHUNK: tl.constexpr,
-    SP: tl.constexpr,
+    HAS_TOP_P: tl.constexpr, CHUNK: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     """The inverse-CDF draw: the slice where the float64 cumulative surviving mass (in slice
     order) first reaches `u * total` scans itself in id order and writes the token."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    temp = _row_temp(temp_ptr, row, HAS_TEMP)
     m, inv_z, p_floor, lower, k_b, keep_ties, limit_ties, ties_seen, samplable = _survivors(
         row, sl, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
         pabove_ptr, pties_ptr, S, HAS_TOP_P, SP,
@@ -437,7 +384,7 @@ def _draw_kernel(
             c = start
             while (c < end) & (chosen < 0):
                 cols = c + offs
-                x = _load_row(base, cols, end, temp, HAS_TEMP)
+                x = _load_row(base, cols, end)
                 w, ties_seen = _keep_chunk(
                     x, cols, end, m, inv_z, p_floor, lower, k_b, keep_ties, limit_ties, ties_seen
                 )
@@ -480,8 +427,6 @@ def _launch(
     has_top_k: bool = True,
     has_top_p: bool = True,
     slices: int | None = None,
-    temperature: torch.Tensor | None = None,
-    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     batch, vocab = logits.shape
     device = logits.device
@@ -513,54 +458,45 @@ def _launch(
     scalars = torch.empty((batch, 2), dtype=i64, device=device)
     state = torch.empty((2, batch, 2), dtype=i64, device=device)
     grid = (batch, n_slices)
-    common = {
-        "CHUNK": _CHUNK,
-        "HAS_TEMP": temperature is not None,
-        "HAS_ACTIVE": active is not None,
-        "num_warps": 4,
-    }
-    # The row gates, contiguous (the kernels index them by row); unused pointers get `ids`.
-    temp = ids if temperature is None else temperature.contiguous()
-    gate = ids if active is None else active.to(torch.int8).contiguous()
-    x = (logits, temp, gate)
+    common = {"CHUNK": _CHUNK, "num_warps": 4}
     stride, b, s = logits.stride(0), batch, n_slices
-    _stats_kernel[grid](*x, pmax, pkmin, stride, vocab, s, span, **common)
+    _stats_kernel[grid](logits, pmax, pkmin, stride, vocab, s, span, **common)
     if has_top_k:
         counts = torch.empty((2, batch, n_slices, PIVOTS), dtype=torch.int32, device=device)
         for t in range(PASSES):
             _top_k_pass_kernel[grid](
-                *x, top_k, pmax, pkmin, state, counts, stride, vocab, b, s, span, t,
+                logits, top_k, pmax, pkmin, state, counts, stride, vocab, b, s, span, t,
                 NP=PIVOTS, SP=sp, **common,
             )  # fmt: skip
     else:
         counts = state  # unused
     _z_kernel[grid](
-        *x, top_k, pmax, pkmin, state, counts, scalars, pz, stride, vocab, b, s, span,
+        logits, top_k, pmax, pkmin, state, counts, scalars, pz, stride, vocab, b, s, span,
         HAS_TOP_K=has_top_k, PASSES=PASSES, NP=PIVOTS, SP=sp, **common,
     )  # fmt: skip
     if has_top_p:
         _top_p_total_kernel[grid](
-            *x, top_p, min_p, pmax, pkmin, scalars, pz, ptot, stride, vocab, s, span,
+            logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, stride, vocab, s, span,
             SP=sp, **common,
         )  # fmt: skip
         masses = torch.empty((2, batch, n_slices, PIVOTS), dtype=f64, device=device)
         for t in range(PASSES):
             _top_p_pass_kernel[grid](
-                *x, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, stride,
+                logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, stride,
                 vocab, b, s, span, t, NP=PIVOTS, SP=sp, **common,
             )  # fmt: skip
         _ties_kernel[grid](
-            *x, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, pabove, pties,
+            logits, top_p, min_p, pmax, pkmin, scalars, pz, ptot, state, masses, pabove, pties,
             stride, vocab, b, s, span, PASSES=PASSES, NP=PIVOTS, SP=sp, **common,
         )  # fmt: skip
     tail = (pmax, pkmin, scalars, pz, ptot, pabove, pties, pkeep)
     _keep_kernel[grid](
-        *x, top_p, min_p, *tail, probs if probs is not None else pkeep, ok, stride, vocab,
+        logits, top_p, min_p, *tail, probs if probs is not None else pkeep, ok, stride, vocab,
         s, span, HAS_TOP_P=has_top_p, WRITE_PROBS=write_probs, SP=sp, **common,
     )  # fmt: skip
     if not write_probs:
         _draw_kernel[grid](
-            *x, top_p, min_p, uniforms, *tail, ids, stride, vocab, s, span,
+            logits, top_p, min_p, uniforms, *tail, ids, stride, vocab, s, span,
             HAS_TOP_P=has_top_p, SP=sp, **common,
         )  # fmt: skip
     return ids, ok.bool(), probs
@@ -586,15 +522,20 @@ def top_k_top_p_sample(
     int64, samplable [B] bool)`; a row without a finite logit gets token 0, samplable False.
     `has_top_k=False` / `has_top_p=False` promise that no row has that filter on (the caller
     knows from the host-side parameters) and skip its search launches. `slices` overrides how
-    many programs share a row (tests). `temperature` (`[B]`, > 0): the logits are divided by
-    it on the fly (then NaN reads as -inf, +inf as the float32 max), so untempered logits
-    need no tempered copy. `active` (`[B]` bool): rows it leaves out are not read at all and
-    come back as token 0, samplable False (the candidate draw's re-route of a few rows).
+    many programs share a row (tests).
+
+    `active` (`[B]` bool) or `temperature` (`[B]`, the logits then untempered) given: the
+    one-launch kernel of `triton_full_row_draw` instead (one program per row; rows `active`
+    leaves out give token 0, samplable False), for the few rows the sampler's candidate draw
+    re-routes.
     """
-    ids, ok, _ = _launch(
-        logits, top_k, top_p, uniforms, min_p, False, has_top_k, has_top_p, slices,
-        temperature, active,
-    )  # fmt: skip
+    if active is not None or temperature is not None:
+        from metrale.kernels.triton_full_row_draw import full_row_sample
+
+        if active is None:
+            active = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        return full_row_sample(logits, top_k, top_p, uniforms, min_p, temperature, active)
+    ids, ok, _ = _launch(logits, top_k, top_p, uniforms, min_p, False, has_top_k, has_top_p, slices)
     return ids, ok
 
 

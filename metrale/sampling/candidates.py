@@ -37,8 +37,8 @@ Invariants:
   of a cumulative boundary.
 - No host<->device synchronisation on CUDA: the per-row parameters go up in one pinned
   copy (`pack_rows`), and re-routed rows are drawn by the sync-free full-row kernel limited
-  to them (`KernelOps.top_k_top_p_sample(..., active=)`); only on the CPU, where nothing is
-  asynchronous, does the caller look at which rows to re-route.
+  to them (`KernelOps.top_k_top_p_sample(..., active=)`, one launch); only on the CPU, where
+  nothing is asynchronous, does the caller look at which rows to re-route.
 - The caller's logits are never written.
 """
 

@@ -26,10 +26,22 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 same processed distributions (stage 1 and `_probabilities`, shared with `_draw`), one logits
 row per draft position.
 
+Candidate draw: a batch with sampled rows whose every sampled row has a top-k of 1..
+`candidates.K_MAX` (greedy rows ride along) draws each row on its largest logits only
+(`metrale.sampling.candidates`: `torch.topk`, then stage 3 on `[B, width]`), the same
+function stage for stage; a row whose k-th largest logit ties past its candidates, or that
+holds a NaN, is re-routed to the full-row draw (on CUDA `ops.top_k_top_p_sample` with
+`active=` those rows and `temperature=`: one launch that skips the other rows, no sync; on
+the CPU the torch path on those rows). With `ops`, the raw logprob and rank then come from one `ops.token_logprobs` pass.
+`Sampler.stats` counts the batches by path, the re-routed rows (also listed in
+`SamplerOutput.rerouted_rows`) and, by reason, the sampled batches the candidate draw could
+not take (each reason also logged once). `candidate_k_max=None` turns it off.
+
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`. A batch of at least `KERNEL_MIN_ROWS`
+torch's); otherwise greedy rows take `ops.argmax`. Of the batches the candidate draw does not
+take, one of at least `KERNEL_MIN_ROWS`
 non-greedy rows that the torch path would fully sort (a top-p row without top-k) takes
 `ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; other batches keep the
 torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths

@@ -73,13 +73,15 @@ def _hard_logits(g: torch.Generator, size: int, vocab: int) -> torch.Tensor:
     return logits
 
 
-def test_full_row_kernel_tempers_on_the_fly_and_skips_inactive_rows() -> None:
-    """`temperature=` divides as torch does before the filters; `active=` leaves rows out."""
+@pytest.mark.parametrize("with_min_p", [True, False])
+def test_full_row_kernel_tempers_on_the_fly_and_skips_inactive_rows(with_min_p: bool) -> None:
+    """The one-launch kernel (`triton_full_row_draw`, taken when `active=` is given):
+    `temperature=` divides as torch does before the filters; `active=` leaves rows out."""
     from metrale.kernels import reference
 
     vocab = 600 if INTERPRET else 151_936
-    size = 8 if INTERPRET else 48
-    g = torch.Generator().manual_seed(31)
+    size = 16 if INTERPRET else 48
+    g = torch.Generator().manual_seed(31 + with_min_p)
     logits = _hard_logits(g, size, vocab)
     temperature = torch.tensor([0.7, 1.0, 1.3, 0.8, 2.0, 0.5, 1.1, 0.9] * (size // 8))
     top_k = torch.tensor([5, 50, 1, 20, 7, 300, 2, 40] * (size // 8))
@@ -87,12 +89,16 @@ def test_full_row_kernel_tempers_on_the_fly_and_skips_inactive_rows() -> None:
     min_p = torch.tensor([0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.0, 0.02] * (size // 8))
     uniforms = torch.rand(size, generator=g, dtype=torch.float64)
     active = torch.arange(size) % 3 != 1
-    args = [t.to(DEVICE) for t in (logits, top_k, top_p, uniforms, min_p)]
+    args = [t.to(DEVICE) for t in (logits, top_k, top_p, uniforms)]
+    floor = min_p if with_min_p else None
     ids, ok = ts.top_k_top_p_sample(
-        *args, temperature=temperature.to(DEVICE), active=active.to(DEVICE)
+        *args,
+        None if floor is None else floor.to(DEVICE),
+        temperature=temperature.to(DEVICE),
+        active=active.to(DEVICE),
     )
     ref_ids, ref_ok = reference.top_k_top_p_sample(
-        *[t.cpu() for t in args], temperature=temperature, active=active
+        *[t.cpu() for t in args], floor, temperature=temperature, active=active
     )
     assert ids.cpu().tolist() == ref_ids.tolist()
     assert ok.cpu().tolist() == ref_ok.tolist()
