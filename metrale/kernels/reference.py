@@ -501,6 +501,65 @@ def top_k_top_p_sample(
     return torch.where(samplable, ids, 0), samplable
 
 
+def candidate_sample(
+    values: torch.Tensor,
+    ids: torch.Tensor,
+    table: torch.Tensor,
+    vocab: int,
+    *,
+    has_top_p: bool = True,
+    has_min_p: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampler's draw on each row's candidates: `values` / `ids` `[B, W]`, a row's `W`
+    largest processed (untempered) logits in descending order and their token ids, as
+    `torch.topk` gives them (NaN first); `table` `[5, B]` float64: temperature, top_k, top_p,
+    min_p, uniform per row (`metrale.sampling.candidates.pack_rows`).
+
+    Per row: temper and sanitize (x / t, then NaN -> -inf, +inf -> float32 max); the top-k
+    threshold is the k-th candidate; softmax, min-p, top-p (float64 mass, ties ranked by id)
+    and the inverse-CDF draw, all in token-id order over the candidates. Returns `(token_ids
+    [B] int64, samplable [B] bool, rerouted [B] bool)`: `rerouted` marks a row the candidates
+    cannot hold (a NaN, or its last candidate tied with the threshold while `W < vocab` and
+    the threshold is finite), whose token and samplable are then not valid.
+    `has_top_p` / `has_min_p` False: no row has that filter on (a neutral filter changes
+    nothing either way)."""
+    width = values.shape[1]
+    f32 = torch.finfo(torch.float32)
+    values = values.float()
+    has_nan = torch.isnan(values[:, 0])
+    tempered = torch.nan_to_num(
+        values / table[0].float().unsqueeze(1),
+        nan=float("-inf"),
+        posinf=f32.max,
+        neginf=float("-inf"),
+    )
+    k = table[1].long().clamp(1, width)
+    threshold = tempered.gather(1, (k - 1).unsqueeze(1))
+    rerouted = has_nan
+    if width < vocab:
+        spill = (tempered[:, -1:] >= threshold) & (threshold > float("-inf"))
+        rerouted = rerouted | spill.squeeze(1)
+    ids, order = ids.sort(dim=-1)  # token-id order: the draw's and top-p's tie order
+    tempered = tempered.gather(1, order)
+    probs = torch.softmax(tempered.masked_fill(tempered < threshold, float("-inf")), dim=-1)
+    samplable = ~torch.isnan(probs[:, 0])
+    if has_min_p:
+        floor = probs.amax(dim=-1, keepdim=True) * table[3].float().unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if has_top_p:
+        p = table[2].float().unsqueeze(1)
+        sorted_probs, perm = probs.sort(dim=-1, descending=True, stable=True)
+        wide = sorted_probs.double()
+        mass_above = wide.cumsum(dim=-1) - wide
+        keep_sorted = (mass_above < wide.sum(dim=-1, keepdim=True) * p.double()) | (p >= 1.0)
+        keep = torch.zeros_like(keep_sorted).scatter(-1, perm, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+    cdf = probs.double().cumsum(dim=-1)
+    target = table[4].double().unsqueeze(1) * cdf[:, -1:]
+    column = torch.searchsorted(cdf, target, right=False).clamp_(max=width - 1)
+    return ids.gather(1, column).squeeze(1), samplable, rerouted
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, samplable: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """Triton kernels for the sampler's hot path: greedy argmax and the one-pass greedy logprob on
 the device. The top-k / min-p / top-p draw without a vocabulary sort lives in
-`triton_top_k_top_p` and is re-exported here.
+`triton_top_k_top_p`, the draw on top-k candidates in `triton_candidates`; both are
+re-exported here.
 
 Owner: kernels. `reference.argmax` and `reference.greedy_logprobs` define the functions;
 `tests/gpu/test_kernels.py` checks the kernels against them. The sampler (metrale/sampling)
@@ -24,10 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.triton_candidates import candidate_sample
 from metrale.kernels.triton_top_k_top_p import top_k_top_p_filter, top_k_top_p_sample
 
 __all__ = [
     "argmax",
+    "candidate_sample",
     "greedy_logprobs",
     "token_logprobs",
     "top_k_top_p_filter",

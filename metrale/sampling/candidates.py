@@ -50,10 +50,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from metrale.sampling.logits_processors import apply_min_p, apply_top_p
+from metrale.kernels import reference
 from metrale.sampling.processing import to_device
 
 if TYPE_CHECKING:
+    from metrale.kernels import KernelOps
     from metrale.sampling.params import SamplingParams
 
 __all__ = [
@@ -72,8 +73,6 @@ K_MAX = 1024
 _MIN_WIDTH = 64
 #: The uniform of a greedy row riding along: the first kept token in id order.
 _FIRST = 2.0**-60
-_NEG_INF = float("-inf")
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def eligible(params: SamplingParams, vocab: int) -> bool:
@@ -124,40 +123,23 @@ def inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
 
 
 def candidate_draw(
-    x: Tensor, table: Tensor, width: int, has_top_p: bool, has_min_p: bool
+    x: Tensor,
+    table: Tensor,
+    width: int,
+    has_top_p: bool,
+    has_min_p: bool,
+    ops: KernelOps | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The draw of every row of processed logits `x` `[N, V]` (untempered, unsanitized) on
     its `width` largest logits; `table` from `pack_rows`. Returns `(token_ids [N] int64,
     samplable [N] bool, rerouted [N] bool)`: a `rerouted` row's token and samplable flag are
     not valid (the caller draws it on the full row). `has_top_p` / `has_min_p`: whether any
-    row has that filter on (host knowledge; skipping a neutral filter changes nothing)."""
-    vocab = x.shape[1]
-    temperature = table[0].float()
-    top_k = table[1].long()
-    uniforms = table[4]
+    row has that filter on (host knowledge; skipping a neutral filter changes nothing).
+    The stages after `torch.topk` are `ops.candidate_sample` (one Triton launch on CUDA),
+    else `reference.candidate_sample` (torch)."""
     values, ids = x.topk(width, dim=-1, sorted=True)  # descending; NaN ranks first
-    values = values.float()
-    has_nan = torch.isnan(values[:, 0])
-    tempered = torch.nan_to_num(
-        values / temperature.unsqueeze(1), nan=_NEG_INF, posinf=_FLOAT32_MAX, neginf=_NEG_INF
-    )
-    k = top_k.clamp(1, width)
-    threshold = tempered.gather(1, (k - 1).unsqueeze(1))
-    rerouted = has_nan
-    if width < vocab:
-        spill = (tempered[:, -1:] >= threshold) & (threshold > _NEG_INF)
-        rerouted = rerouted | spill.squeeze(1)
-    ids, order = ids.sort(dim=-1)  # token-id order: the draw's and top-p's tie order
-    tempered = tempered.gather(1, order)
-    probs = torch.softmax(tempered.masked_fill(tempered < threshold, _NEG_INF), dim=-1)
-    samplable = ~torch.isnan(probs[:, 0])
-    if has_min_p:
-        probs = apply_min_p(probs, table[3].float())
-    if has_top_p:
-        probs = apply_top_p(probs, table[2].float())
-    columns = inverse_cdf(probs, uniforms)
-    token_ids = ids.gather(1, columns.unsqueeze(1)).squeeze(1)
-    return token_ids, samplable, rerouted
+    sample = reference.candidate_sample if ops is None else ops.candidate_sample
+    return sample(values, ids, table, x.shape[1], has_top_p=has_top_p, has_min_p=has_min_p)
 
 
 def greedy_uniform() -> float:

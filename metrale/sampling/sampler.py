@@ -399,7 +399,7 @@ class Sampler:
         has_top_p = any(p.top_p_enabled for p in sampled)
         has_min_p = any(p.min_p_enabled for p in sampled)
         token_ids, samplable, rerouted = candidates.candidate_draw(
-            x, table, width, has_top_p, has_min_p
+            x, table, width, has_top_p, has_min_p, self._ops
         )
         if route == "device":
             assert self._ops is not None

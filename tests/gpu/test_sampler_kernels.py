@@ -122,12 +122,14 @@ def test_token_logprobs_kernel_matches_the_reference() -> None:
 
 
 def test_candidate_draw_with_triton_ops_draws_the_torch_path_tokens() -> None:
-    """The candidate draw on the device, its re-routed rows through the gated kernel, the
-    result through `token_logprobs`: the same tokens as the full-row torch path."""
+    """The candidate draw on the device (`candidate_sample`), its re-routed rows through the
+    one-launch full-row kernel, the result through `token_logprobs`: the same tokens as the
+    full-row torch path."""
     vocab = 600 if INTERPRET else 151_936
     size = 8 if INTERPRET else 64
     ops = KernelOps(
         top_k_top_p_sample=ts.top_k_top_p_sample,
+        candidate_sample=ts.candidate_sample,
         token_logprobs=ts.token_logprobs,
         implementations={"top_k_top_p_sample": "triton", "token_logprobs": "triton"},
     )
@@ -185,3 +187,44 @@ def test_candidate_draw_does_not_synchronise_and_repeats_the_cpu_tokens() -> Non
     assert gpu.unsamplable_rows == cpu.unsamplable_rows == [1]
     assert {2, 4} <= set(gpu.rerouted_rows)
     assert sampler.stats["candidates"] == 2
+
+
+@pytest.mark.parametrize("width", [64, 100] if INTERPRET else [64, 128, 256, 100])
+def test_candidate_kernel_matches_the_reference(width: int) -> None:
+    """`candidate_sample` (one program per row, sorts of packed keys) against the torch
+    reference on `torch.topk` candidates: ties, NaN, +inf, -inf rows, greedy riders."""
+    from metrale.kernels import reference
+    from metrale.sampling.candidates import pack_rows
+
+    vocab = 100 if width == 100 else 600  # 100: the candidates are the whole vocabulary
+    size = 10 if INTERPRET else 64
+    g = torch.Generator().manual_seed(40 + width)
+    logits = _hard_logits(g, size, vocab)
+    params = [
+        SamplingParams(
+            temperature=[0.0, 0.7, 1.0, 1.3][i % 4],
+            top_k=[1, 5, 20, 32, 50][i % 5],
+            top_p=[1.0, 0.9, 0.5][i % 3],
+            min_p=[0.0, 0.05][i % 2],
+        )
+        for i in range(size)
+    ]
+    uniforms = torch.rand(size, generator=g, dtype=torch.float64).tolist()
+    table = pack_rows(params, uniforms, torch.device("cpu"))
+    values, ids = logits.topk(width, dim=-1)
+    for has_top_p, has_min_p in [(True, True), (False, False)]:
+        got = ts.candidate_sample(
+            values.to(DEVICE), ids.to(DEVICE), table.to(DEVICE), vocab,
+            has_top_p=has_top_p, has_min_p=has_min_p,
+        )  # fmt: skip
+        want = reference.candidate_sample(
+            values, ids, table, vocab, has_top_p=has_top_p, has_min_p=has_min_p
+        )
+        got_ids, got_ok, got_rerouted = (t.cpu() for t in got)
+        want_ids, want_ok, want_rerouted = want
+        assert got_rerouted.tolist() == want_rerouted.tolist()
+        assert got_ok.tolist() == want_ok.tolist()
+        valid = want_ok & ~want_rerouted
+        assert got_ids[valid].tolist() == want_ids[valid].tolist()
+        if width < vocab:
+            assert want_rerouted[2] and want_rerouted[4]  # NaN; every logit tied
