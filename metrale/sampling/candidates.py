@@ -6,15 +6,17 @@ is the sampler's (`metrale.sampling.sampler`'s module docstring): temperature, t
 logit >= the k-th largest stays, ties included), softmax, min-p, top-p (float64 mass, ties
 ranked by token id), the inverse-CDF draw in token-id order with the row's uniform. Here each
 row is first cut to its `width` largest processed logits (`torch.topk`, one launch family on
-the device), and every later stage runs on that `[N, width]` tensor:
+the device), and every later stage runs on that `[N, width]` tensor, in one launch on CUDA
+(`KernelOps.candidate_sample`: `kernels/triton_candidates.py`), by torch ops elsewhere
+(`kernels/reference.candidate_sample`):
 
 1. the candidates are tempered and sanitized exactly as the full row would be (the same
-   elementwise ops, so the same values), and re-ordered by token id;
+   elementwise division, so the same values), and ordered by token id;
 2. the top-k threshold is the k-th candidate value (tempering is monotone, so the k-th largest
    tempered logit is the tempered k-th largest logit);
-3. softmax, min-p and top-p (`logits_processors`, the full-sort form: on `width` columns a
-   sort is cheap) and the draw run on the id-ordered candidates, whose float64 cumulative
-   sums are the full row's with its zeros left out.
+3. softmax, min-p, top-p (the full-sort form: on `width` columns a sort is cheap) and the draw
+   run on the id-ordered candidates, whose float64 cumulative sums are the full row's with
+   its zeros left out.
 
 A row is exact on its candidates when every token the top-k keeps is one of them: when its
 last candidate is below the threshold (or the threshold is -inf: fewer than k finite logits,

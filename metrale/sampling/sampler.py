@@ -28,8 +28,8 @@ row per draft position.
 
 Candidate draw: a batch with sampled rows whose every sampled row has a top-k of 1..
 `candidates.K_MAX` (greedy rows ride along) draws each row on its largest logits only
-(`metrale.sampling.candidates`: `torch.topk`, then stage 3 on `[B, width]`), the same
-function stage for stage; a row whose k-th largest logit ties past its candidates, or that
+(`metrale.sampling.candidates`: `torch.topk`, then stage 3 on `[B, width]` in one
+`ops.candidate_sample` launch), the same function stage for stage; a row whose k-th largest logit ties past its candidates, or that
 holds a NaN, is re-routed to the full-row draw (on CUDA `ops.top_k_top_p_sample` with
 `active=` those rows and `temperature=`: one launch that skips the other rows, no sync; on
 the CPU the torch path on those rows). With `ops`, the raw logprob and rank then come from one `ops.token_logprobs` pass.
