@@ -29,22 +29,22 @@ row per draft position.
 Candidate draw: a batch with sampled rows whose every sampled row has a top-k of 1..
 `candidates.K_MAX` (greedy rows ride along) draws each row on its largest logits only
 (`metrale.sampling.candidates`: `torch.topk`, then stage 3 on `[B, width]` in one
-`ops.candidate_sample` launch), the same function stage for stage; a row whose k-th largest logit ties past its candidates, or that
-holds a NaN, is re-routed to the full-row draw (on CUDA `ops.top_k_top_p_sample` with
-`active=` those rows and `temperature=`: one launch that skips the other rows, no sync; on
-the CPU the torch path on those rows). With `ops`, the raw logprob and rank then come from one `ops.token_logprobs` pass.
-`Sampler.stats` counts the batches by path, the re-routed rows (also listed in
-`SamplerOutput.rerouted_rows`) and, by reason, the sampled batches the candidate draw could
-not take (each reason also logged once). `candidate_k_max=None` turns it off.
+`ops.candidate_sample` launch), the same function stage for stage. A row whose k-th largest
+logit ties past its candidates, or that holds a NaN, is re-routed to the full-row draw (on
+CUDA `ops.top_k_top_p_sample` with `active=` those rows and `temperature=`: one launch that
+skips the other rows, no sync; on the CPU the torch path on those rows). With `ops`, the raw
+logprob and rank then come from one `ops.token_logprobs` pass. `Sampler.stats` counts the
+batches by path, the re-routed rows (also listed in `SamplerOutput.rerouted_rows`) and, by
+reason, the sampled batches the candidate draw could not take (each reason also logged
+once). `candidate_k_max=None` turns it off.
 
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
 torch's); otherwise greedy rows take `ops.argmax`. Of the batches the candidate draw does not
-take, one of at least `KERNEL_MIN_ROWS`
-non-greedy rows that the torch path would fully sort (a top-p row without top-k) takes
-`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; other batches keep the
-torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
+take, one of at least `KERNEL_MIN_ROWS` non-greedy rows that the torch path would fully sort
+(a top-p row without top-k) takes `ops.top_k_top_p_sample` (no vocabulary sort) after the
+temperature; other batches keep the torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
 compute the function above, so which one a batch took does not change a seeded row's token
 (up to the floating-point reductions noted below: the kernel sums in another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
 one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the
@@ -228,6 +228,11 @@ class Sampler:
         self._kernel_for_full_sort_only = kernel_for_full_sort_only
         #: Largest top-k a batch's rows may have to take the candidate draw
         #: (`metrale.sampling.candidates`); None: never (tests and the benchmark).
+        if candidate_k_max is not None and not 1 <= candidate_k_max <= candidates.K_MAX:
+            raise MetraleError(
+                f"candidate_k_max must lie in 1..{candidates.K_MAX} (or be None), "
+                f"got {candidate_k_max}"
+            )
         self._candidate_k_max = candidate_k_max
         #: Batches by the path they took ("greedy_kernel", "candidates", "kernel", "torch"),
         #: "candidate_rerouted_rows" (rows of candidate draws that the full-row draw took,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from metrale.errors import MetraleError
 from metrale.kernels import KernelOps, reference
 from metrale.sampling import SamplingParams
 from metrale.sampling.candidates import K_MAX, candidate_width
@@ -164,3 +165,10 @@ def test_candidate_width() -> None:
     assert candidate_width(65, 151_936) == 256
     assert candidate_width(K_MAX, 151_936) == 2048
     assert candidate_width(300, 500) == 500
+
+
+def test_candidate_bound_is_checked() -> None:
+    with pytest.raises(MetraleError, match="candidate_k_max"):
+        Sampler(candidate_k_max=K_MAX + 1)
+    with pytest.raises(MetraleError, match="candidate_k_max"):
+        Sampler(candidate_k_max=0)
