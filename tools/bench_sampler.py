@@ -10,10 +10,17 @@ read back with `to_host`) for batches of non-greedy rows through each path:
   baseline the sampled step is measured against (issue 23: a sampled batch within 0.15 ms
   of greedy at 1 row and 0.5 ms at 128 rows).
 
+Two figures per path: "ms", whole calls back to back (host launch overhead included, as when
+nothing else runs), and "gpu_ms", what a call adds behind a busy GPU (`torch.cuda._sleep`
+of `--busy-ms` first, so the host launches it while the GPU is still busy, as the engine
+launches the sampler behind the decode forward; the difference against the sleep alone,
+including the wake-up of `to_host`'s wait, which greedy pays too). The step-time bar is on
+"gpu_ms": candidates over greedy.
+
 Usage (GPU): PYTHONPATH=. python3 tools/bench_sampler.py [--out result.json]
-Per setting and batch it prints each path's ms and the candidate path's excess over greedy,
-and writes them (with the sampler's path counters, so a batch that fell back shows) to
-`--out`. The kernel/torch figures decide the full-row routing
+Per setting and batch it prints each path's figures and the candidate path's excess over
+greedy, and writes them (with the sampler's path counters, so a batch that fell back shows)
+to `--out`. The kernel/torch figures decide the full-row routing
 (`metrale.sampling.sampler.KERNEL_MIN_ROWS` and the full-sort rule). `--profile` prints
 torch.profiler tables of one-row calls instead.
 """
@@ -53,10 +60,45 @@ def time_ms(fn: object, iters: int = 30) -> float:
     return start.elapsed_time(end) / iters
 
 
+def gpu_ms(fn: object, busy_cycles: int, iters: int = 10) -> float:
+    """What `fn` (one call, read back) adds behind `busy_cycles` of GPU sleep: the median of
+    `iters` timed runs with the call minus the median without it."""
+
+    def run(with_call: bool) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(busy_cycles)
+        if with_call:
+            fn()  # type: ignore[operator]
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    run(True)
+    base = sorted(run(False) for _ in range(iters))[iters // 2]
+    loaded = sorted(run(True) for _ in range(iters))[iters // 2]
+    return loaded - base
+
+
+def cycles_per_ms() -> float:
+    """GPU sleep cycles per millisecond (`torch.cuda._sleep` counts clock cycles)."""
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)  # warm
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="profile one call per setting")
+    parser.add_argument("--busy-ms", type=float, default=3.0, help="GPU sleep before gpu_ms")
     args = parser.parse_args()
     device = torch.device("cuda")
     ops = triton_kernel_ops()
@@ -71,6 +113,7 @@ def main() -> None:
     greedy_sampler = Sampler(seed=0, ops=ops)
     greedy = SamplingParams(temperature=0.0)
     g = torch.Generator(device=device).manual_seed(0)
+    busy = int(args.busy_ms * cycles_per_ms())
     result: dict[str, dict[str, dict[str, float]]] = {}
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -95,21 +138,26 @@ def main() -> None:
             logits = logits.float()
             rows = [SamplingRow(params=params) for _ in range(batch)]
             greedy_rows = [SamplingRow(params=greedy) for _ in range(batch)]
-            figures = {
-                "greedy": time_ms(
-                    lambda x=logits, r=greedy_rows: greedy_sampler.sample(x, r).to_host()
-                )
+            calls = {
+                "greedy": lambda x=logits, r=greedy_rows: greedy_sampler.sample(x, r).to_host()
             }
             for path, sampler in samplers.items():
-                figures[path] = time_ms(
-                    lambda s=sampler, x=logits, r=rows: s.sample(x, r).to_host()
-                )
+                calls[path] = lambda s=sampler, x=logits, r=rows: s.sample(x, r).to_host()
+            figures = {}
+            for path, call in calls.items():
+                figures[path] = time_ms(call)
+                figures[f"{path}_gpu"] = gpu_ms(call, busy)
             figures["candidates_over_greedy"] = figures["candidates"] - figures["greedy"]
+            figures["candidates_over_greedy_gpu"] = (
+                figures["candidates_gpu"] - figures["greedy_gpu"]
+            )
             result[name][str(batch)] = figures
-            print(f"{name:24s} B={batch:4d} greedy {figures['greedy']:.3f}  "
-                  f"candidates {figures['candidates']:.3f} "
-                  f"(+{figures['candidates_over_greedy']:.3f})  kernel {figures['kernel']:.3f}  "
-                  f"torch {figures['torch']:.3f} ms", flush=True)  # fmt: skip
+            print(f"{name:24s} B={batch:4d} ms (gpu_ms): greedy {figures['greedy']:.3f} "
+                  f"({figures['greedy_gpu']:.3f})  candidates {figures['candidates']:.3f} "
+                  f"({figures['candidates_gpu']:.3f}; +{figures['candidates_over_greedy_gpu']:.3f}"
+                  f" over greedy)  kernel {figures['kernel']:.3f} ({figures['kernel_gpu']:.3f})"
+                  f"  torch {figures['torch']:.3f} ({figures['torch_gpu']:.3f})",
+                  flush=True)  # fmt: skip
     counters = {path: sampler.stats for path, sampler in samplers.items()}
     print("path counters:", counters)
     if args.out:
