@@ -53,7 +53,7 @@ def _candidate_kernel(
     k = tl.minimum(tl.maximum(k, 1), W)
     threshold = tl.max(tl.where(offs == k - 1, x, float("-inf")), 0)
     last = tl.max(tl.where(offs == W - 1, x, float("-inf")), 0)
-    spill = (last >= threshold) & (threshold > float("-inf")) & (W < V)
+    spill = (last >= threshold) & (threshold > float("-inf")) & (V > W)
     rerouted = has_nan | spill
 
     m = tl.max(x, 0)

@@ -176,7 +176,7 @@ def _full_row_kernel(
             cdf = tl.zeros([], dtype=tl.float64)
             chosen = tl.full([], -1, dtype=tl.int64)
             last = tl.full([], -1, dtype=tl.int64)
-            c = 0
+            c = tl.zeros([], dtype=tl.int32)
             while (c < V) & (chosen < 0):
                 cols = c + offs
                 x = _load_row(base, cols, V, temp, HAS_TEMP)
