@@ -65,6 +65,9 @@ class EngineSnapshot:
     num_speculative_tokens: int = 0
     #: LoRA slot pool gauges and counters (`Engine.lora_stats`); empty when LoRA is off.
     lora: dict[str, int] = field(default_factory=dict)
+    #: The sampler's path counters (`Sampler.stats`: batches by path, re-routed rows,
+    #: full-row batches by reason).
+    sampler: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotTaker:
@@ -98,6 +101,7 @@ class SnapshotTaker:
             eager_forwards=counters.get("eager_forwards", 0),
             spec=copy.deepcopy(engine.spec_stats),
             spec_gate=dict(engine.speculation.gate.counters) if engine.speculation.gate else {},
+            sampler=dict(engine.sampler.stats),
             num_speculative_tokens=engine.speculation.k,
             lora=engine.lora_stats(),
         )

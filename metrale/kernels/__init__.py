@@ -52,6 +52,10 @@ class KernelOps:
     # Greedy rows of unprocessed logits: token, raw logprob, rank and samplable in one pass.
     greedy_logprobs: Callable = reference.greedy_logprobs
     top_k_top_p_sample: Callable = reference.top_k_top_p_sample
+    # The sampler's candidate draw: the draw on each row's top-k candidates, then the drawn
+    # token's raw logprob and rank in one pass.
+    candidate_sample: Callable = reference.candidate_sample
+    token_logprobs: Callable = reference.token_logprobs
     # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
     causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen
     causal_conv1d_update: Callable = ssm_reference.causal_conv1d_update

@@ -40,6 +40,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "argmax": ("metrale.kernels.triton_sampling", "argmax"),
     "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
+    "token_logprobs": ("metrale.kernels.triton_sampling", "token_logprobs"),
+    "candidate_sample": ("metrale.kernels.triton_candidates", "candidate_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
     "lora_plan": ("metrale.kernels.triton_lora", "lora_plan"),

@@ -1,6 +1,7 @@
 """Triton kernels for the sampler's hot path: greedy argmax and the one-pass greedy logprob on
 the device. The top-k / min-p / top-p draw without a vocabulary sort lives in
-`triton_top_k_top_p` and is re-exported here.
+`triton_top_k_top_p`, the draw on top-k candidates in `triton_candidates`; both are
+re-exported here.
 
 Owner: kernels. `reference.argmax` and `reference.greedy_logprobs` define the functions;
 `tests/gpu/test_kernels.py` checks the kernels against them. The sampler (metrale/sampling)
@@ -13,6 +14,9 @@ Invariants:
 - `greedy_logprobs`: the argmax (as `argmax`, +inf read as the float32 max) with its raw
   logprob from an online logsumexp, packed as the sampler reads it back; equal to the
   reference up to float32 summation order in the logsumexp.
+- `token_logprobs`: the same one pass for a drawn token (the candidate draw's result): its raw
+  logprob, its rank (strictly larger logits counted in the pass) and, for a row the draw
+  found unsamplable, the raw argmax instead, packed the same way.
 """
 
 from __future__ import annotations
@@ -21,9 +25,17 @@ import torch
 import triton
 import triton.language as tl
 
+from metrale.kernels.triton_candidates import candidate_sample
 from metrale.kernels.triton_top_k_top_p import top_k_top_p_filter, top_k_top_p_sample
 
-__all__ = ["argmax", "greedy_logprobs", "top_k_top_p_filter", "top_k_top_p_sample"]
+__all__ = [
+    "argmax",
+    "candidate_sample",
+    "greedy_logprobs",
+    "token_logprobs",
+    "top_k_top_p_filter",
+    "top_k_top_p_sample",
+]
 
 
 @triton.jit
@@ -113,5 +125,70 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _greedy_logprobs_kernel[(batch,)](
         logits, ids, packed, logits.stride(0), vocab, BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return ids, packed
+
+
+@triton.jit
+def _token_logprobs_kernel(
+    x_ptr, tok_ptr, ok_ptr, ids_ptr, packed_ptr, stride_x, V, BLOCK: tl.constexpr
+):
+    """One pass over a row: online logsumexp, running argmax (the unsamplable row's token)
+    and the count of logits strictly above the drawn token's."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    ok = tl.load(ok_ptr + row) != 0
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    tok = tl.minimum(tl.maximum(tok, 0), V - 1)
+    v_tok = tl.load(base + tok).to(tl.float32)
+    v_tok = tl.where(v_tok != v_tok, float("-inf"), v_tok)
+    v_tok = tl.minimum(v_tok, 3.4028234663852886e38)
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_id = tl.full([], 0, dtype=tl.int64)
+    total = tl.full([], 0.0, dtype=tl.float32)
+    above = tl.full([], 0, dtype=tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("-inf"), x)
+        x = tl.minimum(x, 3.4028234663852886e38)
+        above += tl.sum((x > v_tok).to(tl.int64), 0)
+        chunk_max = tl.max(x, 0)
+        chunk_id = tl.min(tl.where(x == chunk_max, cols, V), 0).to(tl.int64)
+        better = chunk_max > best
+        new_best = tl.maximum(best, chunk_max)
+        if new_best > float("-inf"):
+            total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), 0)
+        best_id = tl.where(better, chunk_id, best_id)
+        best = new_best
+    lse = best + tl.log(total)
+    value = tl.where(ok, v_tok, best)
+    logprob = value - lse
+    logprob = tl.where(logprob != logprob, float("-inf"), logprob)
+    rank = tl.where(ok, above + 1, 1)
+    token = tl.where(ok, tok, best_id)
+    tl.store(ids_ptr + row, token)
+    out = packed_ptr + row.to(tl.int64) * 4
+    tl.store(out, token.to(tl.float64))
+    tl.store(out + 1, logprob.to(tl.float64))
+    tl.store(out + 2, rank.to(tl.float64))
+    tl.store(out + 3, tl.where(ok, 1.0, 0.0).to(tl.float64))
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, samplable: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.token_logprobs` in one launch: one program per row, one pass over it."""
+    batch, vocab = logits.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    packed = torch.empty((batch, 4), dtype=torch.float64, device=logits.device)
+    if batch == 0:
+        return ids, packed
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    block = min(4096, triton.next_power_of_2(vocab))
+    _token_logprobs_kernel[(batch,)](
+        logits, token_ids.contiguous(), samplable.to(torch.int8).contiguous(), ids, packed,
+        logits.stride(0), vocab, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return ids, packed

@@ -512,6 +512,8 @@ def top_k_top_p_sample(
     has_top_k: bool = True,
     has_top_p: bool = True,
     slices: int | None = None,
+    temperature: torch.Tensor | None = None,
+    active: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of processed logits `[B, V]`; see `reference.top_k_top_p_sample`.
 
@@ -521,7 +523,18 @@ def top_k_top_p_sample(
     `has_top_k=False` / `has_top_p=False` promise that no row has that filter on (the caller
     knows from the host-side parameters) and skip its search launches. `slices` overrides how
     many programs share a row (tests).
+
+    `active` (`[B]` bool) or `temperature` (`[B]`, the logits then untempered) given: the
+    one-launch kernel of `triton_full_row_draw` instead (one program per row; rows `active`
+    leaves out give token 0, samplable False), for the few rows the sampler's candidate draw
+    re-routes.
     """
+    if active is not None or temperature is not None:
+        from metrale.kernels.triton_full_row_draw import full_row_sample
+
+        if active is None:
+            active = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        return full_row_sample(logits, top_k, top_p, uniforms, min_p, temperature, active)
     ids, ok, _ = _launch(logits, top_k, top_p, uniforms, min_p, False, has_top_k, has_top_p, slices)
     return ids, ok
 

@@ -7,7 +7,7 @@ Invariants:
 - Every row's token id, raw logprob, rank, samplable flag, top alternatives and (verify only)
   emitted flag travel back in one packed float64 tensor (ids and ranks are < 2**53, so
   float64 carries them exactly). Packed columns: id, logprob, rank, samplable, K top ids,
-  K top logprobs, then `emitted` when the batch has it.
+  K top logprobs, then `emitted` when the batch has it, then `rerouted` when it has that.
 - `SampledBatch.start_copy()` queues that copy into pinned memory and records an event; work
   queued on the stream afterwards never delays `to_host()`, which waits for the event only.
   Without a CUDA device the copy is immediate.
@@ -15,6 +15,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,9 @@ class SamplerOutput:
     #: `Sampler.verify` only: per logits row (position), whether the target emits its token
     #: (each sequence's accepted drafts and the one token after them). None from `sample`.
     emitted: list[bool] | None = None
+    #: Rows of a candidate draw (`metrale.sampling.candidates`) that the full-row draw took
+    #: instead (a NaN logit, or more ties at the k-th largest logit than the candidates).
+    rerouted_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -56,9 +60,14 @@ class SampledBatch:
     #: `Sampler.verify` only: `[B]` bool, whether the position's token is emitted; None from
     #: `sample`.
     emitted: Tensor | None = None
-    #: The results already packed on the device (`[B, 4 + 2K]` float64), when one kernel
-    #: produced them (`KernelOps.greedy_logprobs`); else packed from the fields above.
+    #: The results already packed on the device (`[B, 4 + 2K]` float64, then the
+    #: `emitted` / `rerouted` columns the batch has), when one kernel produced them
+    #: (`KernelOps.greedy_logprobs`, `token_logprobs`); else packed from the fields above.
     packed: Tensor | None = None
+    #: Candidate draw only: `[B]` bool, the rows the full-row draw took (packed last).
+    rerouted: Tensor | None = None
+    #: Told how many rows were re-routed when the result is read back (the sampler's counter).
+    on_rerouted: Callable[[int], None] | None = None
     #: The packed host copy started by `start_copy` and the event that marks it done.
     _host: Tensor | None = None
     _copied: torch.cuda.Event | None = None
@@ -76,6 +85,8 @@ class SampledBatch:
             columns += [self.top_token_ids, self.top_logprobs]
         if self.emitted is not None:
             columns.append(self.emitted.unsqueeze(1))
+        if self.rerouted is not None:
+            columns.append(self.rerouted.unsqueeze(1))
         # Token ids and ranks are < 2**53, so float64 carries them exactly: one copy.
         return torch.cat([c.to(torch.float64) for c in columns], dim=1)
 
@@ -109,6 +120,8 @@ class SampledBatch:
         unsamplable: list[int] = []
         tops: list[list[tuple[int, float]]] = []
         emitted: list[bool] | None = None if self.emitted is None else []
+        rerouted: list[int] = []
+        rerouted_column = 4 + 2 * width + (self.emitted is not None)
         for i, values in enumerate(packed):
             token_ids.append(int(values[0]))
             logprobs.append(values[1])
@@ -122,6 +135,10 @@ class SampledBatch:
                 tops.append([(int(t), lp) for t, lp in zip(ids, lps)])
             if emitted is not None:
                 emitted.append(bool(values[4 + 2 * width]))
+            if self.rerouted is not None and values[rerouted_column]:
+                rerouted.append(i)
+        if self.on_rerouted is not None and rerouted:
+            self.on_rerouted(len(rerouted))
         return SamplerOutput(
             token_ids=token_ids,
             logprobs=logprobs,
@@ -129,4 +146,5 @@ class SampledBatch:
             top_logprobs=tops if width else None,
             unsamplable_rows=unsamplable,
             emitted=emitted,
+            rerouted_rows=rerouted,
         )

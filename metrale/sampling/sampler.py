@@ -26,13 +26,25 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
 same processed distributions (stage 1 and `_probabilities`, shared with `_draw`), one logits
 row per draft position.
 
+Candidate draw: a batch with sampled rows whose every sampled row has a top-k of 1..
+`candidates.K_MAX` (greedy rows ride along) draws each row on its largest logits only
+(`metrale.sampling.candidates`: `torch.topk`, then stage 3 on `[B, width]` in one
+`ops.candidate_sample` launch), the same function stage for stage. A row whose k-th largest
+logit ties past its candidates, or that holds a NaN, is re-routed to the full-row draw (on
+CUDA `ops.top_k_top_p_sample` with `active=` those rows and `temperature=`: one launch that
+skips the other rows, no sync; on the CPU the torch path on those rows). With `ops`, the raw
+logprob and rank then come from one `ops.token_logprobs` pass. `Sampler.stats` counts the
+batches by path, the re-routed rows (also listed in `SamplerOutput.rerouted_rows`) and, by
+reason, the sampled batches the candidate draw could not take (each reason also logged
+once). `candidate_k_max=None` turns it off.
+
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`. A batch of at least `KERNEL_MIN_ROWS`
-non-greedy rows that the torch path would fully sort (a top-p row without top-k) takes
-`ops.top_k_top_p_sample` (no vocabulary sort) after the temperature; other batches keep the
-torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
+torch's); otherwise greedy rows take `ops.argmax`. Of the batches the candidate draw does not
+take, one of at least `KERNEL_MIN_ROWS` non-greedy rows that the torch path would fully sort
+(a top-p row without top-k) takes `ops.top_k_top_p_sample` (no vocabulary sort) after the
+temperature; other batches keep the torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
 compute the function above, so which one a batch took does not change a seeded row's token
 (up to the floating-point reductions noted below: the kernel sums in another order). One known difference: `ops.argmax` ranks a +inf logit above a float32-max
 one, where the torch path reads +inf as the float32 max (then ties go to the lowest id); the
@@ -65,6 +77,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +87,8 @@ import torch
 from torch import Tensor
 
 from metrale.errors import MetraleError
+from metrale.sampling import candidates
+from metrale.sampling.candidates import inverse_cdf as _inverse_cdf
 from metrale.sampling.logits_processors import apply_min_p, apply_top_k, apply_top_p
 from metrale.sampling.params import SamplingParams, mix_seed
 from metrale.sampling.processing import apply_to_rows, process_logits, to_device
@@ -91,6 +106,8 @@ __all__ = [
     "gather_logprobs",
     "row_uniform",
 ]
+
+logger = logging.getLogger(__name__)
 
 _NEG_INF = float("-inf")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -197,6 +214,7 @@ class Sampler:
         ops: KernelOps | None = None,
         kernel_min_rows: int | None = KERNEL_MIN_ROWS,
         kernel_for_full_sort_only: bool = True,
+        candidate_k_max: int | None = candidates.K_MAX,
     ) -> None:
         #: Source of unseeded rows' uniforms; None seeds it from OS entropy.
         self._rng = random.Random(None if seed is None else mix_seed(seed))
@@ -208,6 +226,21 @@ class Sampler:
         #: Whether the kernel takes only batches the torch path would fully sort (False:
         #: every batch of `kernel_min_rows` or more; tests and the benchmark).
         self._kernel_for_full_sort_only = kernel_for_full_sort_only
+        #: Largest top-k a batch's rows may have to take the candidate draw
+        #: (`metrale.sampling.candidates`); None: never (tests and the benchmark).
+        if candidate_k_max is not None and not 1 <= candidate_k_max <= candidates.K_MAX:
+            raise MetraleError(
+                f"candidate_k_max must lie in 1..{candidates.K_MAX} (or be None), "
+                f"got {candidate_k_max}"
+            )
+        self._candidate_k_max = candidate_k_max
+        #: Batches by the path they took ("greedy_kernel", "candidates", "kernel", "torch"),
+        #: "candidate_rerouted_rows" (rows of candidate draws that the full-row draw took,
+        #: counted when read back), and "full_row:<reason>" (batches with a sampled row that
+        #: the candidate draw could not take). Read by metrics and the benchmark.
+        self.stats: dict[str, int] = {}
+        #: Reasons already logged (each once per sampler).
+        self._logged: set[str] = set()
 
     def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sample(logits, rows).to_host()
@@ -249,6 +282,7 @@ class Sampler:
             # The decode common case: one kernel gives the token, its raw logprob, its rank
             # (1: nothing beats the argmax of unprocessed logits) and samplable, packed.
             token_ids, packed = self._ops.greedy_logprobs(logits)
+            self._count("greedy_kernel")
             return SampledBatch(
                 token_ids=token_ids,
                 logprobs=packed[:, 1],
@@ -264,6 +298,10 @@ class Sampler:
 
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if sampled:
+            route = self._candidate_route(rows, vocab, device)
+            if route is not None:
+                return self._sample_candidates(raw, x, rows, route, top_counts, max_top)
         if not sampled:
             token_ids, samplable = _greedy(x, self._ops)
         elif not greedy:
@@ -299,11 +337,145 @@ class Sampler:
 
         return verify(self, logits, rows, drafts, pending_tokens)
 
+    def _count(self, key: str, amount: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + amount
+
+    def _candidate_route(
+        self, rows: Sequence[SamplingRow], vocab: int, device: torch.device
+    ) -> str | None:
+        """How a batch with sampled rows takes the candidate draw: "device" (re-routed rows
+        through `ops.top_k_top_p_sample`'s full-row kernel, no sync), "host" (the CPU: the
+        torch path on the re-routed rows), or None (the full-row paths; counted and logged
+        once per reason)."""
+        k_max = self._candidate_k_max
+        if k_max is None:
+            return None
+        reason = None
+        for row in rows:
+            params = row.params
+            if params.is_greedy:
+                continue
+            if not params.top_k_filters(vocab):
+                reason = "a sampled row without a top-k"
+                break
+            if params.top_k > k_max:
+                reason = "a top-k above the candidate bound"
+                break
+        route = None
+        if reason is None:
+            ops = self._ops
+            if (
+                ops is not None
+                and ops.implementations.get("top_k_top_p_sample", "torch") != "torch"
+            ):
+                route = "device"
+            elif device.type == "cpu":
+                route = "host"
+            else:
+                reason = "no full-row kernel for re-routed rows on this device"
+        if route is None:
+            key = f"full_row:{reason}"
+            self._count(key)
+            if key not in self._logged:
+                self._logged.add(key)
+                logger.info("sampler: a sampled batch takes the full-row draw (%s)", reason)
+        return route
+
+    def _sample_candidates(
+        self,
+        raw: Tensor,
+        x: Tensor,
+        rows: Sequence[SamplingRow],
+        route: str,
+        top_counts: Sequence[int],
+        max_top: int,
+    ) -> SampledBatch:
+        """The batch through `candidates.candidate_draw` (greedy rows ride along as its
+        argmax rows), its re-routed rows through the full-row draw, then the result."""
+        vocab = x.shape[1]
+        params = [row.params for row in rows]
+        uniforms = [
+            candidates.greedy_uniform() if p.is_greedy else self._uniform(row)
+            for row, p in zip(rows, params)
+        ]
+        sampled = [p for p in params if not p.is_greedy]
+        width = candidates.candidate_width(max(p.top_k for p in sampled), vocab)
+        table = candidates.pack_rows(params, uniforms, x.device)
+        has_top_p = any(p.top_p_enabled for p in sampled)
+        has_min_p = any(p.min_p_enabled for p in sampled)
+        token_ids, samplable, rerouted = candidates.candidate_draw(
+            x, table, width, has_top_p, has_min_p, self._ops
+        )
+        if route == "device":
+            assert self._ops is not None
+            full_ids, full_ok = self._ops.top_k_top_p_sample(
+                x, table[1], table[2], table[4], table[3] if has_min_p else None,
+                has_top_k=True, has_top_p=has_top_p, temperature=table[0], active=rerouted,
+            )  # fmt: skip
+            token_ids = torch.where(rerouted, full_ids, token_ids)
+            samplable = torch.where(rerouted, full_ok, samplable)
+        else:
+            token_ids, samplable = self._reroute_on_host(
+                x, rows, uniforms, rerouted, token_ids, samplable
+            )
+        self._count("candidates")
+        if self._ops is not None and max_top == 0:
+            token_ids, packed = self._ops.token_logprobs(raw, token_ids, samplable)
+            packed = torch.cat([packed, rerouted.to(torch.float64).unsqueeze(1)], dim=1)
+            batch = SampledBatch(
+                token_ids=token_ids,
+                logprobs=packed[:, 1],
+                ranks=packed[:, 2],
+                samplable=packed[:, 3],
+                top_token_ids=None,
+                top_logprobs=None,
+                top_counts=[0] * len(rows),
+                packed=packed,
+                rerouted=rerouted,
+            )
+        else:
+            batch = _finish(raw, token_ids, samplable, top_counts, max_top)
+            batch.rerouted = rerouted
+        batch.on_rerouted = self._count_rerouted
+        return batch
+
+    def _count_rerouted(self, rows: int) -> None:
+        self._count("candidate_rerouted_rows", rows)
+
+    def _reroute_on_host(
+        self,
+        x: Tensor,
+        rows: Sequence[SamplingRow],
+        uniforms: Sequence[float],
+        rerouted: Tensor,
+        token_ids: Tensor,
+        samplable: Tensor,
+    ) -> tuple[Tensor, Tensor]:
+        """CPU only (nothing to synchronise): the torch path's draw for the re-routed rows,
+        with the uniforms they already drew."""
+        index = rerouted.nonzero().flatten().tolist()
+        if not index:
+            return token_ids, samplable
+        token_ids, samplable = token_ids.clone(), samplable.clone()
+        greedy = [i for i in index if rows[i].params.is_greedy]
+        if greedy:
+            ids, ok = _greedy(x[greedy])
+            token_ids[greedy], samplable[greedy] = ids, ok
+        drawn = [i for i in index if not rows[i].params.is_greedy]
+        if drawn:
+            sub_rows = [rows[i] for i in drawn]
+            probs, ok = _filter(_temper(x[drawn], sub_rows), sub_rows)
+            u = torch.tensor([uniforms[i] for i in drawn], dtype=torch.float64)
+            token_ids[drawn], samplable[drawn] = _inverse_cdf(probs, u), ok
+        return token_ids, samplable
+
     def _draw(self, x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
         """Temperature, top-k, min-p, top-p and the random draw for non-greedy rows."""
         x = _temper(x, rows)
         if self._takes_kernel(rows, x.shape[1]):
+            self._count("kernel")
             return self._draw_with_kernel(x, rows)
+        self._count("torch")
         probs, samplable = _filter(x, rows)
         uniforms = [self._uniform(row) for row in rows]
         token_ids = _inverse_cdf(probs, to_device(uniforms, torch.float64, x.device))
@@ -430,21 +602,6 @@ def _finish(
         top_counts=[min(count, max_top) for count in top_counts],
         emitted=emitted,
     )
-
-
-def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """Per row, the first token whose cumulative probability reaches `uniforms * total`.
-
-    `probs` `[N, V]` are non-negative (unnormalised is fine), `uniforms` `[N]` in (0, 1). The
-    cumulative sum is float64, so even tokens far below float32's resolution of the total keep
-    their probability. Zero-probability tokens are never chosen: the target is > 0 and the
-    cumulative sum does not rise at them. Rows of NaN give some id in range (the caller
-    replaces unsamplable rows).
-    """
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    target = uniforms.to(torch.float64).unsqueeze(1) * cdf[:, -1:]
-    token_ids = torch.searchsorted(cdf, target, right=False).squeeze(1)
-    return token_ids.clamp_(max=probs.shape[-1] - 1)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

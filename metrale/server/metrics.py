@@ -195,6 +195,30 @@ class _EngineCollector(Collector):
             "swap preemptions turned into recompute because swap space was full",
             stats.swap_fallbacks,
         )
+        sampler = snap.sampler
+        yield _by_label(
+            "metrale_sampler_batches",
+            "sampler calls by path: greedy_kernel (one-pass greedy), candidates (draw on the "
+            "top-k candidates), kernel (sort-free full-row kernel), torch (full-row torch path)",
+            "path",
+            {p: sampler.get(p, 0) for p in ("greedy_kernel", "candidates", "kernel", "torch")},
+        )
+        yield _by_label(
+            "metrale_sampler_full_row_batches",
+            "sampled batches the candidate draw could not take, by reason",
+            "reason",
+            {
+                k.removeprefix("full_row:"): v
+                for k, v in sampler.items()
+                if k.startswith("full_row:")
+            },
+        )
+        yield counter(
+            "metrale_sampler_rerouted_rows",
+            "rows of candidate draws drawn on the full row instead (a NaN logit, or more ties "
+            "at the k-th largest logit than the candidates hold)",
+            sampler.get("candidate_rerouted_rows", 0),
+        )
         yield _by_label(
             "metrale_forwards", "model forwards, by path (graph replay or eager)", "path",
             {"graph": snap.graph_forwards, "eager": snap.eager_forwards},

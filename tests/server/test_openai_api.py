@@ -476,6 +476,26 @@ def test_messages_event_sequence(server: ServerProcess) -> None:
 # ---------------------------------------------------------------------- metrics
 
 
+def test_sampler_metrics_count_the_candidate_draw(
+    server: ServerProcess, client: openai.OpenAI
+) -> None:
+    before = scrape(server.url)
+    client.completions.create(
+        model=SERVED_NAME,
+        prompt="abc",
+        max_tokens=4,
+        temperature=0.8,
+        top_p=0.95,
+        seed=3,
+        extra_body={"top_k": 5, "ignore_eos": True},
+    )
+    after = scrape(server.url)
+    moved = metric(after, "metrale_sampler_batches_total", path="candidates") - metric(
+        before, "metrale_sampler_batches_total", path="candidates"
+    )
+    assert moved >= 4  # every token of the request was drawn on its candidates
+
+
 def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) -> None:
     before = scrape(server.url)
     client.completions.create(
@@ -505,6 +525,8 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     assert metric(after, "metrale_kv_blocks_total") == 255
     assert ("metrale_preemptions_total", (("mode", "recompute"),)) in after
     assert moved("metrale_forwards_total", path="eager") >= 5  # CPU: no graphs, every forward eager
+    assert ("metrale_sampler_batches_total", (("path", "candidates"),)) in after
+    assert ("metrale_sampler_rerouted_rows_total", ()) in after
     assert metric(after, "metrale_forwards_total", path="graph") == 0
     for series, labels in (
         ("metrale_prefix_cache_evicted_blocks_total", ()),
