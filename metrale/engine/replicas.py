@@ -260,7 +260,17 @@ class ReplicatedEngine:
             thread.join(timeout + 10.0)
 
     def snapshot(self) -> EngineSnapshot:
-        return sum_snapshots([r.snapshot() for r in self.replicas])
+        return sum_snapshots([self._snapshot_of(r) for r in self.replicas])
+
+    @staticmethod
+    def _snapshot_of(replica: EngineHandle) -> EngineSnapshot:
+        """The replica's snapshot; one that has sent none yet (it never ran a request)
+        counts its whole pool as free."""
+        snap = replica.snapshot()
+        if snap.num_total_blocks == 0 and snap.num_steps == 0:
+            blocks = replica.info.num_total_blocks
+            snap = replace(snap, num_total_blocks=blocks, num_free_blocks=blocks)
+        return snap
 
     def num_open_requests(self) -> int:
         return sum(r.num_open_requests() for r in self.replicas)
@@ -288,7 +298,7 @@ class ReplicatedEngine:
                 routed_load=routed[i]["load"],
                 routed_matched_tokens=matched[i],
                 recorded_blocks=recorded[i],
-                snapshot=replica.snapshot(),
+                snapshot=self._snapshot_of(replica),
             )
             for i, replica in enumerate(self.replicas)
         ]
