@@ -275,3 +275,22 @@ def test_replicas_of_different_models_are_refused() -> None:
     with pytest.raises(MetraleError, match="differ in max_model_len"):
         ReplicatedEngine([FakeReplica(), FakeReplica(info=_info(max_model_len=512))])
     ReplicatedEngine([FakeReplica(), FakeReplica(info=_info(num_total_blocks=9))])
+
+
+def test_serve_flags() -> None:
+    from metrale.cli import build_parser
+    from metrale.server.serve_flags import check_vllm_compat_flags
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m", "-dp", "2", "--data-parallel-load-margin", "0"])
+    check_vllm_compat_flags(args)
+    assert (args.data_parallel_size, args.data_parallel_load_margin) == (2, 0)
+    assert parser.parse_args(["serve", "m"]).data_parallel_size == 1
+    for bad, message in (
+        (["--data-parallel-size", "0"], "must be >= 1"),
+        (["-dp", "2", "--engine-in-process"], "own process"),
+        (["--data-parallel-load-margin", "-1"], "load-margin"),
+    ):
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            check_vllm_compat_flags(parser.parse_args(["serve", "m", *bad]))
+        assert err.value.param in ("data_parallel_size", "data_parallel_load_margin")
