@@ -12,7 +12,8 @@ replicas share the cores, each process's torch threads set to an equal share
 
 Invariants:
 - All replicas serve the same model: at construction their `EngineInfo`s must agree on every
-  field but the KV pool size, or it is a `MetraleError` naming the field and the replicas.
+  field but the KV pool size (the vision front end: on whether there is one), or it is a
+  `MetraleError` naming the field and the replicas.
 - A stream stays bound to the replica that accepted it (its aborts go there). A replica that
   dies fails its own in-flight requests with `EngineDeadError` (its handle's rule) and is
   skipped by the router until its supervisor has restarted it (unless restarts are off: then
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: `EngineInfo` fields the replicas may differ in (each sizes its own KV pool from its memory).
 _PER_REPLICA_INFO = frozenset({"num_total_blocks"})
+#: `EngineInfo` fields compared by presence only (objects without value equality, built from
+#: the same checkpoint in each replica).
+_PRESENCE_INFO = frozenset({"vision"})
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ def check_same_model(infos: Sequence[EngineInfo]) -> None:
             if f.name in _PER_REPLICA_INFO:
                 continue
             mine, theirs = getattr(first, f.name), getattr(info, f.name)
+            if f.name in _PRESENCE_INFO:
+                mine, theirs = mine is not None, theirs is not None
             if mine != theirs:
                 raise MetraleError(
                     f"data-parallel replicas 0 and {index} differ in {f.name} "
@@ -392,6 +398,8 @@ class ReplicatedEngine:
             self._seen_restarts[index] = restarts
             if not available:
                 logger.error("data-parallel replica %d is down; routing to the others", index)
+        if available and not self._was_available[index]:
+            logger.warning("data-parallel replica %d is serving again", index)
         self._was_available[index] = available
         return available
 

@@ -274,7 +274,12 @@ def test_control_reaches_every_replica_once() -> None:
 def test_replicas_of_different_models_are_refused() -> None:
     with pytest.raises(MetraleError, match="differ in max_model_len"):
         ReplicatedEngine([FakeReplica(), FakeReplica(info=_info(max_model_len=512))])
+    with pytest.raises(MetraleError, match="differ in vision"):
+        ReplicatedEngine([FakeReplica(), FakeReplica(info=_info(vision=object()))])
     ReplicatedEngine([FakeReplica(), FakeReplica(info=_info(num_total_blocks=9))])
+    ReplicatedEngine(  # each replica builds its own vision front end: compared by presence
+        [FakeReplica(info=_info(vision=object())), FakeReplica(info=_info(vision=object()))]
+    )
 
 
 def test_serve_flags() -> None:
