@@ -180,5 +180,7 @@ def test_serve_data_parallel_size_2_end_to_end() -> None:
         assert sum(routed) == 3 and sorted(routed)[-1] == 2  # the repeat went to its replica
         assert metric(samples, "metrale_kv_blocks_total") == 2 * 63
         assert "data-parallel replica 1" in server.log()
+        (card,) = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
+        assert card["data_parallel_size"] == 2
     finally:
         server.close()
