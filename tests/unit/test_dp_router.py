@@ -250,7 +250,16 @@ def test_a_dead_replica_is_skipped_and_an_add_it_refused_is_retried() -> None:
     _add(engine, "a2", [*_ids(40), 9])  # routed to 0 (its prefix), refused, retried on 1
     assert reps[1].added == ["a2"] and engine.dead_error is None and engine.is_running
     assert engine.replica_stats()[0].recorded_blocks == 0  # its record is gone
-    reps[1].dead = True
+    # Replica 1 restarts (its supervisor brought up a fresh engine): its cache is empty, so
+    # the router forgets what it sent there; the prefix goes by load again.
+    assert engine.router.matched_blocks(1, block_hashes(_ids(40), BS)) == 10
+    reps[1].restarts = 1
+    reps[0].dead, reps[0].die_on_add = False, False
+    _add(engine, "a3", [*_ids(40), 8])
+    stats = engine.replica_stats()
+    assert reps[1].added == ["a2", "a3"] and reps[0].added == ["a"]
+    assert (stats[1].routed_prefix, stats[1].routed_load) == (0, 2)  # without the restart: 1, 1
+    reps[0].dead = reps[1].dead = True
     assert engine.dead_error is not None and not engine.is_running
     with pytest.raises(EngineDeadError, match="all 2 data-parallel replicas are down"):
         _add(engine, "c", _ids(8))
