@@ -24,7 +24,8 @@ from metrale.engine.router import block_hashes
 from metrale.engine.supervisor import SupervisedEngine
 from metrale.errors import EngineDeadError
 from metrale.server.app import create_app
-from tests.server.helpers import SERVED_NAME, ServerProcess, metric, scrape
+from tests.helpers.lora import ADAPTER_B, build_adapter
+from tests.server.helpers import SERVED_NAME, ServerProcess, metric, scrape, tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -160,7 +161,13 @@ def test_a_dead_replica_fails_its_requests_and_the_other_keeps_serving(
 
 
 def test_serve_data_parallel_size_2_end_to_end() -> None:
-    server = ServerProcess("--data-parallel-size", "2", "--num-kv-blocks", "64")
+    """The command: flags, summary, routed counters, the card; a LoRA adapter loaded at run
+    time reaches both replicas (a replica without it would refuse the request)."""
+    adapter = str(build_adapter(tiny_checkpoint(), ADAPTER_B))
+    server = ServerProcess(
+        "--data-parallel-size", "2", "--num-kv-blocks", "64", "--enable-lora-runtime-updates",
+        "--generation-config", "none",
+    )  # fmt: skip
     try:
         server.wait_ready(timeout=120)
         prompt = "def fibonacci(n):"
@@ -182,5 +189,29 @@ def test_serve_data_parallel_size_2_end_to_end() -> None:
         assert "data-parallel replica 1" in server.log()
         (card,) = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
         assert card["data_parallel_size"] == 2
+
+        load = {"lora_name": ADAPTER_B.name, "lora_path": adapter}
+        answer = httpx.post(server.url + "/v1/load_lora_adapter", json=load, timeout=60)
+        assert answer.status_code == 200, answer.text
+        texts: dict[str, list[str]] = {}
+        # Under one block: routed by load (equal loads: to the replica sent fewer requests so
+        # far: 3 went to one replica above, so 5 reach both).
+        short = [11, 12, 13, 14, 15]
+        for model in [ADAPTER_B.name] * 5 + [SERVED_NAME]:
+            body = {"model": model, "prompt": short, "max_tokens": 8, "min_tokens": 8,
+                    "temperature": 0}  # fmt: skip
+            answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert answer.status_code == 200, answer.text
+            texts.setdefault(model, []).append(answer.json()["choices"][0]["text"])
+        adapted = texts[ADAPTER_B.name]
+        assert adapted == [adapted[0]] * 5 and adapted[0] != texts[SERVED_NAME][0]
+        after = scrape(server.url)
+        for i in range(2):  # each replica served some of the adapter requests
+            grew = sum(
+                metric(after, "metrale_dp_requests_routed_total", replica=str(i), reason=r)
+                - metric(samples, "metrale_dp_requests_routed_total", replica=str(i), reason=r)
+                for r in ("prefix", "load")
+            )
+            assert grew >= 1, (i, grew)
     finally:
         server.close()
