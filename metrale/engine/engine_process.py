@@ -34,6 +34,9 @@ Invariants:
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
   stream with `EngineDeadError` and refuses new requests.
+- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`) reaches
+  the child only: this process's environment holds it, under a lock, just while the child
+  starts (a spawned child copies the environment then), and is restored right after.
 - The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
   closes, so it never outlives the server.
 - Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
