@@ -34,6 +34,9 @@ Invariants:
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
   stream with `EngineDeadError` and refuses new requests.
+- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`) reaches
+  the child only: this process's environment holds it, under a lock, just while the child
+  starts (a spawned child copies the environment then), and is restored right after.
 - The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
   closes, so it never outlives the server.
 - Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
@@ -49,10 +52,12 @@ import copy
 import gc
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
@@ -200,6 +205,29 @@ class _ChildLoop:
 
 # ---------------------------------------------------------------------------- parent
 
+#: Serialises the environment swap around a child's start (a spawned child copies this
+#: process's environment when it starts, and only then).
+_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _child_environ(env: Mapping[str, str] | None) -> Iterator[None]:
+    """Set `env` in this process's environment while a child starts, then restore it."""
+    if not env:
+        yield
+        return
+    with _ENV_LOCK:
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
 
 @dataclass
 class _PendingAdd:
@@ -211,8 +239,16 @@ class _PendingAdd:
 class EngineProcess(HandleBase[Assembly]):
     """The parent's handle on the engine process: the process transport of `HandleBase`."""
 
-    def __init__(self, config: EngineConfig, *, start_timeout: float | None = None) -> None:
-        """Start the child and wait until its model is loaded (raises why it could not)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        start_timeout: float | None = None,
+        child_env: Mapping[str, str] | None = None,
+    ) -> None:
+        """Start the child and wait until its model is loaded (raises why it could not).
+        `child_env`: variables set in the child's environment only (a data-parallel
+        replica's `CUDA_VISIBLE_DEVICES`, `metrale.engine.replicas`)."""
         super().__init__()  # _lock guards _streams, _pending, _dead, _draining
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe(duplex=True)
@@ -222,7 +258,8 @@ class EngineProcess(HandleBase[Assembly]):
             name="metrale-engine",
             daemon=True,
         )
-        self._process.start()
+        with _child_environ(child_env):
+            self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
         #: Adds the child has not answered yet.

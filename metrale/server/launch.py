@@ -15,7 +15,9 @@ Invariants:
   the engine thread and exit 0. A second Ctrl-C exits at once.
 - The engine handle is a `SupervisedEngine`: a dead engine fails its in-flight requests at
   once and, unless `--no-restart-engine-on-failure`, is restarted without restarting the
-  server.
+  server. With `--data-parallel-size N` (> 1) it is a `ReplicatedEngine` over N supervised
+  `EngineProcess` replicas (`metrale.engine.replicas`): a dead replica's requests fail, the
+  others keep serving.
 - vLLM's common serve flags are accepted with vLLM's meaning; one asking for a feature that
   is not built (`--tensor-parallel-size 2`) is a start-up error naming the feature.
 - An M2M100/NLLB checkpoint is served by `metrale.server.translation` (beam search on a
@@ -37,6 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from metrale.engine.router import DEFAULT_LOAD_MARGIN
 from metrale.errors import InvalidRequestError, MetraleError
 from metrale.sampling.params import MAX_LOGPROBS
 from metrale.server.serve_flags import (
@@ -158,6 +161,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         src_lang=args.src_lang,
         tgt_lang=args.tgt_lang,
         enable_lora_runtime_updates=lora_updates,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_load_margin=args.data_parallel_load_margin,
     )
 
 
@@ -183,6 +188,8 @@ def serve(
     src_lang: str | None = None,
     tgt_lang: str | None = None,
     enable_lora_runtime_updates: bool = False,
+    data_parallel_size: int = 1,
+    data_parallel_load_margin: int = DEFAULT_LOAD_MARGIN,
 ) -> int:
     import uvicorn
 
@@ -201,14 +208,22 @@ def serve(
         model_dir,
         config.device,
         config.dtype,
-        "in its own process" if engine_process else "on a thread of this process",
+        f"{data_parallel_size} replicas, each in its own process"
+        if data_parallel_size > 1
+        else "in its own process"
+        if engine_process
+        else "on a thread of this process",
     )
     start = time.perf_counter()
 
     def build() -> EngineHandle:
         return EngineProcess(config) if engine_process else AsyncEngine.from_config(config)
 
-    engine: EngineHandle = SupervisedEngine(build, restart=restart_engine)
+    engine: EngineHandle
+    if data_parallel_size > 1:
+        engine = _replicated(config, data_parallel_size, data_parallel_load_margin, restart_engine)
+    else:
+        engine = SupervisedEngine(build, restart=restart_engine)
     info = engine.info
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
@@ -269,6 +284,31 @@ def serve(
         sock.close()
     logger.info("server stopped")
     return 0
+
+
+def _replicated(config: Any, size: int, load_margin: int, restart: bool) -> Any:
+    """`size` supervised `EngineProcess` replicas (each on its own GPU on CUDA, sharing the
+    cores on the CPU) behind a `ReplicatedEngine`."""
+    from metrale.engine.engine_process import EngineProcess
+    from metrale.engine.replicas import ReplicatedEngine, build_replicas, replica_envs
+    from metrale.engine.supervisor import SupervisedEngine
+
+    envs = replica_envs(config.device, size)
+
+    def factory(env: dict[str, str]) -> Any:
+        def build() -> Any:
+            return EngineProcess(config, child_env=env)
+
+        return lambda: SupervisedEngine(build, restart=restart)
+
+    replicas = build_replicas([factory(env) for env in envs])
+    for index, (replica, env) in enumerate(zip(replicas, envs, strict=True)):
+        logger.info(
+            "data-parallel replica %d: %s %s, %d KV blocks%s", index, replica.info.device,
+            replica.info.dtype, replica.info.num_total_blocks,
+            "".join(f", {k}={v}" for k, v in env.items()),
+        )  # fmt: skip
+    return ReplicatedEngine(replicas, load_margin=load_margin)
 
 
 def _serve_translation(

@@ -20,6 +20,9 @@ Invariants:
 - The speculative decoding series (`metrale_spec_decode_*`, vLLM's names) are always exposed,
   zero when speculation is off; the per-position series has one `position` per draft slot
   (0..k-1), none when speculation is off.
+- With data-parallel replicas, the engine series are their sums (`ReplicatedEngine.snapshot`)
+  and the `metrale_dp_*` series give each replica's own (`replica` label: its index, so
+  bounded by `--data-parallel-size`); without, there are no `metrale_dp_*` series.
 - The LoRA series (`metrale_lora_*`: slots, adapters resident and registered, sequences
   waiting for a slot, promotions, evictions, disk loads) exist only when LoRA is on.
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -37,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from metrale.cache.ssm_snapshots import MISS_CAUSES
 from metrale.engine.async_engine import EngineHandle, EngineSnapshot
+from metrale.engine.replicas import ReplicaStats
 
 logger = logging.getLogger(__name__)
 #: The stages at which a client abort is counted (`metrale_client_aborts_total{stage}`).
@@ -226,6 +230,51 @@ class _EngineCollector(Collector):
         yield from _snapshot_metrics(snap.prefix_cache)
         yield from _spec_metrics(snap)
         yield from _lora_metrics(snap)
+        replica_stats = getattr(self.engine, "replica_stats", None)
+        if replica_stats is not None:
+            yield from _replica_metrics(replica_stats())
+
+
+def _replica_metrics(replicas: list[ReplicaStats]) -> Iterator[Metric]:
+    """Per data-parallel replica (`replica` label: its index): liveness, load, what the
+    router sent it and why, and its own engine's prefix-cache hits."""
+
+    def family(kind: type, name: str, doc: str, value: Callable[[ReplicaStats], float]) -> Metric:
+        metric = kind(name, doc, labels=["replica"])
+        for r in replicas:
+            metric.add_metric([str(r.index)], value(r))
+        return metric
+
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield family(gauge, "metrale_dp_replica_alive", "1 while the replica takes requests",
+                 lambda r: float(r.alive))  # fmt: skip
+    yield family(gauge, "metrale_dp_replica_open_requests", "requests in flight on the replica",
+                 lambda r: r.open_requests)  # fmt: skip
+    yield family(gauge, "metrale_dp_replica_requests_running", "sequences running (holding KV)",
+                 lambda r: r.snapshot.num_running)  # fmt: skip
+    yield family(gauge, "metrale_dp_replica_kv_blocks_free", "free KV cache blocks",
+                 lambda r: r.snapshot.num_free_blocks)  # fmt: skip
+    yield family(counter, "metrale_dp_replica_restarts", "restarts of the replica's engine",
+                 lambda r: r.restarts)  # fmt: skip
+    yield family(counter, "metrale_dp_replica_prefix_cache_hit_tokens",
+                 "prompt tokens the replica reused from its prefix cache",
+                 lambda r: r.snapshot.stats.prefix_hit_tokens)  # fmt: skip
+    yield family(counter, "metrale_dp_routed_matched_tokens",
+                 "prompt tokens the router expected the replica's cache to hold",
+                 lambda r: r.routed_matched_tokens)  # fmt: skip
+    yield family(gauge, "metrale_dp_router_recorded_blocks",
+                 "block hashes the router remembers sending to the replica",
+                 lambda r: r.recorded_blocks)  # fmt: skip
+    routed = CounterMetricFamily(
+        "metrale_dp_requests_routed",
+        "requests sent to the replica, by reason (prefix: it held the longest cached prefix; "
+        "load: the least loaded)",
+        labels=["replica", "reason"],
+    )
+    for r in replicas:
+        routed.add_metric([str(r.index), "prefix"], r.routed_prefix)
+        routed.add_metric([str(r.index), "load"], r.routed_load)
+    yield routed
 
 
 def _lora_metrics(snap: EngineSnapshot) -> Iterator[Metric]:

@@ -6,7 +6,8 @@ Owner: server. Invariants:
 - A vLLM flag is accepted only with vLLM's meaning; one asking for a feature that is not
   built (`--no-enable-chunked-prefill`) is refused by
   `check_vllm_compat_flags` with an error naming the flag.
-- Importing this module is cheap (argparse and the sampling limits only).
+- `--data-parallel-size` must be >= 1, and above 1 needs the engine in its own process.
+- Importing this module is cheap (argparse, the sampling limits and the router's defaults).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from metrale.engine.router import DEFAULT_LOAD_MARGIN
 from metrale.errors import InvalidRequestError
 from metrale.sampling.params import MAX_LOGPROBS
 
@@ -160,6 +162,23 @@ def add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
         help="vLLM's short form of --tensor-parallel-size (default: 1)",
     )
     compat.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="engine replicas behind this one HTTP front end, each its own process with its "
+        "own model copy and KV cache (CUDA: replica i on GPU i; CPU: they share the cores); a "
+        "prefix-aware router picks the replica of each request (default 1)",
+    )
+    compat.add_argument(
+        "--data-parallel-load-margin",
+        type=int,
+        default=DEFAULT_LOAD_MARGIN,
+        help="with --data-parallel-size > 1: a request goes to the replica holding its longest "
+        "cached prefix unless that replica has more than this many outstanding requests over "
+        f"the least loaded one (default {DEFAULT_LOAD_MARGIN})",
+    )
+    compat.add_argument(
         "--enable-chunked-prefill",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -181,6 +200,28 @@ def add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_vllm_compat_flags(args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        raise InvalidRequestError(
+            f"--data-parallel-size must be >= 1, got {args.data_parallel_size}",
+            param="data_parallel_size",
+        )
+    if args.data_parallel_size > 1 and args.engine_in_process:
+        raise InvalidRequestError(
+            "--data-parallel-size > 1 runs each replica in its own process; drop "
+            "--engine-in-process",
+            param="data_parallel_size",
+        )
+    if args.data_parallel_size > 1 and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise InvalidRequestError(
+            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not built yet: each "
+            "replica is one engine on one device",
+            param="data_parallel_size",
+        )
+    if args.data_parallel_load_margin < 0:
+        raise InvalidRequestError(
+            f"--data-parallel-load-margin must be >= 0, got {args.data_parallel_load_margin}",
+            param="data_parallel_load_margin",
+        )
     if not args.enable_chunked_prefill:
         raise InvalidRequestError(
             "--no-enable-chunked-prefill: metrale always chunks long prefills (by "

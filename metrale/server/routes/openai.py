@@ -72,6 +72,8 @@ def _model_card(state: ServerState, name: str) -> dict[str, Any]:
         "dtype": info.dtype,
         "weight_dtype": info.weight_dtype or info.dtype,
         "kv_cache_dtype": info.kv_cache_dtype or info.dtype,
+        # Engine replicas serving it (`--data-parallel-size`; 1 without).
+        "data_parallel_size": int(getattr(state.engine, "num_replicas", 1)),
     }
 
 
