@@ -93,7 +93,7 @@ class _State:
     token arrays are row `row` of its beam width's `_Group`."""
 
     __slots__ = ("bans", "base", "eos_ids", "forced", "group", "k", "keep", "max_new",
-                 "min_new", "phys", "req", "row", "steps", "uniq")  # fmt: skip
+                 "min_new", "req", "row", "steps", "uniq")  # fmt: skip
 
     def __init__(self, req: BeamRequest, eos: tuple[int, ...], phys: _Phys) -> None:
         p = req.params
@@ -106,9 +106,8 @@ class _State:
         self.keep = max(2, 1 + len(eos)) * self.k
         #: Whether the request's processors can ban tokens (no_repeat_ngram / min_tokens).
         self.bans = p.no_repeat_ngram_size > 0 or self.min_new > self.forced
-        #: Each beam's physical sequence (None: the beam's score is -inf), and the distinct
-        #: ones in first-appearance order (the order of their decoder rows).
-        self.phys: list[_Phys | None] = [phys] * self.k
+        #: The beams' distinct physical sequences in first-appearance order (the order of
+        #: their decoder rows); which beam feeds which is the group's `slot_idx` row.
         self.uniq: list[_Phys] = [phys]
         self.group: _Group | None = None
         self.row = 0  # index in the group
@@ -455,7 +454,7 @@ class BeamSearchDriver:
         for r in np.flatnonzero(forced | g.bans).tolist():
             st, n = states[r], int(gl[r])
             for j in range(k):
-                if st.phys[j] is None:
+                if dead[r, j]:
                     continue
                 if n < st.forced:
                     zero += (r, j, st.req.forced[n])
@@ -566,59 +565,62 @@ class BeamSearchDriver:
         gen[r_idx, np.arange(k)[None, :], gl[:, None]] = run_tokens
         g.gen = gen
         g.gen_len = gl + 1
-        slot_idx = np.full((r_count, k), -1, dtype=np.int64)
-        for r, (st, par, tok, live) in enumerate(
-            zip(g.states, run_parents.tolist(), run_tokens.tolist(), alive.tolist(), strict=True)
-        ):
-            slot_idx[r] = self._rebuild(st, par, tok, live)
-        g.slot_idx = slot_idx
+        rebuild = self._rebuild
+        g.slot_idx = np.array(
+            [
+                rebuild(st, *row)
+                for st, row in zip(
+                    g.states,
+                    zip(g.slot_idx.tolist(), run_parents.tolist(), run_tokens.tolist(),
+                        alive.tolist()),
+                    strict=True,
+                )
+            ],
+            dtype=np.int64,
+        ).reshape(r_count, k)  # fmt: skip
         return block[:, -1]
 
     def _rebuild(
-        self, st: _State, parents: list[int], tokens: list[int], alive: list[int]
-    ) -> list[int]:
-        """The request's beams' physical sequences after a step: a beam continuing a parent's
-        sequence takes it over, a second continuation forks it, a parent no beam continues is
-        freed. Returns each beam's index among the request's distinct sequences (-1: dead)."""
-        backend = self.backend
-        old = st.phys
-        children: dict[tuple[int, int], int] = {}  # (parent sequence, token) -> index in uniq
-        taken: set[int] = set()  # parent physicals already continued by a child
-        new_phys: list[_Phys | None] = []
+        self, st: _State, old_slots: list[int], parents: list[int], tokens: list[int],
+        alive: list[int],
+    ) -> list[int]:  # fmt: skip
+        """The request's beams' physical sequences after a step (`old_slots`: each old beam's
+        index among the request's sequences, -1 dead): a beam continuing a parent's sequence
+        takes it over, a second continuation forks it, a parent no beam continues is freed.
+        Returns each new beam's index among the request's new sequences (-1: dead)."""
+        old = st.uniq
+        taken = [False] * len(old)  # parent sequences already continued by a child
+        children: dict[tuple[int, int], int] = {}  # (parent sequence, token) -> new index
         uniq: list[_Phys] = []
         slots: list[int] = []
         for pi, tok, live in zip(parents, tokens, alive):
-            parent = old[pi]
-            if parent is None or not live:
-                new_phys.append(None)
+            u = old_slots[pi]
+            if u < 0 or not live:
                 slots.append(-1)
                 continue
-            key = (id(parent), tok)
-            at = children.get(key)
+            at = children.get((u, tok))
             if at is None:
-                at = children[key] = len(uniq)
-                if id(parent) not in taken:
-                    taken.add(id(parent))
-                    phys = parent
-                    phys.pending = tok
+                at = children[(u, tok)] = len(uniq)
+                parent = old[u]
+                if not taken[u]:
+                    taken[u] = True
+                    parent.pending = tok
+                    uniq.append(parent)
                 else:
-                    phys = _Phys(backend.beam_fork(parent.seq), tok)
+                    uniq.append(_Phys(self.backend.beam_fork(parent.seq), tok))
                     parent.check = True  # its last block is now shared
                     self.forks += 1
-                uniq.append(phys)
-            new_phys.append(uniq[at])
             slots.append(at)
-        # Parents no child continued are freed.
-        for p in st.uniq:
-            if id(p) not in taken:
-                backend.free_sequence(p.seq)
-        st.phys, st.uniq = new_phys, uniq
+        for u, t in enumerate(taken):  # parents no child continued are freed
+            if not t:
+                self.backend.free_sequence(old[u].seq)
+        st.uniq = uniq
         return slots
 
     def _release(self, st: _State) -> None:
         for p in st.uniq:
             self.backend.free_sequence(p.seq)
-        st.phys, st.uniq = [None] * st.k, []
+        st.uniq = []
 
     def _output(self, st: _State, scores: list[float]) -> BeamOutput:
         """The request's best `n` hypotheses; `scores` are their finished scores."""

@@ -229,11 +229,10 @@ class EncDecStepGraphs:
     def fits(self, seqs: list[SequenceState]) -> bool:
         if len(seqs) > self.max_rows:
             return self._eager("the batch is over the largest rung")
-        for s in seqs:
-            if s.layer_states[0].pool_slot is None:
-                return self._eager("a row's source has no pool slot")
-            if len(s.block_table) > self.max_blocks:
-                return self._eager("a row's block table is wider than the graphs'")
+        if any(s.layer_states[0].pool_slot is None for s in seqs):
+            return self._eager("a row's source has no pool slot")
+        if max(len(s.block_table) for s in seqs) > self.max_blocks:
+            return self._eager("a row's block table is wider than the graphs'")
         return True
 
     def _eager(self, reason: str) -> bool:

@@ -248,19 +248,17 @@ class EncoderDecoderModel(Model):
             raise ValueError("tokens and seqs differ in length")
         if not seqs:
             raise ValueError("decode_batch needs at least one row")
-        bs = self.block_size
-        needs: list[int] = []
-        for s in seqs:  # the rows' checks and block needs in one pass
-            if not s.layer_states or not isinstance(s.layer_states[0], CrossKv):
-                raise ValueError("a decoder row's sequence has no encoded source")
-            if s.seq_len >= self.max_model_len:
-                raise InvalidRequestError(
-                    f"decoder sequence would reach {s.seq_len + 1} tokens, over "
-                    f"max_model_len {self.max_model_len}"
-                )
-            # `blocks_needed(s, 1, bs)`, inline (a call per row costs on a 128-row step).
-            need = -(-(s.seq_len + 1) // bs) - len(s.block_table)
-            needs.append(need if need > 0 else 0)
+        bs, limit = self.block_size, self.max_model_len
+        # The rows' checks and block needs as comprehensions (a 128-row step's host side).
+        if not all(s.layer_states and isinstance(s.layer_states[0], CrossKv) for s in seqs):
+            raise ValueError("a decoder row's sequence has no encoded source")
+        lens = [s.seq_len for s in seqs]
+        if max(lens) >= limit:
+            raise InvalidRequestError(
+                f"decoder sequence would reach {max(lens) + 1} tokens, over max_model_len {limit}"
+            )
+        # `blocks_needed(s, 1, bs)`, inline (a call per row costs on a 128-row step).
+        needs = [max(0, -(-(n + 1) // bs) - len(s.block_table)) for n, s in zip(lens, seqs)]
         total = sum(needs)
         if total > self.block_pool.num_free:
             raise KVCacheExhausted(
