@@ -234,6 +234,7 @@ class BeamSearchDriver:
         self.forks = 0
         self.forwards = 0
         self._eos_tensors: dict[torch.device, torch.Tensor] = {}
+        self._masks: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
     # ---------------------------------------------------------------- requests
 
@@ -496,20 +497,25 @@ class BeamSearchDriver:
         scores = proc + g.running[:, :, None]
         topk_scores, topk_idx = torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
         # (a broadcast compare: `torch.isin` sorts, and its CUDA unique reads the device)
-        hits = limit_t[:, None] | ((topk_idx % vocab)[..., None] == self._eos_on(dev)).any(-1)
+        tok = topk_idx % vocab
+        if len(self.eos) == 1:
+            hits = limit_t[:, None] | (tok == self.eos[0])
+        else:
+            hits = limit_t[:, None] | (tok[..., None] == self._eos_on(dev)).any(-1)
 
         # The K best unfinished continuations run on.
-        run_scores = topk_scores + hits.to(torch.float32) * NEG
+        # (`bool * NEG` is float32, as `bool.to(float32) * NEG`: one launch fewer)
+        run_scores = topk_scores + hits * NEG
         next_idx = torch.topk(run_scores, k=k, dim=1)[1]
         new_running = run_scores.gather(1, next_idx)
 
         # Finished continuations among the first K enter the finished set.
         fin_scores, fin_done, heuristic = g.fin_scores, g.fin_done, g.heuristic
-        did = hits & (torch.arange(keep, device=dev) < k)[None, :]
+        did = hits & self._first_k(dev, keep, k)
         fin = topk_scores / div[:, :1]
         full = fin_done.all(dim=1) & early_t
-        fin = fin + full.to(torch.float32)[:, None] * NEG
-        fin = fin + (~heuristic).to(torch.float32)[:, None] * NEG
+        fin = fin + full[:, None] * NEG
+        fin = fin + (~heuristic)[:, None] * NEG
         fin = fin + (~did) * NEG
         merged_scores = torch.cat((fin_scores, fin), dim=1)
         merged_done = torch.cat((fin_done, did), dim=1)
@@ -531,6 +537,13 @@ class BeamSearchDriver:
         alive = new_running != float("-inf")
         packed = torch.cat((topk_idx, next_idx, pick, alive.long(), done.long()[:, None]), dim=1)
         return packed.reshape(-1)
+
+    def _first_k(self, dev: torch.device, keep: int, k: int) -> torch.Tensor:
+        """`[1, keep]` bool: the first `k` of the top `keep` (made once per shape)."""
+        t = self._masks.get((dev, keep, k))
+        if t is None:
+            t = self._masks[(dev, keep, k)] = (torch.arange(keep, device=dev) < k)[None, :]
+        return t
 
     def _eos_on(self, dev: torch.device) -> torch.Tensor:
         t = self._eos_tensors.get(dev)
