@@ -169,6 +169,9 @@ def main() -> None:
         # The host figure: the step without the CPU's memcpy of copied KV blocks.
         "step_ms_median_excl_kv_copy": med(s - c for s, c in zip(step_ms, parts["kv_copy"])),
         **{f"{k}_ms_median": med(v) for k, v in parts.items()},
+        # The lower decile: the step's own cost with less of a shared machine's interference.
+        "step_ms_p10": statistics.quantiles(step_ms, n=10)[0],
+        **{f"{k}_ms_p10": statistics.quantiles(v, n=10)[0] for k, v in parts.items()},
         "forks": driver.forks,
         "cow_copies": driver.cow_copies,
         "output_digest": digest.hexdigest()[:16],
