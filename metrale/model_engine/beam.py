@@ -21,7 +21,7 @@ admission, dropped when a request ends), and whose token history is host arrays 
 generated tokens, the finished hypotheses'), advanced by vectorised gathers. Per step the host
 builds its facts (rows, forced tokens, bans, length divisors) from the group's arrays, with
 per-beam Python only for requests in their forced prefix or using `no_repeat_ngram_size` /
-`min_tokens`, sends them in two asynchronous copies and reads the device back once for every
+`min_tokens`, sends them in one asynchronous copy and reads the device back once for every
 request together (the picks that steer the block tables), then once more only on a step
 where requests finish (their scores), so a GPU step is not host-bound by the search. The
 per-request Python left is the block bookkeeping of `_rebuild` (k beams each).
@@ -437,7 +437,7 @@ class BeamSearchDriver:
         """The device half of a step for the requests of one beam width `k`: transformers'
         `_beam_search` bookkeeping on `[R, ...]` tensors, no host read. The host facts are
         built from the group's arrays (per-beam Python only for requests whose processors
-        ban tokens, or that are in their forced prefix) and go up in two asynchronous copies.
+        ban tokens, or that are in their forced prefix) and go up in one asynchronous copy.
         Returns, flattened, per request: the top `keep` flat indices, the `k` running picks
         among them, the `k` finished picks, the `k` alive flags and the done flag."""
         dev, vocab = logprobs.device, logprobs.shape[1]
@@ -466,19 +466,25 @@ class BeamSearchDriver:
         cur = (gl + 1).astype(np.float64)
         best = np.where(g.never, g.max_new, gl + 1).astype(np.float64)
         div_host = np.stack((np.power(cur, g.lp), np.power(best, g.lp)), axis=1)
-        # Host facts go up in two asynchronous copies (no device sync).
+        # Host facts go up in one asynchronous copy (no device sync): the int64 facts, then
+        # the float32 divisors `[R, 2]` bit-cast into R int64 words.
         ints = np.concatenate(
             (rows.reshape(-1), dead.reshape(-1), forced, at_limit, g.early,
+             div_host.astype(np.float32).view(np.int64).reshape(-1),
              np.asarray(zero, dtype=np.int64), np.asarray(ban, dtype=np.int64)),
             dtype=np.int64,
         )  # fmt: skip
-        up = torch.from_numpy(ints).to(dev, non_blocking=True)
-        div = torch.from_numpy(div_host.astype(np.float32)).to(dev, non_blocking=True)
+        staged = torch.from_numpy(ints)
+        if dev.type == "cuda":  # pinned: the copy is truly asynchronous (pageable may stage)
+            staged = staged.pin_memory()
+        up = staged.to(dev, non_blocking=True)
         n = r_count * k
         row_idx, dead_t = up[:n], up[n : 2 * n].view(r_count, k).bool()
         flags = up[2 * n : 2 * n + 3 * r_count].view(3, r_count).bool()
         forced_t, limit_t, early_t = flags[0], flags[1], flags[2]
-        triples = up[2 * n + 3 * r_count :]
+        at = 2 * n + 3 * r_count
+        div = up[at : at + r_count].view(torch.float32).view(r_count, 2)
+        triples = up[at + r_count :]
         # (zero first, then ban; each a [count, 3] block of (request, beam, token))
         z = triples[: len(zero)].view(-1, 3).t() if zero else None
         b = triples[len(zero) :].view(-1, 3).t() if ban else None
