@@ -5,7 +5,14 @@ flat host-to-device copy), but its body (the model forward) replaced by fixed lo
 what is timed is the host side: the beam driver's bookkeeping, its small tensor ops (each a
 kernel launch on a GPU) and the decoder step's metadata, block tables and staging.
 
-    PYTHONPATH=. .venv/bin/python tools/profile_beam_host.py [--vocab 8192] [--profile]
+    PYTHONPATH=. .venv/bin/python tools/profile_beam_host.py [--baseline /work/main]
+        [--vocab 8192] [--profile]
+
+`--baseline DIR` loads another checkout's `beam.py` driver, `decode_batch` and
+`EncDecStepGraphs.run` (as separate modules, over this tree's model) and alternates its
+batches with this tree's in the same process, so a shared machine's load drifts over both
+alike; both must produce the same digest (the same tokens and scores), and the record gives
+both figures and their ratio.
 
 The stub logits are a fixed random `[rows, vocab]` block (row i of a step gets row i), so the
 search diverges, forks and copies blocks as a real one does; a digest of every output token
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import hashlib
+import importlib.util
 import io
 import pstats
 import random
@@ -35,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +54,35 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # PYTHONPATH first: t
 from metrale.bench.record import write_record
 from metrale.bench.translate import TINY_NLLB, build_random_nllb
 from metrale.model_engine.beam import BeamParams, BeamRequest, BeamSearchDriver
-from metrale.model_engine.encdec_model import load_encoder_decoder
+from metrale.model_engine.encdec_graphs import EncDecStepGraphs
+from metrale.model_engine.encdec_model import EncoderDecoderModel, load_encoder_decoder
+
+PARTS = ("decode_host", "kv_copy", "search_group", "apply")
+
+
+def _load(root: Path, name: str) -> types.ModuleType:
+    path = root / "metrale" / "model_engine" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    assert spec is not None and spec.loader is not None, path
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (dataclasses look their module up)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _summary(step_ms: list[float], parts: dict[str, list[float]]) -> dict[str, float]:
+    med = statistics.median
+    return {
+        "steps": len(step_ms),
+        "step_ms_median": med(step_ms),
+        "step_ms_mean": statistics.fmean(step_ms),
+        # The host figure: the step without the CPU's memcpy of copied KV blocks.
+        "step_ms_median_excl_kv_copy": med(s - c for s, c in zip(step_ms, parts["kv_copy"])),
+        **{f"{k}_ms_median": med(v) for k, v in parts.items()},
+        # The lower decile: the step's own cost with less of a shared machine's interference.
+        "step_ms_p10": statistics.quantiles(step_ms, n=10)[0],
+        **{f"{k}_ms_p10": statistics.quantiles(v, n=10)[0] for k, v in parts.items()},
+    }
 
 
 def main() -> None:
@@ -62,6 +99,7 @@ def main() -> None:
         "graph replays, wall time: the host side plus what the host waits for)",
     )  # fmt: skip
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--baseline", default=None, help="another checkout to time alongside")
     p.add_argument("--profile", action="store_true", help="cProfile one batch, top functions")
     p.add_argument("--out-dir", default="bench/records")
     p.add_argument("--notes", default="")
@@ -102,18 +140,33 @@ def main() -> None:
 
         setattr(obj, name, wrapper)
 
+    # Each variant: its driver class and the decoder step's host functions.
+    variants: dict[str, tuple[Any, Any, Any]] = {
+        "this": (BeamSearchDriver, EncoderDecoderModel.decode_batch, EncDecStepGraphs.run)
+    }
+    if args.baseline:
+        root = Path(args.baseline)
+        base_beam = _load(root, "beam")
+        variants["baseline"] = (
+            base_beam.BeamSearchDriver,
+            _load(root, "encdec_model").EncoderDecoderModel.decode_batch,
+            _load(root, "encdec_graphs").EncDecStepGraphs.run,
+        )
+    current: dict[str, Any] = {}
+    model.decode_batch = lambda *a, **k: current["decode"](model, *a, **k)  # type: ignore[method-assign]
+    graphs.run = lambda *a, **k: current["run"](graphs, *a, **k)  # type: ignore[method-assign]
     # The decoder step's host side; the KV block copies (copy-on-write: device work on a GPU,
     # a memcpy of every copied block here); the search's device half and its host half.
     timed(model, "decode_batch", "decode_host")
     timed(model.kv_cache, "copy_blocks", "kv_copy")
-    rng = random.Random(0)
     src_id, tgt_id, eos = args.vocab - 2, args.vocab - 1, 2
     params = BeamParams(
         num_beams=args.beams, early_stopping=True, max_tokens=args.max_tokens,
         no_repeat_ngram_size=args.no_repeat_ngram,
     )  # fmt: skip
 
-    def batch(tag: str) -> list[BeamRequest]:
+    def batch(tag: str, seed: int) -> list[BeamRequest]:
+        rng = random.Random(seed)
         reqs = []
         for i in range(args.batch):
             body = [rng.randrange(4, args.vocab - 2) for _ in range(rng.randrange(8, 25))]
@@ -121,16 +174,19 @@ def main() -> None:
             reqs.append(BeamRequest(f"{tag}-{i}", [eos], params, source=src, forced=[tgt_id]))
         return reqs
 
-    driver = BeamSearchDriver(model, [eos])
-    for name in ("_search_group", "_apply"):
-        if hasattr(driver, name):
-            timed(driver, name, name.strip("_"))
-    digest = hashlib.sha256()
-    step_ms: list[float] = []
-    parts: dict[str, list[float]] = {}
+    drivers: dict[str, Any] = {}
+    for name, (cls, _, _) in variants.items():
+        driver = drivers[name] = cls(model, [eos])
+        for method in ("_search_group", "_apply"):
+            timed(driver, method, method.strip("_"))
+    digests = {name: hashlib.sha256() for name in variants}
+    steps: dict[str, list[float]] = {name: [] for name in variants}
+    parts: dict[str, dict[str, list[float]]] = {name: {k: [] for k in PARTS} for name in variants}
 
-    def run_batch(tag: str, record: bool) -> None:
-        for r in batch(tag):
+    def run_batch(name: str, seed: int, record: bool) -> None:
+        driver = drivers[name]
+        current["decode"], current["run"] = variants[name][1], variants[name][2]
+        for r in batch(f"b{seed}", seed):
             driver.add_request(r)
         first = True
         while driver.has_unfinished():
@@ -139,45 +195,52 @@ def main() -> None:
             outs = driver.step()
             elapsed = clock() - start
             if record and not first:
-                step_ms.append(elapsed * 1e3)
-                for key in ("decode_host", "kv_copy", "search_group", "apply"):
-                    parts.setdefault(key, []).append(spent.get(key, 0.0) * 1e3)
+                steps[name].append(elapsed * 1e3)
+                for key in PARTS:
+                    parts[name][key].append(spent.get(key, 0.0) * 1e3)
             first = False
             for o in sorted(outs, key=lambda o: o.request_id):
                 for h in o.hypotheses:
-                    digest.update(repr((o.request_id, h.token_ids, round(h.score, 4))).encode())
+                    digests[name].update(
+                        repr((o.request_id, h.token_ids, round(h.score, 4))).encode()
+                    )
+        assert model.block_pool.num_free == model.block_pool.num_usable, "blocks leaked"
 
-    run_batch("warm", False)
-    for i in range(args.rounds):
-        run_batch(f"b{i}", True)
-    assert model.block_pool.num_free == model.block_pool.num_usable, "blocks leaked"
+    for name in variants:
+        run_batch(name, 0, False)  # warm-up
+    for i in range(args.rounds):  # alternating: the machine's drift falls on both
+        for name in variants:
+            run_batch(name, i + 1, True)
     top = None
     if args.profile:
         prof = cProfile.Profile(clock)
         prof.enable()
-        run_batch("prof", False)
+        run_batch("this", 0, False)
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
         top = out.getvalue()
         print(top)
-    med = statistics.median
-    figures: dict[str, Any] = {
-        "steps": len(step_ms),
-        "step_ms_median": med(step_ms),
-        "step_ms_mean": statistics.fmean(step_ms),
-        # The host figure: the step without the CPU's memcpy of copied KV blocks.
-        "step_ms_median_excl_kv_copy": med(s - c for s, c in zip(step_ms, parts["kv_copy"])),
-        **{f"{k}_ms_median": med(v) for k, v in parts.items()},
-        # The lower decile: the step's own cost with less of a shared machine's interference.
-        "step_ms_p10": statistics.quantiles(step_ms, n=10)[0],
-        **{f"{k}_ms_p10": statistics.quantiles(v, n=10)[0] for k, v in parts.items()},
-        "forks": driver.forks,
-        "cow_copies": driver.cow_copies,
-        "output_digest": digest.hexdigest()[:16],
-    }
-    for k, v in figures.items():
-        print(f"{k:>24}: {v:.3f}" if isinstance(v, float) else f"{k:>24}: {v}")
+    figures: dict[str, Any] = {}
+    for name in variants:
+        figures[name] = {
+            **_summary(steps[name], parts[name]),
+            "forks": drivers[name].forks,
+            "cow_copies": drivers[name].cow_copies,
+            "output_digest": digests[name].hexdigest()[:16],
+        }
+    if "baseline" in figures:
+        this, base = figures["this"], figures["baseline"]
+        assert this["output_digest"] == base["output_digest"], "the searches differ"
+        figures["speedup"] = {
+            k: base[k] / this[k]
+            for k in this
+            if k.endswith(("_median", "_p10", "_excl_kv_copy")) and this[k] > 0
+        }
+    for name, figs in figures.items():
+        print(name)
+        for k, v in figs.items():
+            print(f"  {k:>28}: {v:.3f}" if isinstance(v, float) else f"  {k:>28}: {v}")
     if not args.no_record:
         path = write_record(
             "profile-beam-host", model_shape=f"tiny-nllb-v{args.vocab}",
