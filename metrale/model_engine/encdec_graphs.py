@@ -229,9 +229,9 @@ class EncDecStepGraphs:
     def fits(self, seqs: list[SequenceState]) -> bool:
         if len(seqs) > self.max_rows:
             return self._eager("the batch is over the largest rung")
-        if any(s.layer_states[0].pool_slot is None for s in seqs):
+        if None in [s.layer_states[0].pool_slot for s in seqs]:
             return self._eager("a row's source has no pool slot")
-        if max(len(s.block_table) for s in seqs) > self.max_blocks:
+        if max([len(s.block_table) for s in seqs]) > self.max_blocks:
             return self._eager("a row's block table is wider than the graphs'")
         return True
 
@@ -253,7 +253,7 @@ class EncDecStepGraphs:
         # fields (padding rows keep the values `_write_padding` gives them).
         host = np.zeros(rows * self.width, dtype=np.int64)
         ids, pos, slots, lens, sources = (host[i * rows : (i + 1) * rows] for i in range(5))
-        seq_len = np.fromiter((s.seq_len for s in seqs), dtype=np.int64, count=n)
+        seq_len = np.array([s.seq_len for s in seqs], dtype=np.int64)
         tok = np.asarray(tokens, dtype=np.int64)
         ids[:n] = tok
         pos[:] = pad + 1
@@ -261,20 +261,19 @@ class EncDecStepGraphs:
         lens[:] = 1
         lens[:n] = seq_len + 1
         sources[:] = self.dummy_slot
-        sources[:n] = np.fromiter(
-            (s.layer_states[0].pool_slot for s in seqs), dtype=np.int64, count=n
-        )
+        sources[:n] = [s.layer_states[0].pool_slot for s in seqs]
         tables = host[5 * rows :].reshape(rows, width)
-        counts = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
-        total = int(counts.sum())
-        blocks = np.fromiter(
-            itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int64, count=total
-        )
+        block_tables = [s.block_table for s in seqs]
+        counts = np.array([len(t) for t in block_tables], dtype=np.int64)
+        blocks = np.array(list(itertools.chain.from_iterable(block_tables)), dtype=np.int64)
+        total = len(blocks)
         starts = np.repeat(np.cumsum(counts) - counts, counts)
         tables[np.repeat(np.arange(n), counts), np.arange(total) - starts] = blocks
         slots[:n] = tables[np.arange(n), seq_len // bs] * bs + seq_len % bs
-        host = torch.from_numpy(host)
-        self.flat[: rows * self.width].copy_(host, non_blocking=True)
+        staged = torch.from_numpy(host)
+        if self.device.type == "cuda":  # pinned: the copy is truly asynchronous
+            staged = staged.pin_memory()
+        self.flat[: rows * self.width].copy_(staged, non_blocking=True)
         self.replays += 1
         graph = self._graphs.get(rows)
         if graph is None:

@@ -249,17 +249,17 @@ class EncoderDecoderModel(Model):
         if not seqs:
             raise ValueError("decode_batch needs at least one row")
         bs, limit = self.block_size, self.max_model_len
-        # The rows' checks and block needs as comprehensions (a 128-row step's host side).
-        if not all(s.layer_states and isinstance(s.layer_states[0], CrossKv) for s in seqs):
+        # The rows' checks and block needs as list comprehensions (a 128-row step's host side).
+        if [s for s in seqs if not (s.layer_states and isinstance(s.layer_states[0], CrossKv))]:
             raise ValueError("a decoder row's sequence has no encoded source")
         lens = [s.seq_len for s in seqs]
         if max(lens) >= limit:
             raise InvalidRequestError(
                 f"decoder sequence would reach {max(lens) + 1} tokens, over max_model_len {limit}"
             )
-        # `blocks_needed(s, 1, bs)`, inline (a call per row costs on a 128-row step).
-        needs = [max(0, -(-(n + 1) // bs) - len(s.block_table)) for n, s in zip(lens, seqs)]
-        total = sum(needs)
+        # `blocks_needed(s, 1, bs)` inline (a call per row costs), <= 0 meaning none.
+        needs = [-(-(n + 1) // bs) - len(s.block_table) for n, s in zip(lens, seqs)]
+        total = sum([n for n in needs if n > 0])
         if total > self.block_pool.num_free:
             raise KVCacheExhausted(
                 f"KV cache exhausted: this forward needs {total} blocks, "
@@ -269,7 +269,7 @@ class EncoderDecoderModel(Model):
             fresh = self.block_pool.allocate(total)  # one pool call for the step
             at = 0
             for s, n in zip(seqs, needs):
-                if n:
+                if n > 0:
                     s.block_table.extend(fresh[at : at + n])
                     at += n
         graphs = self.step_graphs
