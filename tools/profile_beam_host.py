@@ -11,8 +11,8 @@ kernel launch on a GPU) and the decoder step's metadata, block tables and stagin
 `--baseline DIR` loads another checkout's `beam.py` driver, `decode_batch` and
 `EncDecStepGraphs.run` (as separate modules, over this tree's model) and alternates its
 batches with this tree's in the same process, so a shared machine's load drifts over both
-alike; both must produce the same digest (the same tokens and scores), and the record gives
-both figures and their ratio.
+alike; the record gives both figures, their ratio and whether both gave the same digest (the
+same tokens and scores: on the CPU they must).
 
 The stub logits are a fixed random `[rows, vocab]` block (row i of a step gets row i), so the
 search diverges, forks and copies blocks as a real one does; a digest of every output token
@@ -231,13 +231,20 @@ def main() -> None:
         }
     if "baseline" in figures:
         this, base = figures["this"], figures["baseline"]
-        assert this["output_digest"] == base["output_digest"], "the searches differ"
+        # The same tokens and scores (on the CPU they must be; a GPU's nondeterministic
+        # kernel would show here, recorded rather than losing the run).
+        figures["same_outputs"] = this["output_digest"] == base["output_digest"]
+        if not figures["same_outputs"]:
+            print("WARNING: this tree and the baseline gave different outputs")
         figures["speedup"] = {
             k: base[k] / this[k]
             for k in this
             if k.endswith(("_median", "_p10", "_excl_kv_copy")) and this[k] > 0
         }
     for name, figs in figures.items():
+        if not isinstance(figs, dict):
+            print(f"{name}: {figs}")
+            continue
         print(name)
         for k, v in figs.items():
             print(f"  {k:>28}: {v:.3f}" if isinstance(v, float) else f"  {k:>28}: {v}")
