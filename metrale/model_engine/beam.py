@@ -578,25 +578,21 @@ class BeamSearchDriver:
         )
         g.fin_tok = merged[r_idx, picked]
         g.fin_len = merged_len[r_idx, picked]
-        run_parents = np.take_along_axis(parents, nxt, axis=1)
-        run_tokens = np.take_along_axis(tokens, nxt, axis=1)
+        run_parents, run_tokens = parents[r_idx, nxt], tokens[r_idx, nxt]
         gen = g.gen[r_idx, run_parents]
         gen[r_idx, np.arange(k)[None, :], gl[:, None]] = run_tokens
         g.gen = gen
         g.gen_len = gl + 1
+        # One host list for the requests' block bookkeeping: old slots | parents | tokens | alive.
+        rows = np.concatenate((g.slot_idx, run_parents, run_tokens, alive), axis=1).tolist()
         rebuild = self._rebuild
         g.slot_idx = np.array(
             [
-                rebuild(st, *row)
-                for st, row in zip(
-                    g.states,
-                    zip(g.slot_idx.tolist(), run_parents.tolist(), run_tokens.tolist(),
-                        alive.tolist()),
-                    strict=True,
-                )
+                rebuild(st, row[:k], row[k : 2 * k], row[2 * k : 3 * k], row[3 * k :])
+                for st, row in zip(g.states, rows, strict=True)
             ],
             dtype=np.int64,
-        ).reshape(r_count, k)  # fmt: skip
+        ).reshape(r_count, k)
         return block[:, -1]
 
     def _rebuild(
