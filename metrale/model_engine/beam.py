@@ -121,8 +121,9 @@ class _State:
 class _Group:
     """The requests of one beam width `k`, batched: the search state as `[R, k]` tensors where
     the logits are (running scores, finished scores and flags, the heuristic flag) and the
-    token history as host arrays (`gen`: every beam's generated tokens `[R, k, L]`; `fin_tok`,
-    `fin_len`: the finished hypotheses), so a step runs no per-beam Python for the search."""
+    token history as host arrays (`gen`: every beam's generated tokens `[R, k, L]`; `fin_tok`:
+    the finished hypotheses'; -1 past a row's end), so a step runs no per-beam Python for the
+    search."""
 
     def __init__(self, k: int, keep: int) -> None:
         self.k, self.keep = k, keep
@@ -133,9 +134,9 @@ class _Group:
         self.fin_done = torch.zeros(0, k, dtype=torch.bool)
         self.heuristic = torch.zeros(0, dtype=torch.bool)
         self.width = 1
-        self.gen = np.zeros((0, k, 1), dtype=np.int64)
-        self.fin_tok = np.zeros((0, k, 1), dtype=np.int64)
-        self.fin_len = np.zeros((0, k), dtype=np.int64)
+        self.first_keep = np.arange(keep)[None, :]
+        self.gen = np.full((0, k, 1), -1, dtype=np.int64)
+        self.fin_tok = np.full((0, k, 1), -1, dtype=np.int64)
         self.gen_len = np.zeros(0, dtype=np.int64)
         # Per-request constants.
         self.forced_len = np.zeros(0, dtype=np.int64)
@@ -170,11 +171,12 @@ class _Group:
         width = max(self.width, *(st.max_new for st in states))
         if width > self.width:
             pad = ((0, 0), (0, 0), (0, width - self.width))
-            self.gen, self.fin_tok = np.pad(self.gen, pad), np.pad(self.fin_tok, pad)
+            self.gen = np.pad(self.gen, pad, constant_values=-1)
+            self.fin_tok = np.pad(self.fin_tok, pad, constant_values=-1)
             self.width = width
-        self.gen = np.concatenate((self.gen, np.zeros((n, k, width), dtype=np.int64)))
-        self.fin_tok = np.concatenate((self.fin_tok, np.zeros((n, k, width), dtype=np.int64)))
-        self.fin_len = np.concatenate((self.fin_len, np.zeros((n, k), dtype=np.int64)))
+        fresh = np.full((n, k, width), -1, dtype=np.int64)
+        self.gen = np.concatenate((self.gen, fresh))
+        self.fin_tok = np.concatenate((self.fin_tok, fresh))
         self.gen_len = np.concatenate((self.gen_len, np.zeros(n, dtype=np.int64)))
         ps = [st.req.params for st in states]
 
@@ -205,7 +207,7 @@ class _Group:
         self.fin_scores = self.fin_scores.index_select(0, dev_idx)
         self.fin_done = self.fin_done.index_select(0, dev_idx)
         self.heuristic = self.heuristic.index_select(0, dev_idx)
-        for name in ("gen", "fin_tok", "fin_len", "gen_len", "forced_len", "max_new", "min_new",
+        for name in ("gen", "fin_tok", "gen_len", "forced_len", "max_new", "min_new",
                      "early", "lp", "never", "bans", "slot_idx"):  # fmt: skip
             setattr(self, name, getattr(self, name)[idx])
 
@@ -571,18 +573,12 @@ class BeamSearchDriver:
         # Every candidate's tokens: its parent's then its token; the finished set picks among
         # its old members (index < k) and the candidates.
         cand = g.gen[r_idx, parents]
-        cand[r_idx, np.arange(keep)[None, :], gl[:, None]] = tokens
-        merged = np.concatenate((g.fin_tok, cand), axis=1)
-        merged_len = np.concatenate(
-            (g.fin_len, np.broadcast_to(gl[:, None] + 1, (r_count, keep))), axis=1
-        )
-        g.fin_tok = merged[r_idx, picked]
-        g.fin_len = merged_len[r_idx, picked]
-        run_parents, run_tokens = parents[r_idx, nxt], tokens[r_idx, nxt]
-        gen = g.gen[r_idx, run_parents]
-        gen[r_idx, np.arange(k)[None, :], gl[:, None]] = run_tokens
-        g.gen = gen
+        cand[r_idx, g.first_keep, gl[:, None]] = tokens
+        g.fin_tok = np.concatenate((g.fin_tok, cand), axis=1)[r_idx, picked]
+        # The running beams are candidates too: their tokens are the picked candidates'.
+        g.gen = cand[r_idx, nxt]
         g.gen_len = gl + 1
+        run_parents, run_tokens = parents[r_idx, nxt], tokens[r_idx, nxt]
         # One host list for the requests' block bookkeeping: old slots | parents | tokens | alive.
         rows = np.concatenate((g.slot_idx, run_parents, run_tokens, alive), axis=1).tolist()
         rebuild = self._rebuild
@@ -643,7 +639,8 @@ class BeamSearchDriver:
         assert g is not None
         hyps = []
         for i in range(st.req.params.n):
-            toks = g.fin_tok[st.row, i, : g.fin_len[st.row, i]].tolist()
+            row = g.fin_tok[st.row, i]
+            toks = row[row >= 0].tolist()
             reason = "stop" if toks and toks[-1] in self.eos else "length"
             hyps.append(BeamHypothesis(toks[nf:], float(scores[i]), reason))
         return BeamOutput(st.req.request_id, hyps, list(st.req.source or st.req.prompt), st.steps)
