@@ -208,8 +208,9 @@ def main() -> None:
 
     for name in variants:
         run_batch(name, 0, False)  # warm-up
-    for i in range(args.rounds):  # alternating: the machine's drift falls on both
-        for name in variants:
+    for i in range(args.rounds):  # alternating, first one then the other: no order bias
+        order = list(variants) if i % 2 == 0 else list(reversed(variants))
+        for name in order:
             run_batch(name, i + 1, True)
     top = None
     if args.profile:
