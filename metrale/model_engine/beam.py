@@ -15,10 +15,16 @@ enter the request's `K` best finished hypotheses with `score / length ** length_
 `early_stopping` (True, False, "never") decides when the request is done, with the same
 heuristic. The bookkeeping runs as the same float32 torch operations on transformers'
 batched shapes (`[requests, ...]`, the requests of one beam width together), so ties break
-as there. It runs where the logits are: per step the host sends its facts (rows, forced
-tokens, bans, length divisors) in two asynchronous copies and reads the device back once for
-every request together (the picks that steer the block tables), then once more only on a
-step where requests finish (their scores), so a GPU step is not host-bound by the search.
+as there. It runs where the logits are: the requests of one beam width form a `_Group` whose
+search state stays there as `[R, k]` tensors for the request's whole life (rows added at
+admission, dropped when a request ends), and whose token history is host arrays (`[R, k, L]`
+generated tokens, the finished hypotheses'), advanced by vectorised gathers. Per step the host
+builds its facts (rows, forced tokens, bans, length divisors) from the group's arrays, with
+per-beam Python only for requests in their forced prefix or using `no_repeat_ngram_size` /
+`min_tokens`, sends them in one asynchronous copy and reads the device back once for every
+request together (the picks that steer the block tables), then once more only on a step
+where requests finish (their scores), so a GPU step is not host-bound by the search. The
+per-request Python left is the block bookkeeping of `_rebuild` (k beams each).
 
 Sharing: a *physical* sequence (`SequenceState`) holds the KV of a beam's tokens but the
 last, which it feeds in the next decoder forward. Beams with the same history share one
@@ -26,7 +32,8 @@ physical sequence (the K copies of the prompt at step 0); a beam that continues 
 takes the parent's sequence over, a second continuation forks it: a new `SequenceState`
 whose block table references the same blocks (`BlockPool.incref`). Before a forward writes
 into a shared partial last block, that block is copied (copy-on-write; the step's copies
-run as one batch before the forward). A beam whose score is
+run as one batch before the forward); only a sequence just started or forked (`_Phys.check`)
+can hold a shared last block, so only those are looked at. A beam whose score is
 `-inf` can never be chosen again and holds no sequence. Every request's rows run in one
 decoder forward per step.
 
@@ -48,8 +55,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from metrale.errors import InvalidRequestError
@@ -70,52 +77,145 @@ NEG = -1.0e9
 
 
 class _Phys:
-    """A physical sequence and the token it feeds next."""
+    """A physical sequence and the token it feeds next; `check`: its last block may be
+    shared (it was just started or forked), so the next step looks at it for copy-on-write."""
 
-    __slots__ = ("pending", "seq")
+    __slots__ = ("check", "pending", "seq")
 
     def __init__(self, seq: SequenceState, pending: int) -> None:
         self.seq = seq
         self.pending = pending
-
-
-@dataclass
-class _Slot:
-    phys: _Phys | None  # None: the beam's score is -inf
-    gen: list[int]  # generated tokens, the forced prefix included
+        self.check = True
 
 
 class _State:
+    """One running request's host side: its beams' physical sequences. Its search tensors and
+    token arrays are row `row` of its beam width's `_Group`."""
+
+    __slots__ = ("bans", "base", "eos_ids", "forced", "group", "k", "keep", "max_new",
+                 "min_new", "req", "row", "steps", "uniq")  # fmt: skip
+
     def __init__(self, req: BeamRequest, eos: tuple[int, ...], phys: _Phys) -> None:
         p = req.params
         self.req = req
+        self.eos_ids = eos
         self.k = p.num_beams
-        self.eos = eos
-        self.max_new = p.max_tokens + len(req.forced)
-        self.min_new = p.min_tokens + len(req.forced)
+        self.forced = len(req.forced)
+        self.max_new = p.max_tokens + self.forced
+        self.min_new = p.min_tokens + self.forced
         self.keep = max(2, 1 + len(eos)) * self.k
-        self.slots = [_Slot(phys, []) for _ in range(self.k)]
-        # The search state lives where the logits are (moved there at the first step).
-        self.running = torch.zeros(self.k, dtype=torch.float32)
-        self.running[1:] = NEG
-        self.fin_scores = torch.full((self.k,), NEG, dtype=torch.float32)
-        self.fin_done = torch.zeros(self.k, dtype=torch.bool)
-        self.fin_tokens: list[list[int]] = [[] for _ in range(self.k)]
-        #: transformers' "a better hypothesis is still possible" flag (a bool scalar tensor).
-        self.heuristic = torch.ones((), dtype=torch.bool)
+        #: Whether the request's processors can ban tokens (no_repeat_ngram / min_tokens).
+        self.bans = p.no_repeat_ngram_size > 0 or self.min_new > self.forced
+        #: The beams' distinct physical sequences in first-appearance order (the order of
+        #: their decoder rows); which beam feeds which is the group's `slot_idx` row.
+        self.uniq: list[_Phys] = [phys]
+        self.group: _Group | None = None
+        self.row = 0  # index in the group
+        self.base = 0  # the first decoder row of this step
         self.steps = 0
 
+    def physicals(self) -> list[_Phys]:
+        return self.uniq
+
+
+class _Group:
+    """The requests of one beam width `k`, batched: the search state as `[R, k]` tensors where
+    the logits are (running scores, finished scores and flags, the heuristic flag) and the
+    token history as host arrays (`gen`: every beam's generated tokens `[R, k, L]`; `fin_tok`:
+    the finished hypotheses'; -1 past a row's end), so a step runs no per-beam Python for the
+    search."""
+
+    def __init__(self, k: int, keep: int) -> None:
+        self.k, self.keep = k, keep
+        self.states: list[_State] = []
+        self.dev = torch.device("cpu")
+        self.running = torch.zeros(0, k, dtype=torch.float32)
+        self.fin_scores = torch.zeros(0, k, dtype=torch.float32)
+        self.fin_done = torch.zeros(0, k, dtype=torch.bool)
+        self.heuristic = torch.zeros(0, dtype=torch.bool)
+        self.width = 1
+        self.first_keep = np.arange(keep)[None, :]
+        self.gen = np.full((0, k, 1), -1, dtype=np.int64)
+        self.fin_tok = np.full((0, k, 1), -1, dtype=np.int64)
+        self.gen_len = np.zeros(0, dtype=np.int64)
+        # Per-request constants.
+        self.forced_len = np.zeros(0, dtype=np.int64)
+        self.max_new = np.zeros(0, dtype=np.int64)
+        self.min_new = np.zeros(0, dtype=np.int64)
+        self.early = np.zeros(0, dtype=np.int64)
+        self.lp = np.zeros(0, dtype=np.float64)
+        self.never = np.zeros(0, dtype=bool)
+        self.bans = np.zeros(0, dtype=bool)
+        #: Which beam of each request feeds which of its distinct physicals (-1: dead).
+        self.slot_idx = np.zeros((0, k), dtype=np.int64)
+
+    def add(self, states: list[_State]) -> None:
+        k, n = self.k, len(states)
+        for i, st in enumerate(states):
+            st.group, st.row = self, len(self.states) + i
+        self.states += states
+        running = torch.full((n, k), NEG, dtype=torch.float32)
+        running[:, 0] = 0.0
+        new = (
+            running,
+            torch.full((n, k), NEG, dtype=torch.float32),
+            torch.zeros(n, k, dtype=torch.bool),
+            torch.ones(n, dtype=torch.bool),
+        )
+        if self.dev.type != "cpu":
+            new = tuple(t.to(self.dev, non_blocking=True) for t in new)
+        self.running = torch.cat((self.running, new[0]))
+        self.fin_scores = torch.cat((self.fin_scores, new[1]))
+        self.fin_done = torch.cat((self.fin_done, new[2]))
+        self.heuristic = torch.cat((self.heuristic, new[3]))
+        width = max(self.width, *(st.max_new for st in states))
+        if width > self.width:
+            pad = ((0, 0), (0, 0), (0, width - self.width))
+            self.gen = np.pad(self.gen, pad, constant_values=-1)
+            self.fin_tok = np.pad(self.fin_tok, pad, constant_values=-1)
+            self.width = width
+        fresh = np.full((n, k, width), -1, dtype=np.int64)
+        self.gen = np.concatenate((self.gen, fresh))
+        self.fin_tok = np.concatenate((self.fin_tok, fresh))
+        self.gen_len = np.concatenate((self.gen_len, np.zeros(n, dtype=np.int64)))
+        ps = [st.req.params for st in states]
+
+        def cat(old: np.ndarray, vals: list[object]) -> np.ndarray:
+            return np.concatenate((old, np.asarray(vals, dtype=old.dtype)))
+
+        self.forced_len = cat(self.forced_len, [st.forced for st in states])
+        self.max_new = cat(self.max_new, [st.max_new for st in states])
+        self.min_new = cat(self.min_new, [st.min_new for st in states])
+        self.early = cat(self.early, [int(p.early_stopping is True) for p in ps])
+        self.lp = cat(self.lp, [float(p.length_penalty) for p in ps])
+        self.never = cat(
+            self.never, [p.early_stopping == "never" and p.length_penalty > 0.0 for p in ps]
+        )
+        self.bans = cat(self.bans, [st.bans for st in states])
+        # Every beam starts on the prompt's one sequence (beam 0 scores 0, the others -inf).
+        self.slot_idx = np.concatenate((self.slot_idx, np.zeros((n, k), dtype=np.int64)))
+
+    def remove(self, gone: set[int]) -> None:
+        """Drop the rows in `gone` (indices), keeping the others' order."""
+        kept = [i for i in range(len(self.states)) if i not in gone]
+        self.states = [self.states[i] for i in kept]
+        for i, st in enumerate(self.states):
+            st.row = i
+        idx = np.asarray(kept, dtype=np.int64)
+        dev_idx = torch.from_numpy(idx).to(self.dev, non_blocking=True)
+        self.running = self.running.index_select(0, dev_idx)
+        self.fin_scores = self.fin_scores.index_select(0, dev_idx)
+        self.fin_done = self.fin_done.index_select(0, dev_idx)
+        self.heuristic = self.heuristic.index_select(0, dev_idx)
+        for name in ("gen", "fin_tok", "gen_len", "forced_len", "max_new", "min_new",
+                     "early", "lp", "never", "bans", "slot_idx"):  # fmt: skip
+            setattr(self, name, getattr(self, name)[idx])
+
     def to(self, dev: torch.device) -> None:
-        if self.running.device != dev:
+        if self.dev != dev:
+            self.dev = dev
             self.running, self.fin_scores = self.running.to(dev), self.fin_scores.to(dev)
             self.fin_done, self.heuristic = self.fin_done.to(dev), self.heuristic.to(dev)
-
-    def physicals(self) -> list[_Phys]:
-        seen: dict[int, _Phys] = {}
-        for s in self.slots:
-            if s.phys is not None:
-                seen.setdefault(id(s.phys), s.phys)
-        return list(seen.values())
 
 
 class BeamSearchDriver:
@@ -129,11 +229,14 @@ class BeamSearchDriver:
         self.eos = tuple(int(t) for t in eos_token_ids)
         self._waiting: list[BeamRequest] = []
         self._running: dict[str, _State] = {}
+        #: Beam width -> its requests, in admission order.
+        self._groups: dict[int, _Group] = {}
         #: Blocks copied before a write into a shared partial block; forks made.
         self.cow_copies = 0
         self.forks = 0
         self.forwards = 0
         self._eos_tensors: dict[torch.device, torch.Tensor] = {}
+        self._masks: dict[tuple[torch.device, int, int], torch.Tensor] = {}
 
     # ---------------------------------------------------------------- requests
 
@@ -163,11 +266,12 @@ class BeamSearchDriver:
         if state is None:
             return False
         self._release(state)
+        self._leave([state])
         return True
 
     def live_sequences(self) -> list[SequenceState]:
         """The physical sequences the running requests hold (each once)."""
-        return [p.seq for st in self._running.values() for p in st.physicals()]
+        return [p.seq for st in self._running.values() for p in st.uniq]
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running)
@@ -200,38 +304,99 @@ class BeamSearchDriver:
             self._waiting.clear()
             raise
 
+    def _leave(self, states: list[_State]) -> None:
+        """Take finished or aborted requests out of their groups."""
+        by_group: dict[int, set[int]] = {}
+        for st in states:
+            if st.group is not None:
+                by_group.setdefault(st.k, set()).add(st.row)
+        for k, rows in by_group.items():
+            group = self._groups[k]
+            group.remove(rows)
+            if not group.states:
+                del self._groups[k]
+        for st in states:
+            st.group = None
+
     def _step(self) -> list[BeamOutput]:
         backend = self.backend
         if self._waiting:  # every waiting request starts (encoder-decoder: one encoder batch)
             starting, self._waiting = self._waiting, []
+            new: list[_State] = []
             for req, seq in zip(starting, backend.beam_start_batch(starting), strict=True):
-                self._running[req.request_id] = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+                st = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+                self._running[req.request_id] = st
+                new.append(st)
+            by_k: dict[int, list[_State]] = {}
+            for st in new:
+                by_k.setdefault(st.k, []).append(st)
+            for k, sts in by_k.items():
+                group = self._groups.get(k)
+                if group is None:
+                    group = self._groups[k] = _Group(k, sts[0].keep)
+                group.add(sts)
         if not self._running:
             return []
         states = list(self._running.values())
-        physicals = [p for st in states for p in st.physicals()]
+        physicals: list[_Phys] = []
+        for st in states:
+            st.base = len(physicals)
+            physicals += st.uniq
         copies: tuple[list[int], list[int]] = ([], [])
         for p in physicals:
-            self._copy_on_write(p.seq, copies)
+            if p.check:
+                p.check = False
+                self._copy_on_write(p.seq, copies)
         backend.kv_cache.copy_blocks(*copies)  # every copy of the step in one batch
         logits = backend.decode_batch([p.pending for p in physicals], [p.seq for p in physicals])
         self.forwards += 1
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        row_of = {id(p): i for i, p in enumerate(physicals)}
-        ended = []
-        for st, done in zip(states, self._advance_all(states, logprobs, row_of), strict=True):
-            st.steps += 1
-            if done:
-                del self._running[st.req.request_id]
-                self._release(st)
-                ended.append(st)
+        # Groups in the order of their first request (the order the bookkeeping concatenates).
+        order: dict[int, _Group] = {}
+        for st in states:
+            if st.k not in order:
+                order[st.k] = self._groups[st.k]
+        groups = list(order.values())
+        packed = [self._search_group(g, logprobs) for g in groups]
+        flat = torch.cat(packed) if len(packed) > 1 else packed[0]
+        host = flat.to("cpu").numpy()  # the step's one device read
+        vocab = logprobs.shape[1]
+        ended: list[_State] = []
+        offset = 0
+        for g in groups:
+            size = len(g.states) * (g.keep + 3 * g.k + 1)
+            done = self._apply(g, host[offset : offset + size], vocab)
+            offset += size
+            for st, d in zip(g.states, done.tolist(), strict=True):
+                st.steps += 1
+                if d:
+                    ended.append(st)
         if not ended:
             return []
-        scores = torch.cat([st.fin_scores[: st.req.params.n] for st in ended]).tolist()
-        finished, offset = [], 0
+        # The ended requests' finished scores, read before their rows leave their groups.
+        ended.sort(key=lambda s: s.base)  # the order they ran in
+        by_k: dict[int, list[_State]] = {}
         for st in ended:
-            finished.append(self._output(st, scores[offset : offset + st.req.params.n]))
-            offset += st.req.params.n
+            by_k.setdefault(st.k, []).append(st)
+        picks, at, pos = [], 0, {}
+        for k, sts in by_k.items():
+            g = self._groups[k]
+            idx = torch.tensor([st.row for st in sts], dtype=torch.int64)
+            picks.append(g.fin_scores.index_select(0, idx.to(g.dev, non_blocking=True)))
+            for st in sts:
+                pos[st.req.request_id] = at
+                at += k
+        scores = (
+            torch.cat([t.reshape(-1) for t in picks]) if len(picks) > 1 else picks[0].reshape(-1)
+        )
+        fin = scores.to("cpu").numpy()  # a step where requests end reads their scores
+        finished = []
+        for st in ended:
+            at = pos[st.req.request_id]
+            finished.append(self._output(st, fin[at : at + st.req.params.n].tolist()))
+            del self._running[st.req.request_id]
+            self._release(st)
+        self._leave(ended)
         return finished
 
     def _copy_on_write(self, seq: SequenceState, copies: tuple[list[int], list[int]]) -> None:
@@ -251,14 +416,14 @@ class BeamSearchDriver:
             seq.block_table[-1] = private
             self.cow_copies += 1
 
-    def _bans(self, st: _State, slot: _Slot) -> list[int]:
-        """Tokens the slot's processors set to -inf (`no_repeat_ngram_size`, `min_tokens`);
-        a slot still in its forced prefix is handled by the caller."""
+    def _bans(self, st: _State, gen: list[int]) -> list[int]:
+        """Tokens a beam's processors set to -inf (`no_repeat_ngram_size`, `min_tokens`) after
+        its generated tokens `gen`; a beam still in its forced prefix is handled by the caller."""
         p = st.req.params
         banned: set[int] = set()
         n = p.no_repeat_ngram_size
         if n:
-            tokens = st.req.prompt + slot.gen
+            tokens = st.req.prompt + gen
             if len(tokens) + 1 >= n:
                 prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
                 banned = {
@@ -266,120 +431,99 @@ class BeamSearchDriver:
                     for i in range(len(tokens) - n + 1)
                     if tuple(tokens[i : i + n - 1]) == prefix
                 }
-        if len(slot.gen) < st.min_new:
-            banned.update(st.eos)
+        if len(gen) < st.min_new:
+            banned.update(st.eos_ids)
         return sorted(banned)
 
-    def _advance_all(
-        self, states: list[_State], logprobs: torch.Tensor, row_of: dict[int, int]
-    ) -> list[bool]:
-        """One beam step of every running request; returns which are done. Requests of one
-        beam width advance together as `[requests, ...]` tensors (transformers' batched
-        shapes); the step reads the device back once, for all of them."""
-        groups: dict[int, list[_State]] = {}
-        for st in states:
-            groups.setdefault(st.k, []).append(st)
-        packed = [self._search_group(g, logprobs, row_of) for g in groups.values()]
-        host = torch.cat(packed).tolist() if len(packed) > 1 else packed[0].tolist()
-        vocab = logprobs.shape[1]
-        done: dict[int, bool] = {}
-        offset = 0
-        for group in groups.values():
-            for st in group:
-                width = st.keep + 3 * st.k + 1
-                done[id(st)] = self._apply(st, host[offset : offset + width], vocab)
-                offset += width
-        return [done[id(st)] for st in states]
-
-    def _search_group(
-        self, group: list[_State], logprobs: torch.Tensor, row_of: dict[int, int]
-    ) -> torch.Tensor:
-        """The device half of a step for requests of one beam width `k`: transformers'
-        `_beam_search` bookkeeping on `[R, ...]` tensors, no host read. Returns, flattened,
-        per request: the top `keep` flat indices, the `k` running picks among them, the `k`
-        finished picks, the `k` alive flags and the done flag."""
+    def _search_group(self, g: _Group, logprobs: torch.Tensor) -> torch.Tensor:
+        """The device half of a step for the requests of one beam width `k`: transformers'
+        `_beam_search` bookkeeping on `[R, ...]` tensors, no host read. The host facts are
+        built from the group's arrays (per-beam Python only for requests whose processors
+        ban tokens, or that are in their forced prefix) and go up in one asynchronous copy.
+        Returns, flattened, per request: the top `keep` flat indices, the `k` running picks
+        among them, the `k` finished picks, the `k` alive flags and the done flag."""
         dev, vocab = logprobs.device, logprobs.shape[1]
-        r_count, k, keep = len(group), group[0].k, group[0].keep
-        rows: list[int] = []
-        dead: list[int] = []
-        forced: list[int] = []
+        g.to(dev)
+        states = g.states
+        r_count, k, keep = len(states), g.k, g.keep
+        gl = g.gen_len
+        base = np.fromiter((st.base for st in states), dtype=np.int64, count=r_count)
+        dead = g.slot_idx < 0
+        rows = np.where(dead, 0, g.slot_idx + base[:, None])
+        forced = gl < g.forced_len
+        at_limit = gl + 1 >= g.max_new
         zero: list[int] = []  # (request, beam, token) triples set to 0 (the forced token)
         ban: list[int] = []  # (request, beam, token) triples set to -inf
-        at_limit: list[int] = []
-        early_true: list[int] = []
-        divisors: list[float] = []
-        for r, st in enumerate(group):
-            st.to(dev)
-            p = st.req.params
-            gen_len = len(st.slots[0].gen)  # every beam has generated the same count
-            is_forced = gen_len < len(st.req.forced)
-            forced.append(int(is_forced))
-            for j, slot in enumerate(st.slots):
-                if slot.phys is None:  # score -inf: a row of -inf
-                    rows.append(0)
-                    dead.append(1)
+        for r in np.flatnonzero(forced | g.bans).tolist():
+            st, n = states[r], int(gl[r])
+            for j in range(k):
+                if dead[r, j]:
                     continue
-                rows.append(row_of[id(slot.phys)])
-                dead.append(0)
-                if is_forced:
-                    zero += (r, j, st.req.forced[gen_len])
+                if n < st.forced:
+                    zero += (r, j, st.req.forced[n])
                 else:
-                    for t in self._bans(st, slot):
+                    for t in self._bans(st, g.gen[r, j, :n].tolist()):
                         ban += (r, j, t)
-            at_limit.append(int(gen_len + 1 >= st.max_new))
-            early_true.append(int(p.early_stopping is True))
-            # transformers' stopping rule, after its cur_len += 1.
-            best_len = (
-                st.max_new
-                if p.early_stopping == "never" and p.length_penalty > 0.0
-                else gen_len + 1
-            )
-            divisors.append((gen_len + 1) ** p.length_penalty)
-            divisors.append(best_len**p.length_penalty)
-        # Host facts go up in two asynchronous copies (no device sync).
-        ints = [*rows, *dead, *forced, *at_limit, *early_true, *zero, *ban]
-        up = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
-        div = torch.tensor(divisors, dtype=torch.float32).to(dev, non_blocking=True).view(-1, 2)
+        # transformers' stopping rule, after its cur_len += 1.
+        cur = (gl + 1).astype(np.float64)
+        best = np.where(g.never, g.max_new, gl + 1).astype(np.float64)
+        div_host = np.stack((np.power(cur, g.lp), np.power(best, g.lp)), axis=1)
+        # Host facts go up in one asynchronous copy (no device sync): the int64 facts, then
+        # the float32 divisors `[R, 2]` bit-cast into R int64 words.
+        ints = np.concatenate(
+            (rows.reshape(-1), dead.reshape(-1), forced, at_limit, g.early,
+             div_host.astype(np.float32).view(np.int64).reshape(-1),
+             np.asarray(zero, dtype=np.int64), np.asarray(ban, dtype=np.int64)),
+            dtype=np.int64,
+        )  # fmt: skip
+        staged = torch.from_numpy(ints)
+        if dev.type == "cuda":  # pinned: the copy is truly asynchronous (pageable may stage)
+            staged = staged.pin_memory()
+        up = staged.to(dev, non_blocking=True)
         n = r_count * k
         row_idx, dead_t = up[:n], up[n : 2 * n].view(r_count, k).bool()
         flags = up[2 * n : 2 * n + 3 * r_count].view(3, r_count).bool()
         forced_t, limit_t, early_t = flags[0], flags[1], flags[2]
-        triples = up[2 * n + 3 * r_count :]
+        at = 2 * n + 3 * r_count
+        div = up[at : at + r_count].view(torch.float32).view(r_count, 2)
+        triples = up[at + r_count :]
         # (zero first, then ban; each a [count, 3] block of (request, beam, token))
         z = triples[: len(zero)].view(-1, 3).t() if zero else None
         b = triples[len(zero) :].view(-1, 3).t() if ban else None
 
         # The requests' processors: forced prefix, bans, dead beams.
         proc = logprobs.index_select(0, row_idx).view(r_count, k, vocab)
-        if any(forced):
+        if forced.any():
             proc.masked_fill_(forced_t[:, None, None], float("-inf"))
         if z is not None:
             proc[z[0], z[1], z[2]] = 0.0
         if b is not None:
             proc[b[0], b[1], b[2]] = float("-inf")
-        if any(dead):
+        if dead.any():
             proc.masked_fill_(dead_t[:, :, None], float("-inf"))
 
-        running = torch.stack([st.running for st in group])
-        scores = proc + running[:, :, None]
+        scores = proc + g.running[:, :, None]
         topk_scores, topk_idx = torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
         # (a broadcast compare: `torch.isin` sorts, and its CUDA unique reads the device)
-        hits = limit_t[:, None] | ((topk_idx % vocab)[..., None] == self._eos_on(dev)).any(-1)
+        tok = topk_idx % vocab
+        if len(self.eos) == 1:
+            hits = limit_t[:, None] | (tok == self.eos[0])
+        else:
+            hits = limit_t[:, None] | (tok[..., None] == self._eos_on(dev)).any(-1)
 
         # The K best unfinished continuations run on.
-        run_scores = topk_scores + hits.to(torch.float32) * NEG
+        # (`bool * NEG` is float32, as `bool.to(float32) * NEG`: one launch fewer)
+        run_scores = topk_scores + hits * NEG
         next_idx = torch.topk(run_scores, k=k, dim=1)[1]
         new_running = run_scores.gather(1, next_idx)
 
         # Finished continuations among the first K enter the finished set.
-        fin_scores = torch.stack([st.fin_scores for st in group])
-        fin_done = torch.stack([st.fin_done for st in group])
-        heuristic = torch.stack([st.heuristic for st in group])
-        did = hits & (torch.arange(keep, device=dev) < k)[None, :]
+        fin_scores, fin_done, heuristic = g.fin_scores, g.fin_done, g.heuristic
+        did = hits & self._first_k(dev, keep, k)
         fin = topk_scores / div[:, :1]
         full = fin_done.all(dim=1) & early_t
-        fin = fin + full.to(torch.float32)[:, None] * NEG
-        fin = fin + (~heuristic).to(torch.float32)[:, None] * NEG
+        fin = fin + full[:, None] * NEG
+        fin = fin + (~heuristic)[:, None] * NEG
         fin = fin + (~did) * NEG
         merged_scores = torch.cat((fin_scores, fin), dim=1)
         merged_done = torch.cat((fin_done, did), dim=1)
@@ -392,12 +536,22 @@ class BeamSearchDriver:
         worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True).values, NEG)
         heuristic = heuristic & (best_possible > worst).any(dim=1)
         done = ~heuristic | (fin_done.all(dim=1) & early_t) | hits.all(dim=1)
-        for r, st in enumerate(group):
-            st.running, st.fin_scores = new_running[r], fin_scores[r]
-            st.fin_done, st.heuristic = fin_done[r], heuristic[r]
+        g.running, g.fin_scores, g.fin_done, g.heuristic = (
+            new_running,
+            fin_scores,
+            fin_done,
+            heuristic,
+        )
         alive = new_running != float("-inf")
         packed = torch.cat((topk_idx, next_idx, pick, alive.long(), done.long()[:, None]), dim=1)
         return packed.reshape(-1)
+
+    def _first_k(self, dev: torch.device, keep: int, k: int) -> torch.Tensor:
+        """`[1, keep]` bool: the first `k` of the top `keep` (made once per shape)."""
+        t = self._masks.get((dev, keep, k))
+        if t is None:
+            t = self._masks[(dev, keep, k)] = (torch.arange(keep, device=dev) < k)[None, :]
+        return t
 
     def _eos_on(self, dev: torch.device) -> torch.Tensor:
         t = self._eos_tensors.get(dev)
@@ -405,63 +559,88 @@ class BeamSearchDriver:
             t = self._eos_tensors[dev] = torch.tensor(self.eos, dtype=torch.int64, device=dev)
         return t
 
-    def _apply(self, st: _State, row: list[int], vocab: int) -> bool:
-        """The host half of a step: the request's finished tokens and its beams' sequences,
-        from the values `_search_group` packed; returns whether the request is done."""
-        k, keep = st.k, st.keep
-        top, nxt = row[:keep], row[keep : keep + k]
-        picked, alive = row[keep + k : keep + 2 * k], row[keep + 2 * k : keep + 3 * k]
-        parents = [i // vocab for i in top]
-        tokens = [i % vocab for i in top]
-        old_tokens = st.fin_tokens
-        st.fin_tokens = [
-            old_tokens[i] if i < k else [*st.slots[parents[i - k]].gen, tokens[i - k]]
-            for i in picked
-        ]
-        self._rebuild(st, [parents[i] for i in nxt], [tokens[i] for i in nxt], alive)
-        return bool(row[-1])
+    def _apply(self, g: _Group, flat: np.ndarray, vocab: int) -> np.ndarray:
+        """The host half of a step for one group, from the values `_search_group` packed: the
+        finished hypotheses' and the beams' tokens (vectorised over the group), then each
+        request's beams' sequences; returns the requests' done flags."""
+        r_count, k, keep = len(g.states), g.k, g.keep
+        block = flat.reshape(r_count, keep + 3 * k + 1)
+        top, nxt = block[:, :keep], block[:, keep : keep + k]
+        picked, alive = block[:, keep + k : keep + 2 * k], block[:, keep + 2 * k : keep + 3 * k]
+        parents, tokens = top // vocab, top % vocab
+        r_idx = np.arange(r_count)[:, None]
+        gl = g.gen_len
+        # Every candidate's tokens: its parent's then its token; the finished set picks among
+        # its old members (index < k) and the candidates.
+        cand = g.gen[r_idx, parents]
+        cand[r_idx, g.first_keep, gl[:, None]] = tokens
+        g.fin_tok = np.concatenate((g.fin_tok, cand), axis=1)[r_idx, picked]
+        # The running beams are candidates too: their tokens are the picked candidates'.
+        g.gen = cand[r_idx, nxt]
+        g.gen_len = gl + 1
+        run_parents, run_tokens = parents[r_idx, nxt], tokens[r_idx, nxt]
+        # One host list for the requests' block bookkeeping: old slots | parents | tokens | alive.
+        rows = np.concatenate((g.slot_idx, run_parents, run_tokens, alive), axis=1).tolist()
+        rebuild = self._rebuild
+        g.slot_idx = np.array(
+            [
+                rebuild(st, row[:k], row[k : 2 * k], row[2 * k : 3 * k], row[3 * k :])
+                for st, row in zip(g.states, rows, strict=True)
+            ],
+            dtype=np.int64,
+        ).reshape(r_count, k)
+        return block[:, -1]
 
-    def _rebuild(self, st: _State, parents: list[int], tokens: list[int], alive: list[int]) -> None:
-        backend = self.backend
-        old = st.slots
-        children: dict[tuple[int, int], _Phys] = {}
-        taken: set[int] = set()  # parent physicals already continued by a child
-        new_slots = []
-        for j, (pi, tok) in enumerate(zip(parents, tokens)):
-            parent = old[pi]
-            gen = [*parent.gen, tok]
-            if parent.phys is None or not alive[j]:
-                new_slots.append(_Slot(None, gen))
+    def _rebuild(
+        self, st: _State, old_slots: list[int], parents: list[int], tokens: list[int],
+        alive: list[int],
+    ) -> list[int]:  # fmt: skip
+        """The request's beams' physical sequences after a step (`old_slots`: each old beam's
+        index among the request's sequences, -1 dead): a beam continuing a parent's sequence
+        takes it over, a second continuation forks it, a parent no beam continues is freed.
+        Returns each new beam's index among the request's new sequences (-1: dead)."""
+        old = st.uniq
+        taken = [False] * len(old)  # parent sequences already continued by a child
+        children: dict[tuple[int, int], int] = {}  # (parent sequence, token) -> new index
+        uniq: list[_Phys] = []
+        slots: list[int] = []
+        for pi, tok, live in zip(parents, tokens, alive):
+            u = old_slots[pi]
+            if u < 0 or not live:
+                slots.append(-1)
                 continue
-            key = (id(parent.phys), tok)
-            phys = children.get(key)
-            if phys is None:
-                if id(parent.phys) not in taken:
-                    taken.add(id(parent.phys))
-                    phys = _Phys(parent.phys.seq, tok)
+            at = children.get((u, tok))
+            if at is None:
+                at = children[(u, tok)] = len(uniq)
+                parent = old[u]
+                if not taken[u]:
+                    taken[u] = True
+                    parent.pending = tok
+                    uniq.append(parent)
                 else:
-                    seq = backend.beam_fork(parent.phys.seq)
+                    uniq.append(_Phys(self.backend.beam_fork(parent.seq), tok))
+                    parent.check = True  # its last block is now shared
                     self.forks += 1
-                    phys = _Phys(seq, tok)
-                children[key] = phys
-            new_slots.append(_Slot(phys, gen))
-        # Parents no child continued are freed.
-        for p in {id(s.phys): s.phys for s in old if s.phys is not None}.values():
-            if id(p) not in taken:
-                backend.free_sequence(p.seq)
-        st.slots = new_slots
+            slots.append(at)
+        for u, t in enumerate(taken):  # parents no child continued are freed
+            if not t:
+                self.backend.free_sequence(old[u].seq)
+        st.uniq = uniq
+        return slots
 
     def _release(self, st: _State) -> None:
-        for p in st.physicals():
+        for p in st.uniq:
             self.backend.free_sequence(p.seq)
-        st.slots = [_Slot(None, s.gen) for s in st.slots]
+        st.uniq = []
 
     def _output(self, st: _State, scores: list[float]) -> BeamOutput:
         """The request's best `n` hypotheses; `scores` are their finished scores."""
-        nf = len(st.req.forced)
+        g, nf = st.group, st.forced
+        assert g is not None
         hyps = []
         for i in range(st.req.params.n):
-            toks = st.fin_tokens[i]
+            row = g.fin_tok[st.row, i]
+            toks = row[row >= 0].tolist()
             reason = "stop" if toks and toks[-1] in self.eos else "length"
-            hyps.append(BeamHypothesis(list(toks[nf:]), float(scores[i]), reason))
+            hyps.append(BeamHypothesis(toks[nf:], float(scores[i]), reason))
         return BeamOutput(st.req.request_id, hyps, list(st.req.source or st.req.prompt), st.steps)
