@@ -58,6 +58,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
+from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
 from metrale.engine.handle import (
     AddArgs,
     ControlCall,
@@ -96,6 +97,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from metrale.engine.engine import Engine
 
     try:
+        apply_engine_threads(config, reserve=1)  # one core stays with the HTTP process
         engine = Engine(config)
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -224,6 +226,7 @@ class EngineProcess(HandleBase[Assembly]):
         )
         self._process.start()
         child_conn.close()
+        apply_frontend_threads()
         self._send_lock = threading.Lock()
         #: Adds the child has not answered yet.
         self._pending: dict[str, _PendingAdd] = {}
