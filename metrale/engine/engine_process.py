@@ -34,6 +34,9 @@ Invariants:
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
   stream with `EngineDeadError` and refuses new requests.
+- Threads (`engine.cpu_threads`): the child runs the engine's CPU policy, leaving one core to
+  the parent (`--cpu-threads` overrides); the parent, which runs no model, takes one torch
+  thread once the child is started.
 - The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
   closes, so it never outlives the server.
 - Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
