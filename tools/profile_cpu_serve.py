@@ -17,6 +17,7 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -98,6 +99,8 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra `metrale serve` flags")
     parser.add_argument("--python", default=sys.executable)
     args = parser.parse_args()
+    # A terminated run still stops its server (the `finally` below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.size, Path(tmp) / args.size)

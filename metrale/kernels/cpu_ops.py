@@ -21,7 +21,8 @@ Invariants:
 - What depends only on the forward is computed once per forward and kept in the metadata's
   `memo` (`AttentionMetadata.memo`); the full-width rotary table (cos | cos, -sin | sin) is
   derived once per cos/sin table (weakly keyed: it goes with the table, and is rebuilt if the
-  table changes in place).
+  table changes in place; an inference-mode table, which has no version counter, is widened
+  per call).
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ class CpuOps:
     def _full_table(self, cos_sin: torch.Tensor) -> torch.Tensor:
         """`[P, 2, rotary_dim]`: (cos | cos) and (-sin | sin), so that the rotate-half
         rotation is `x * cos2 + roll(x, half) * sin2`, term for term the reference's."""
+        if cos_sin.is_inference():  # no version counter (a per-forward table, M-RoPE's)
+            return self._widen(cos_sin)
         key = id(cos_sin)
         kept = self._tables.get(key)
         if kept is not None and kept[0]() is cos_sin and kept[1] == cos_sin._version:
             return kept[2]
-        cos, sin = cos_sin[:, 0], cos_sin[:, 1]
-        full = torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
+        full = self._widen(cos_sin)
         tables = self._tables
 
         def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
@@ -90,6 +92,11 @@ class CpuOps:
 
         self._tables[key] = (weakref.ref(cos_sin, forget), cos_sin._version, full)
         return full
+
+    @staticmethod
+    def _widen(cos_sin: torch.Tensor) -> torch.Tensor:
+        cos, sin = cos_sin[:, 0], cos_sin[:, 1]
+        return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
 
     def _lean_rotary(self, q: torch.Tensor, k_cache: torch.Tensor, rotary_dim: int) -> bool:
         return (
