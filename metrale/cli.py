@@ -8,6 +8,8 @@ so every subcommand spells them alike (`--max-model-len`, `--num-kv-blocks`,
 Invariants:
 - A bad flag value exits with status 2 and a one-line message naming the flag; no traceback.
 - Subcommands import their heavy modules lazily, so `metrale --help` is fast.
+- Under `torchrun`, ranks above 0 of an engine command (`generate`, `serve`, `bench`) run a
+  tensor-parallel worker (`metrale.distributed.launch.torchrun_worker`) instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -195,6 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun, ranks above 0 of an engine command serve rank 0's model steps (its
+    exit code); None on rank 0 or without torchrun (the command runs as usual)."""
+    from metrale.distributed.launch import torchrun_worker, torchrun_world
+    from metrale.engine.intake import resolve_model_dir
+
+    world = torchrun_world()
+    if world is None or world.rank == 0:
+        return None
+    config = engine_config_from_args(args)
+    return torchrun_worker(config, resolve_model_dir(config.model), world)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -203,6 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        if "RANK" in os.environ and hasattr(args, "tensor_parallel_size"):
+            worker = _torchrun_worker(args)
+            if worker is not None:
+                return worker
         return int(args.handler(args) or 0)
     except MetraleError as exc:
         parser.exit(2, f"metrale: error: {exc.message}\n")

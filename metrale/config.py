@@ -145,6 +145,12 @@ class EngineConfig:
     #: frames per second, and may have at most `max_video_frames` frames.
     video_fps: float = 2.0
     max_video_frames: int = 64
+    #: Ranks the model is sharded over (tensor parallelism, `metrale.distributed`): one
+    #: process per rank, rank 0 the engine's, the others spawned on this host; 1: off.
+    tensor_parallel_size: int = 1
+    #: With tensor_parallel_size > 1 on an MoE model: place whole experts on each rank
+    #: instead of slicing every expert's width.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -172,6 +178,10 @@ class EngineConfig:
             raise bad("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise bad("max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        if self.tensor_parallel_size < 1:
+            raise bad("tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise bad("enable_expert_parallel", "needs tensor_parallel_size >= 2")
         if self.video_fps <= 0:
             raise bad("video_fps", f"must be > 0, got {self.video_fps}")
         for name in (

@@ -105,6 +105,10 @@ FLAG_HELP = {
     "max_loras": "device slots: adapters that can run in one batch",
     "max_lora_rank": "highest adapter rank a slot holds",
     "max_cpu_loras": "adapters kept in host memory between promotions (default: 2 x --max-loras)",
+    "tensor_parallel_size": "ranks (GPUs) the model is sharded over: N - 1 worker processes on "
+    "this host, or the ranks of a torchrun world",
+    "enable_expert_parallel": "MoE models with --tensor-parallel-size: whole experts per rank "
+    "instead of slices of every expert",
 }
 
 
@@ -116,6 +120,7 @@ TOPICS: dict[str, str] = {
     "speculation": "speculative decoding",
     "lora": "LoRA adapters",
     "vision": "image input (vision-language models)",
+    "parallel": "several GPUs: tensor and expert parallelism",
     "engine": "other engine settings",
 }
 DEFAULT_TOPIC = "engine"
@@ -147,6 +152,7 @@ FLAG_TOPICS: dict[str, str] = {
          "video_fps", "max_video_frames"),
         "vision",
     ),
+    **dict.fromkeys(("tensor_parallel_size", "enable_expert_parallel"), "parallel"),
 }  # fmt: skip
 
 

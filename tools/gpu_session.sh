@@ -8,6 +8,8 @@
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
 #        structured (grammar overhead per step, issue 17) lora (multi-LoRA throughput, issue 16)
+#        lorakernels (issue 16: the LoRA group ops per form, tools/bench_lora_kernels.py, and the
+#        LoRA kernel tests)
 #        translate (NLLB-200-distilled-600M shape, random weights, bf16 beam 4 at batch 1 and 32
 #        against transformers generate, issue 18)
 #        kvtiers (issue 19: qwen3-8b 8k prefix from the host / disk KV tier vs cold, disk
@@ -199,6 +201,15 @@ print(peer)" >"$OUT/serve_hybrid_peer.log" 2>&1
       --shape qwen3-8b --device cuda --adapters 8 --rank 16 --concurrency 64 \
       --out-dir "$OUT" >"$OUT/lora.log" 2>&1
     echo "rc=$?"; tail -12 "$OUT/lora.log"
+    ;;
+  lorakernels)
+    stamp "multi-LoRA kernels: tests, then us per group op by form (qwen3-8b shapes, rank 16)"
+    timeout 300 python3 -m pytest tests/gpu/test_lora_kernels.py -q -p no:cacheprovider \
+      >"$OUT/lorakernels-tests.log" 2>&1
+    echo "tests rc=$?"; tail -3 "$OUT/lorakernels-tests.log"
+    timeout 300 python3 tools/bench_lora_kernels.py --out "$OUT/lora_kernels.json" \
+      >"$OUT/lora_kernels.log" 2>&1
+    echo "rc=$?"; tail -14 "$OUT/lora_kernels.log"
     ;;
   kerneltests)
     stamp kernel tests

@@ -12,7 +12,8 @@ Invariants:
 - A request's choices are separate scheduler sequences (`<id>` for n=1, `<id>-<i>` else); the
   request finishes when all its choices have.
 - An exception inside a forward ends the requests of that step with finish reason "error"
-  (their resources released); the engine keeps serving.
+  (their resources released); the engine keeps serving, except after `EngineDeadError` (a
+  tensor-parallel rank died), which leaves `step` and ends the engine.
 - `sampling_defaults` (the checkpoint's generation_config.json values, empty under
   `--generation-config none`) is read once at start-up; a request queued without
   `SamplingParams` gets `default_sampling_params()`. Explicit `SamplingParams` are used as given.
@@ -72,6 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale.config import EngineConfig
+from metrale.distributed.launch import load_tensor_parallel
 from metrale.engine.engine_forward import EngineForward, _Forward
 from metrale.engine.engine_grammar import EngineGrammar
 from metrale.engine.engine_lora import EngineLora
@@ -88,7 +90,7 @@ from metrale.engine.output import ChoiceState, RequestState
 from metrale.engine.request import RequestOutput
 from metrale.engine.speculation import Speculation
 from metrale.engine.vision import check_vision, vision_prompts_for
-from metrale.errors import InvalidRequestError
+from metrale.errors import EngineDeadError, InvalidRequestError
 from metrale.model_engine.factory import LoadReport, load_model
 from metrale.model_engine.traits import Model
 from metrale.progress import LoadProgress, load_progress
@@ -147,7 +149,9 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             )
         self.load_report: LoadReport | None = None
         if model is None:
-            model, self.load_report = load_model(
+            # Tensor parallel: rank 0 here, the other ranks' processes started by the loader.
+            loader = load_tensor_parallel if config.tensor_parallel_size > 1 else load_model
+            model, self.load_report = loader(
                 config, self.model_dir, progress if progress is not None else load_progress()
             )
         self.model = model
@@ -438,6 +442,8 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
                 forward = self._forward_step(plan, previous)
                 if not late_sample:
                     launched = self._sample_step(plan, forward)
+            except EngineDeadError:  # a tensor-parallel rank died: nothing can be served
+                raise
             except Exception as exc:  # one bad step must not take the engine down
                 self._step_failed(plan, touched, exc)
                 forward = None

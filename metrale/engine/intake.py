@@ -93,7 +93,19 @@ def check_request(
     max_model_len: int,
 ) -> tuple[str | None, list[int], int]:
     """(prompt text or None, prompt token ids, resolved output budget), or a clear error."""
-    text, ids = _prompt_ids(prompt, prompt_token_ids, tokenizer, vocab_size, max_model_len)
+    text, ids = _prompt_ids(prompt, prompt_token_ids, tokenizer)
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise InvalidRequestError(
+                f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})",
+                param="prompt",
+            )
+    if len(ids) >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the "
+            f"prompt has {len(ids)} tokens, leaving no room for output",
+            param="prompt",
+        )
     params.validate_for_vocab(vocab_size)
     return text, ids, _resolve_max_tokens(len(ids), params, max_model_len)
 
@@ -114,9 +126,9 @@ def _prompt_ids(
     prompt: str | Sequence[int] | None,
     prompt_token_ids: Sequence[int] | None,
     tokenizer: Tokenizer,
-    vocab_size: int,
-    max_model_len: int,
 ) -> tuple[str | None, list[int]]:
+    """The prompt's text (None when given as ids) and token ids, refused when absent or
+    empty; `check_request` checks them against the vocabulary and the context."""
     if prompt_token_ids is not None:
         text, ids = (prompt if isinstance(prompt, str) else None), list(prompt_token_ids)
     elif isinstance(prompt, str):
@@ -129,18 +141,6 @@ def _prompt_ids(
         text, ids = None, list(prompt)
     if not ids:
         raise InvalidRequestError("prompt is empty (no tokens)", param="prompt")
-    for t in ids:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-            raise InvalidRequestError(
-                f"prompt token id {t!r} is outside the vocabulary [0, {vocab_size})",
-                param="prompt",
-            )
-    if len(ids) >= max_model_len:
-        raise ContextLengthError(
-            f"this model's maximum context length is {max_model_len} tokens, but the "
-            f"prompt has {len(ids)} tokens, leaving no room for output",
-            param="prompt",
-        )
     return text, ids
 
 

@@ -65,6 +65,7 @@ class KernelOps:
     # Multi-LoRA by per-row slot gather (the capturable form; see `metrale.layers.lora`).
     lora_gather_add: Callable = lora_reference.lora_gather_add
     lora_tiles_add: Callable = lora_reference.lora_tiles_add
+    lora_plan: Callable = lora_reference.lora_plan
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 

@@ -72,8 +72,8 @@ ACTIVATIONS: dict[str, int] = {
     "gelu": 4,
 }
 
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:

@@ -42,6 +42,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora", "lora_tiles_add"),
+    "lora_plan": ("metrale.kernels.triton_lora", "lora_plan"),
     "causal_conv1d_update": ("metrale.kernels.triton_ssm", "causal_conv1d_update"),
     "mamba2_state_update": ("metrale.kernels.triton_ssm", "mamba2_state_update"),
     "gated_delta_update": ("metrale.kernels.triton_ssm", "gated_delta_update"),
@@ -59,7 +60,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
      "silu_mul_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
-     "lora_gather_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
+     "lora_gather_add", "lora_tiles_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 
 

@@ -20,6 +20,12 @@ Invariants:
   input; or its `tiles` (runs of at most `TILE_ROWS` rows of one slot), which the tiled op
   (`KernelOps.lora_tiles_add`) reads: eager forwards on CUDA. Rows of
   the base model (slot -1) get no delta either way.
+- Under device routing with a plan op (`KernelOps.lora_plan`, CUDA) and at least
+  `PLAN_MIN_ROWS` token rows, the first `add` of a forward groups the rows by slot on the
+  device (`LoraSlots.plan`: `order` and `tiles`, kept on the batch for every later layer;
+  captured with the graph, no host read) and every group runs the tiled op through `order`,
+  reading each adapter once per tile of its rows (SGMV-like); fewer rows keep the gather
+  op (`triton_lora.lora_gather_add`: one launch per group for one or two rows).
 - A slot's stack rows are zero past its rank and for targets it does not adapt (the gather
   op reads all `max_rank` rows of every target).
 - The delta of a row using slot s on a target is `(x @ A_s.T) @ B_s.T * scale_s`, added to the
@@ -51,6 +57,10 @@ LORA_GROUPS = (
 
 #: Token rows per tile of the tiled op (`KernelOps.lora_tiles_add`; the kernels' row tile).
 TILE_ROWS = lora_reference.LORA_TILE_ROWS
+#: Device routing groups rows by slot (`LoraSlots.plan`) from this many token rows up; below
+#: it the per-row gather op reads each row's adapter itself (fewer launches, and with few
+#: rows there is little for a tile to share).
+PLAN_MIN_ROWS = 16
 
 
 @dataclass
@@ -75,8 +85,12 @@ class LoraBatch:
     #: it reads nothing on the host).
     groups: list[tuple[int, torch.Tensor | None]] | None
     #: `[n, 3]` int32 on the device: (first token row, row count <= `TILE_ROWS`, slot) of
-    #: each tile of adapted rows (base rows in none): what the tiled op reads (`route`).
+    #: each tile of adapted rows (base rows in none): what the tiled op reads (`route`); or
+    #: (first index into `order`, row count, slot) when planned on the device (`LoraSlots.plan`).
     tiles: torch.Tensor | None = None
+    #: `[tokens]` int32 on the device: the token rows grouped by slot, when `tiles` index it
+    #: (`LoraSlots.plan`); None: `tiles` name token rows directly.
+    order: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -142,14 +156,30 @@ class LoraSlots:
         device: torch.device,
         gather_op: Callable[..., None] = lora_reference.lora_gather_add,
         tiles_op: Callable[..., None] | None = None,
+        plan_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+        plan_min_rows: int = PLAN_MIN_ROWS,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable
         projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`);
         `tiles_op`: when given (`KernelOps.lora_tiles_add` on CUDA), eager forwards run it,
         one launch pair per group whatever the slots present, instead of the segment op's
-        GEMM pairs per slot (see `route`)."""
+        GEMM pairs per slot (see `route`); `plan_op`: with `tiles_op`
+        (`KernelOps.lora_plan` on CUDA), device routing of at least `plan_min_rows` token
+        rows groups them by slot on the device and runs the tiled op (see `plan`)."""
+        if plan_op is not None and tiles_op is None:
+            raise ValueError("a LoRA plan op needs the tiled op to run its tiles")
         self.gather_op = gather_op
         self.tiles_op = tiles_op
+        self.plan_op = plan_op
+        self.plan_min_rows = plan_min_rows
+        #: Forwards whose device routing was grouped by slot (`plan`): a metric of which op
+        #: the decode graphs run (counted at capture, or per eager run).
+        self.planned = 0
+        #: On CUDA, the gather op's barrier counters (int32 zeros, left zero by every call;
+        #: the decode graphs' calls are stream-ordered): its one-launch "sync" form needs them.
+        self.sync = (
+            torch.zeros(4, dtype=torch.int32, device=device) if device.type == "cuda" else None
+        )
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.shapes = dict(shapes)
@@ -203,6 +233,22 @@ class LoraSlots:
         if batch is None or batch.groups is None or self.tiles_op is None:
             return batch
         return LoraBatch(batch.token_slots, None, batch.tiles)
+
+    def plan(self, batch: LoraBatch) -> None:
+        """Under device routing (`batch.groups` None, no tiles yet) with a plan op and at
+        least `plan_min_rows` token rows: group the rows by slot on the device, once per
+        forward (`batch.order`, `batch.tiles`, read by every later layer)."""
+        if (
+            self.plan_op is None
+            or batch.groups is not None
+            or batch.tiles is not None
+            or batch.token_slots.shape[0] < self.plan_min_rows
+        ):
+            return
+        batch.order, batch.tiles = self.plan_op(
+            batch.token_slots, self.num_slots, lora_reference.LORA_PLAN_ROWS
+        )
+        self.planned += 1
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for g in self.groups.values() for t in (g.a, g.b_t))
@@ -266,6 +312,7 @@ class LoraLayer:
         if not present:
             return
         if batch.groups is None:
+            slots.plan(batch)
             group = slots.groups.get((self.layer_idx, present[0][0]))
             start = present[0][1]
             layout = tuple((name, width) for name, _, width in present)
@@ -280,11 +327,16 @@ class LoraLayer:
                 )
             out = y[:, start : start + sum(group.widths)]
             if batch.tiles is not None and slots.tiles_op is not None:
-                slots.tiles_op(out, x, group.a, group.b_t, batch.tiles, group.scales, group.widths)
-            else:
-                slots.gather_op(
-                    out, x, group.a, group.b_t, batch.token_slots, group.scales, group.widths
+                ordered = {} if batch.order is None else {"order": batch.order}
+                slots.tiles_op(
+                    out, x, group.a, group.b_t, batch.tiles, group.scales, group.widths, **ordered
                 )
+            else:
+                counters = {} if slots.sync is None else {"sync": slots.sync}
+                slots.gather_op(
+                    out, x, group.a, group.b_t, batch.token_slots, group.scales, group.widths,
+                    **counters,
+                )  # fmt: skip
             return
         for name, start, width in present:
             key = (self.layer_idx, name)

@@ -3,6 +3,8 @@ query length Q (1: decode; k + 1: a speculative verify step of k draft tokens), 
 startup into one memory pool, replayed with persistent input buffers.
 
 Owner: model-engine (`TransformerModel` routes decode-only forwards here when graphs exist).
+`GraphCapture` is the capture session of every graph runner here and in `mtp_graphs.py`:
+side stream, one pool, two warm-up runs per graph, then wait, sync and measure.
 
 Invariants:
 - A graph is replayed only for a forward whose sequences all take the same number Q of
@@ -40,7 +42,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -51,9 +55,48 @@ from metrale.model_engine.traits import DECODE_BATCH_LADDER, blocks_for, padded_
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: The recurrent layers' decode ops: a hybrid model is graphed only when all are Triton kernels
 #: (they skip a padding row's slot -1 and read no host values).
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "mamba2_state_update", "gated_delta_update")
+
+
+class GraphCapture:
+    """One capture session (every graph runner uses it): graphs captured on a side stream
+    into one memory pool; on leaving, the default stream waits for the side stream, the
+    device syncs, and `seconds` and `bytes` hold the session's wall time and memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool: object = None
+        self.stream: torch.cuda.Stream | None = None
+        self.seconds = 0.0
+        self.bytes = 0
+
+    @contextmanager
+    def session(self) -> Iterator[GraphCapture]:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        stream = self.stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield self
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.seconds = time.perf_counter() - start
+        self.bytes = torch.cuda.memory_allocated(self.device) - before
+
+    def graph(self, body: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+        """`body` run twice (warm-up: autotuning, lazy init, allocator), then captured into
+        the session's pool; the graph and the outputs its replays rewrite."""
+        for _ in range(2):
+            body()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            out = body()
+        return graph, out
 
 
 class DecodeGraphRunner:
@@ -198,21 +241,15 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        capture = GraphCapture(self.device)
+        with capture.session():
             # Largest token counts first, so smaller graphs reuse the pool's blocks.
             for query_len in reversed(self.query_lens):
                 q_before = torch.cuda.memory_allocated(self.device)
                 for rows in reversed(self.rungs_for[query_len]):
-                    for _ in range(2):  # warm-up: autotuning, lazy init, allocator
-                        self._body(rows, query_len)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                        self.outputs[rows, query_len] = self._body(rows, query_len)
+                    graph, self.outputs[rows, query_len] = capture.graph(
+                        lambda rows=rows, query_len=query_len: self._body(rows, query_len)
+                    )
                     self.graphs[rows, query_len] = graph
                 logger.info(
                     "captured %d decode graphs for Q=%d (batch %s, %d token rows at most): "
@@ -222,10 +259,9 @@ class DecodeGraphRunner:
                     self.max_rows * query_len,
                     (torch.cuda.memory_allocated(self.device) - q_before) / 2**20,
                 )  # fmt: skip
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.pool = capture.pool
+        self.capture_seconds = capture.seconds
+        self.capture_bytes = capture.bytes
         logger.info(
             "captured %d decode graphs (batch x Q: %s) in %.2fs using %.1f MiB",
             len(self.graphs),

@@ -24,6 +24,12 @@ Invariants:
   `kv_scale` under each attention module, all layers or none) or, lacking them, is armed
   to calibrate on the first prefill after the warm-up forwards (`metrale.cache.kv_cache`).
   A draft model's pool stays in the model dtype.
+- Tensor parallel (`sharding`, a `ModelSharding` from `metrale.distributed`): every rank runs
+  this same load, in lockstep. The module is built from the rank's local config (its heads,
+  widths, vocabulary), cut (`prepare`) before its weights load, reads only its slices of
+  the checkpoint, and is wrapped (`wrap`) before the `TransformerModel` sees it; the pool
+  holds the rank's KV heads and as many blocks as the smallest rank's budget
+  (`agree_blocks`); decode graphs are not captured (logged).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
@@ -44,6 +52,7 @@ from metrale.config import EngineConfig
 from metrale.errors import CheckpointError, InvalidRequestError
 from metrale.kernels import kernels_for
 from metrale.layers.moe import FusedExperts
+from metrale.model_config import ModelConfig
 from metrale.model_engine import fp8_weights
 from metrale.model_engine.cuda_graphs import RECURRENT_DECODE_OPS, DecodeGraphRunner
 from metrale.model_engine.draft_factory import _draft_footprint
@@ -103,6 +112,25 @@ class LoadReport:
     kv_blocks_per_gib: int = 0
 
 
+class ModelSharding(Protocol):
+    """One tensor-parallel rank's part in loading (`metrale.distributed.launch.RankSharding`)."""
+
+    def local_config(self, mcfg: ModelConfig) -> ModelConfig:
+        """The config this rank's module is built from (checks that the model divides)."""
+
+    def prepare(self, module: nn.Module) -> None:
+        """Cut the freshly built module (before its weights load)."""
+
+    def read(self, name: str, handle: Any) -> tuple[str, torch.Tensor] | None:
+        """This rank's part of a checkpoint tensor (`loader.TensorReader`)."""
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """The loaded module as the engine calls it."""
+
+    def agree_blocks(self, blocks: int) -> int:
+        """The KV block count every rank can hold (the smallest of the ranks' `blocks`)."""
+
+
 def _kv_tiers(
     config: EngineConfig, model_dir: str, arch: str, kv: PagedKVCache, mtp: bool
 ) -> KvTiers:
@@ -132,19 +160,30 @@ def _kv_tiers(
 
 
 def load_model(
-    config: EngineConfig, model_dir: str, progress: LoadProgress | None = None
+    config: EngineConfig,
+    model_dir: str,
+    progress: LoadProgress | None = None,
+    *,
+    sharding: ModelSharding | None = None,
 ) -> tuple[TransformerModel, LoadReport]:
     """The model of `model_dir` built, loaded and sized for `config`; `progress` hears of
-    each weight shard, then of KV sizing, graph capture and kernel warm-up."""
+    each weight shard, then of KV sizing, graph capture and kernel warm-up. `sharding`: this
+    process is one rank of a tensor-parallel world (`metrale.distributed.launch`)."""
     progress = progress or NullProgress()
+    if config.tensor_parallel_size > 1 and sharding is None:
+        raise InvalidRequestError(
+            f"tensor_parallel_size {config.tensor_parallel_size}: load through "
+            "metrale.distributed.launch.load_tensor_parallel (the engine does)",
+            param="tensor_parallel_size",
+        )
     try:
-        return _load_model(config, model_dir, progress)
+        return _load_model(config, model_dir, progress, sharding)
     finally:
         progress.close()
 
 
 def _load_model(
-    config: EngineConfig, model_dir: str, progress: LoadProgress
+    config: EngineConfig, model_dir: str, progress: LoadProgress, sharding: ModelSharding | None
 ) -> tuple[TransformerModel, LoadReport]:
     start = time.perf_counter()
     raw = read_config_json(model_dir)
@@ -170,8 +209,12 @@ def _load_model(
     draft = _draft_footprint(config, model_dir, mcfg, dtype, max_model_len)
     ops = kernels_for(device, batch_invariant=config.batch_invariant)
     fp8 = fp8_weights.plan(config, quant, device)
+    # A tensor-parallel rank builds its share: its heads, widths and vocabulary rows.
+    rank_cfg = sharding.local_config(mcfg) if sharding is not None else mcfg
     with torch.device(device), default_dtype(dtype):
-        module = cls(mcfg, ops, max_model_len)
+        module = cls(rank_cfg, ops, max_model_len)
+        if sharding is not None:
+            sharding.prepare(module)
     module.eval()
     converted = 0
     if config.load_format == "dummy":
@@ -185,7 +228,10 @@ def _load_model(
         if fp8 is not None and not fp8.online:  # the loader fills them as the checkpoint stores
             only = fp8_weights.quantized_targets(model_dir, mapping, quant)  # type: ignore[arg-type]
             converted = fp8_weights.convert(module, ops, fp8, quantize=False, only=only)
-        absent = load_weights(module, model_dir, mapping, quant=quant, progress=progress)
+        absent = load_weights(
+            module, model_dir, mapping, quant=quant, progress=progress,
+            reader=sharding.read if sharding is not None else None,
+        )  # fmt: skip
         if absent:
             logger.info("checkpoint has no %s weights; dropped", ", ".join(sorted(absent)))
             module.drop_optional_weights(absent)
@@ -193,6 +239,8 @@ def _load_model(
             converted = fp8_weights.convert(module, ops, fp8, quantize=True)
         elif fp8 is not None and device.type == "cuda":
             torch.cuda.empty_cache()  # float parts quantized on the way left cached blocks
+    if sharding is not None:
+        module = sharding.wrap(module)
     weight_dtype = fp8_weights.describe(dtype, fp8, converted, quant)
     logger.info("weights: %s", weight_dtype)
     # Counted at their stored bytes: FP8 weights take 1 byte each, so the KV budget (read
@@ -217,7 +265,7 @@ def _load_model(
     # The MTP head's KV layers follow the main model's, under the same block tables.
     kv_layers = module.kv_layer_count + (module.mtp.kv_layer_count if mtp else 0)
     per_block = PagedKVCache.bytes_per_block(
-        kv_layers, config.block_size, mcfg.num_key_value_heads, mcfg.head_dim, kv_dtype
+        kv_layers, config.block_size, rank_cfg.num_key_value_heads, mcfg.head_dim, kv_dtype
     )
     kv_scales = None
     if kv_dtype != dtype:
@@ -235,7 +283,7 @@ def _load_model(
         num_blocks = config.num_kv_blocks
     else:
         budget = kv_budget_bytes(
-            config, mcfg, module, device, dtype, max_model_len, ssm_bytes, breakdown,
+            config, rank_cfg, module, device, dtype, max_model_len, ssm_bytes, breakdown,
             hybrid=ssm_pool is not None,
         )  # fmt: skip
         if draft is not None:
@@ -251,8 +299,10 @@ def _load_model(
             # The LoRA slots are allocated after the pool: leave room for them.
             lora_bytes = lora_slot_bytes(module, config.max_loras, config.max_lora_rank, dtype)
             num_blocks = max(2, num_blocks - -(-lora_bytes // per_block))
+        if sharding is not None:
+            num_blocks = sharding.agree_blocks(num_blocks)
     kv = PagedKVCache(
-        kv_layers, num_blocks, config.block_size, mcfg.num_key_value_heads,
+        kv_layers, num_blocks, config.block_size, rank_cfg.num_key_value_heads,
         mcfg.head_dim, kv_dtype, device,
     )  # fmt: skip
     if kv_scales is not None:
@@ -289,7 +339,12 @@ def _load_model(
         f"{num_blocks - 1} usable blocks x {config.block_size} tokens ({human_bytes(kv_bytes)}"
         f"{', set by num_kv_blocks' if config.num_kv_blocks is not None else ''})",
     )
-    if device.type == "cuda" and not config.enforce_eager:
+    if device.type == "cuda" and not config.enforce_eager and sharding is not None:
+        logger.warning(
+            "CUDA graphs disabled: tensor parallel decode runs eagerly on every rank (graphs "
+            "on every rank are not built yet; slower)"
+        )
+    elif device.type == "cuda" and not config.enforce_eager:
         progress.begin_phase("graph capture")
         _capture_graphs(model, config, max_model_len, breakdown, ops.implementations)
         progress.end_phase("graph capture", human_bytes(breakdown.graph_bytes))

@@ -3,7 +3,7 @@ catch-up over each sequence's pending rows (padded to Q = k + 1 rows), then k - 
 head steps, each drafting with an on-device argmax; one read back at the end.
 
 Owner: model-engine (`MtpDrafting.mtp_propose` routes steady-state proposes here; the
-factory captures it when the MTP head drafts on CUDA).
+factory captures it, through `cuda_graphs.GraphCapture`, when the MTP head drafts on CUDA).
 
 Invariants:
 - A replay serves sequences whose pending rows number 1..Q and end at `seq_len`, each with
@@ -22,13 +22,13 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.model_engine.cuda_graphs import GraphCapture
 from metrale.model_engine.traits import DECODE_BATCH_LADDER, SequenceState, padded_batch_n
 
 logger = logging.getLogger(__name__)
@@ -128,23 +128,13 @@ class MtpGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        start = time.perf_counter()
-        before = torch.cuda.memory_allocated(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        capture = GraphCapture(self.device)
+        with capture.session():
             for rungs in reversed(self.rungs):
-                for _ in range(2):  # warm-up: autotuning, lazy init
-                    self._body(rungs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[rungs] = self._body(rungs)
+                graph, self.outputs[rungs] = capture.graph(lambda rungs=rungs: self._body(rungs))
                 self.graphs[rungs] = graph
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.capture_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.capture_seconds = capture.seconds
+        self.capture_bytes = capture.bytes
         logger.info(
             "captured %d MTP propose graphs (k=%d, batch %s) in %.2fs using %.1f MiB",
             len(self.graphs), self.k, ",".join(map(str, self.rungs)), self.capture_seconds,

@@ -17,6 +17,9 @@ Invariants:
   the checkpoint's FP8 weight and scale as stored, its fused parts' scale rows at
   `offset // block rows`; a float checkpoint tensor for it is quantized on the way
   (`reference.quantize_fp8`). Every other parameter receives float values.
+- With a `reader` (a tensor-parallel rank, `metrale.distributed.shard`) only the parts it
+  returns are read from the files, under the names it gives; they are shape-checked against
+  the rank's parameters like any tensor, and the completeness check is unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -62,8 +66,16 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yield `(name, tensor, file)` for every tensor, reading one at a time."""
+#: Reads one tensor (or its part) from an open `safe_open` handle: `(name to load it as,
+#: tensor)`, or None to skip it; a tensor-parallel rank's slices (`metrale.distributed`).
+TensorReader = Callable[[str, Any], "tuple[str, torch.Tensor] | None"]
+
+
+def iter_tensors(
+    files: list[Path], reader: TensorReader | None = None
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
+    """Yield `(name, tensor, file)` for every tensor, reading one at a time (through `reader`
+    when given: only the parts it asks for, under the names it gives)."""
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -72,13 +84,16 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, Path]]:
         with handle as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 try:
-                    tensor = f.get_tensor(name)
+                    got = reader(name, f) if reader is not None else (name, f.get_tensor(name))
+                except CheckpointError:
+                    raise
                 except Exception as exc:
                     raise CheckpointError(
                         f"{path}: tensor '{name}' cannot be read; the file is truncated or "
                         f"corrupt ({exc})"
                     ) from exc
-                yield name, tensor, path
+                if got is not None:
+                    yield got[0], got[1], path
 
 
 @dataclass
@@ -165,13 +180,14 @@ def load_weights(
     skip_params: set[str] | None = None,
     quant: WeightQuant | None = None,
     progress: LoadProgress | None = None,
+    reader: TensorReader | None = None,
 ) -> set[str]:
     """Copy every checkpoint tensor into `model` (its dtype and device), checking shapes;
     quantized weights (`quant`) arrive dequantized (`quantization.dequantized`).
 
     Returns the optional prefixes (`mapping.optional_prefixes`) of which no tensor was found;
     the caller drops those parameters. `progress` hears of each tensor's bytes and each
-    finished shard."""
+    finished shard. `reader`: a tensor-parallel rank's slices (see `iter_tensors`)."""
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters())
     skip_params = skip_params or set()
@@ -186,7 +202,9 @@ def load_weights(
     def keep(hf_name: str) -> bool:
         return target_name(hf_name, mapping) in fp8
 
-    stream = dequantized(_reported(files, progress or NullProgress()), quant, keep if fp8 else None)
+    stream = dequantized(
+        _reported(files, progress or NullProgress(), reader), quant, keep if fp8 else None
+    )
     for hf_name, tensor, path in stream:
         name = mapping.rename(hf_name) if mapping.rename else hf_name
         if any(name.endswith(s) for s in mapping.ignored_suffixes):
@@ -309,14 +327,14 @@ def _write_fp8(
 
 
 def _reported(
-    files: list[Path], progress: LoadProgress
+    files: list[Path], progress: LoadProgress, reader: TensorReader | None = None
 ) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """`iter_tensors(files)`, telling `progress` of each tensor's bytes (once the caller has
     copied it) and of each finished file."""
     sizes = [f.stat().st_size for f in files]
     progress.begin_weights(len(files), sum(sizes))
     for index, (path, size) in enumerate(zip(files, sizes)):
-        for item in iter_tensors([path]):
+        for item in iter_tensors([path], reader):
             yield item
             progress.advance(item[1].numel() * item[1].element_size())
         progress.shard_done(index, path, size)

@@ -4,7 +4,7 @@ asks for a feature metrale has not built (the engine's flags are `metrale.engine
 
 Owner: server. Invariants:
 - A vLLM flag is accepted only with vLLM's meaning; one asking for a feature that is not
-  built (`--tensor-parallel-size 2`, `--no-enable-chunked-prefill`) is refused by
+  built (`--no-enable-chunked-prefill`) is refused by
   `check_vllm_compat_flags` with an error naming the flag.
 - Importing this module is cheap (argparse and the sampling limits only).
 """
@@ -153,11 +153,11 @@ def add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
         "vLLM compatibility", "vLLM's serve flags, accepted with the same meaning"
     )
     compat.add_argument(
-        "--tensor-parallel-size",
         "-tp",
+        dest="tensor_parallel_size",
         type=int,
-        default=1,
-        help="GPUs to shard the model over; only 1 is built (default 1)",
+        default=argparse.SUPPRESS,
+        help="vLLM's short form of --tensor-parallel-size (default: 1)",
     )
     compat.add_argument(
         "--enable-chunked-prefill",
@@ -181,12 +181,6 @@ def add_vllm_compat_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_vllm_compat_flags(args: argparse.Namespace) -> None:
-    if args.tensor_parallel_size != 1:
-        raise InvalidRequestError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-            "built yet; only 1 is accepted",
-            param="tensor_parallel_size",
-        )
     if not args.enable_chunked_prefill:
         raise InvalidRequestError(
             "--no-enable-chunked-prefill: metrale always chunks long prefills (by "

@@ -19,8 +19,6 @@ Invariants:
   the ids of adapters loaded at run time (`next_adapter_id`, never reused), and after an
   engine restart loads those adapters into the new engine under the same ids before routing
   to them, so an id always means the same weights.
-- `add_requests` either returns one accepted stream per prompt or raises having aborted the
-  ones it had already added, so a bad prompt in a batch leaves nothing running.
 """
 
 from __future__ import annotations
@@ -28,18 +26,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 
-from metrale.engine.async_engine import EngineHandle, RequestStream
-from metrale.engine.engine import DEFAULT_TENANT
-from metrale.errors import ContextLengthError, InvalidRequestError, MetraleError, NotFoundError
+from metrale.engine.async_engine import EngineHandle
+from metrale.errors import ContextLengthError, MetraleError, NotFoundError
 from metrale.sampling.defaults import SamplingDefaults
-from metrale.sampling.params import MAX_LOGPROBS, SamplingParams
+from metrale.sampling.params import MAX_LOGPROBS
 from metrale.server.auth import authenticated_key, lookup_tenant
 from metrale.server.errors import PayloadTooLargeError, safe_text
 from metrale.server.metrics import ServerMetrics, endpoint_label
@@ -218,63 +213,6 @@ class ServerState:
                     )  # fmt: skip
                     del self.loras[entry.name]
             self._lora_restarts = restarts
-
-    async def add_requests(
-        self,
-        request_id: str,
-        prompts: Sequence[tuple[str | None, list[int]]],
-        params: SamplingParams,
-        *,
-        prompt_param: str = "prompt",
-        adapter_id: int = 0,
-        speculative: bool = True,
-        lookup_tenant: str | None = DEFAULT_TENANT,
-        cache_namespace: str | None = None,
-        priority: int = 0,
-        session_id: str | None = None,
-        vision: Any = None,
-    ) -> list[RequestStream]:
-        """One accepted stream per prompt; errors about the prompt name `prompt_param`.
-
-        `speculative` (the request's opt-out) and `lookup_tenant` (see
-        `metrale.server.auth.lookup_tenant`) reach `Engine.add_request` for every prompt."""
-        for name in ("logprobs", "prompt_logprobs"):
-            count = getattr(params, name)
-            if count is not None and count > self.max_logprobs:
-                raise InvalidRequestError(
-                    f"{name} asks for {count} alternatives; this server returns at most "
-                    f"{self.max_logprobs} (--max-logprobs)",
-                    param=name,
-                )
-        if priority != 0 and self.engine.info.scheduling_policy != "priority":
-            raise InvalidRequestError(
-                "priority needs the server started with --scheduling-policy priority",
-                param="priority",
-            )
-        streams: list[RequestStream] = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                stream = await self.engine.add_request(
-                    rid, text, params, prompt_token_ids=ids, adapter_id=adapter_id,
-                    speculative=speculative,
-                    lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
-                    priority=priority,
-                    session_id=session_id,
-                    vision=vision,
-                )  # fmt: skip
-                streams.append(stream)
-        except MetraleError as exc:
-            for stream in streams:
-                stream.abort()
-            if exc.param == "prompt":
-                exc.param = prompt_param
-            raise
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        return streams
 
 
 @dataclass

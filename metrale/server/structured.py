@@ -16,6 +16,7 @@ Invariants:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from metrale.errors import InvalidRequestError
@@ -24,8 +25,12 @@ from metrale.sampling.structured import GrammarSpec
 __all__ = ["anthropic_output_format", "request_grammar", "responses_text_format"]
 
 
-def _response_format(value: Any) -> GrammarSpec | None:
-    param = "response_format"
+def _typed_format(
+    value: Any, param: str, kinds: dict[str, Callable[[dict[str, Any]], GrammarSpec]]
+) -> GrammarSpec | None:
+    """A `{"type": ...}` format object (OpenAI `response_format`, Responses `text.format`):
+    None and `text` constrain nothing, `json_object` is any JSON object, and every other type
+    is `kinds[type](value)`; an unknown type is a 400 naming the ones this field takes."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -35,8 +40,20 @@ def _response_format(value: Any) -> GrammarSpec | None:
         return None
     if kind == "json_object":
         return GrammarSpec("json_object", "", param)
-    if kind == "json_schema":
-        body = value.get("json_schema")
+    if kind in kinds:
+        return kinds[kind](value)
+    names = ["text", "json_object", *kinds]
+    raise InvalidRequestError(
+        f"{param}.type must be {', '.join(names[:-1])} or {names[-1]}; got {kind!r}",
+        param=param,
+    )
+
+
+def _response_format(value: Any) -> GrammarSpec | None:
+    param = "response_format"
+
+    def json_schema(fmt: dict[str, Any]) -> GrammarSpec:
+        body = fmt.get("json_schema")
         if not isinstance(body, dict):
             raise InvalidRequestError(
                 f"{param}.json_schema must be an object with a 'schema'", param=param
@@ -45,11 +62,11 @@ def _response_format(value: Any) -> GrammarSpec | None:
         if schema is None:
             raise InvalidRequestError(f"{param}.json_schema.schema is required", param=param)
         return GrammarSpec.json_schema(schema, param)
-    if kind == "structural_tag":
-        return _structural_tag(value, param)
-    raise InvalidRequestError(
-        f"{param}.type must be text, json_object, json_schema or structural_tag; got {kind!r}",
-        param=param,
+
+    return _typed_format(
+        value,
+        param,
+        {"json_schema": json_schema, "structural_tag": lambda fmt: _structural_tag(fmt, param)},
     )
 
 
@@ -158,20 +175,11 @@ def responses_text_format(text: Any) -> GrammarSpec | None:
     """Responses `text.format`: `text`, `json_object`, or `{"type": "json_schema", "name",
     "schema", "strict"}`."""
     param = "text.format"
-    fmt = text.get("format") if isinstance(text, dict) else None
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise InvalidRequestError(f"{param} must be an object", param=param)
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return GrammarSpec("json_object", "", param)
-    if kind == "json_schema":
+
+    def json_schema(fmt: dict[str, Any]) -> GrammarSpec:
         if "schema" not in fmt:
             raise InvalidRequestError(f"{param}.schema is required", param=param)
         return GrammarSpec.json_schema(fmt["schema"], param)
-    raise InvalidRequestError(
-        f"{param}.type must be text, json_object or json_schema; got {kind!r}", param=param
-    )
+
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return _typed_format(fmt, param, {"json_schema": json_schema})

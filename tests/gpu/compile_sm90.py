@@ -130,6 +130,31 @@ def _launch_everything() -> None:
     _launch_fp8()
     _launch_ssm()
     _launch_moe()
+    _launch_lora()
+
+
+def _launch_lora() -> None:
+    """The multi-LoRA group ops at Qwen3-8B's qkv and down shapes, rank 16 over 8 slots: the
+    gather forms (split, fused, sync) at one row, the grouped tiles and the plan at 64."""
+    from metrale.kernels import triton_lora as tl_
+
+    bf, slots, rank = torch.bfloat16, 8, 16
+    for fan_in, widths in ((4096, (4096, 1024, 1024)), (12288, (4096,))):
+        a = torch.randn(slots, len(widths), rank, fan_in, dtype=bf)
+        b_t = torch.randn(slots, rank, sum(widths), dtype=bf)
+        scales = torch.ones(slots, len(widths))
+        x, y = torch.randn(1, fan_in, dtype=bf), torch.randn(1, sum(widths), dtype=bf)
+        one = torch.zeros(1, dtype=torch.int64)
+        for form in ("split", "fused"):
+            tl_.lora_gather_add(y, x, a, b_t, one, scales, widths, pdl=True, form=form)
+        g = tl_._geometry("sync", y, x, a, b_t, widths, None, 256, 64)
+        sync = torch.zeros(4, dtype=torch.int32)
+        tl_.launch_sync(y, x, a, b_t, one, scales, g, sync, True)
+        many = torch.arange(64) % slots
+        x, y = torch.randn(64, fan_in, dtype=bf), torch.randn(64, sum(widths), dtype=bf)
+        order, tiles = torch.zeros(64, dtype=torch.int32), torch.zeros(12, 3, dtype=torch.int32)
+        tl_.lora_tiles_add(y, x, a, b_t, tiles, scales, widths, order=order, pdl=True)
+    tl_.lora_plan(many, slots, 16)
 
 
 def _launch_fp8() -> None:

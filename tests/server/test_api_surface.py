@@ -200,8 +200,9 @@ def test_vllm_serve_flags() -> None:
 
     assert served_model_names(args) == ["a", "b"]
     assert engine_config_from_args(args).served_model_name == "a"
+    tp2 = parser.parse_args(["serve", "m", "-tp", "2"])
+    assert engine_config_from_args(tp2).tensor_parallel_size == 2
     for bad, param in (
-        (["--tensor-parallel-size", "2"], "tensor_parallel_size"),
         (["--no-enable-chunked-prefill"], "enable_chunked_prefill"),
         (["--max-logprobs", "1000"], "max_logprobs"),
     ):

@@ -33,6 +33,7 @@ def test_serve_help_groups_by_topic_with_defaults() -> None:
         "speculation",
         "lora",
         "vision",
+        "parallel",
     ], titles
     assert f"{DEFAULT_TOPIC}:" not in text  # empty sections hidden
     for group in serve._action_groups:

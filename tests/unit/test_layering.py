@@ -31,6 +31,9 @@ TIERS: list[set[str]] = [
     {"models", "engine_flags"},
     # The Model interface and TransformerModel; the scheduler reads only `model_engine.traits`.
     {"model_engine"},
+    # Tensor parallelism: rank 0's module wrapper and the workers, which load through the
+    # factory (`model_engine` knows only its `ModelSharding` protocol).
+    {"distributed"},
     {"scheduler"},
     {"engine"},
     {"server", "bench", "top"},

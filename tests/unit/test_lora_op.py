@@ -152,3 +152,48 @@ def test_a_group_is_added_in_one_gather_call_and_a_foreign_layout_is_refused() -
     slots.batch = LoraBatch(batch.token_slots, None)
     with pytest.raises(ValueError, match="not one group's layout"):
         slots.layer(0).add(x, y, [("k_proj", 0, 4), ("q_proj", 4, 12), ("v_proj", 16, 4)])
+
+
+def test_device_routing_groups_many_rows_by_slot_and_equals_the_segment_op() -> None:
+    """Device routing with a plan op (reference ops): from `plan_min_rows` rows on, the first
+    add of a forward groups the rows by slot (once: every later layer reuses the plan) and
+    the tiled op through `order` adds what the segment op adds; fewer rows keep the gather."""
+    g = torch.Generator().manual_seed(11)
+    cpu = torch.device("cpu")
+    shapes = {(layer, "gate_proj"): (16, 24) for layer in range(2)}
+    gathers: list[int] = []
+
+    def counting_gather(*args: object) -> None:
+        gathers.append(1)
+        lora_reference.lora_gather_add(*args)  # type: ignore[arg-type]
+
+    slots = LoraSlots(
+        shapes, 3, 8, torch.float64, cpu, gather_op=counting_gather,
+        tiles_op=lora_reference.lora_tiles_add, plan_op=lora_reference.lora_plan, plan_min_rows=6,
+    )  # fmt: skip
+    for slot, rank in ((0, 8), (2, 5)):
+        slots.write_slot(slot, {
+            key: (torch.randn(rank, 16, generator=g, dtype=torch.float64),
+                  torch.randn(24, rank, generator=g, dtype=torch.float64), 1.0 + slot)
+            for key in shapes
+        })  # fmt: skip
+    row_slots = [2, -1, 0, 2, 0, 0, 1, 2]  # slot 1 adapts nothing
+    batch = LoraBatch.build(row_slots, [1] * 8, cpu)
+    assert batch is not None
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    y = torch.randn(8, 24, generator=g, dtype=torch.float64)
+    out = {}
+    for name, routed in (("segment", batch), ("planned", LoraBatch(batch.token_slots, None))):
+        slots.batch = routed
+        out[name] = y.clone()
+        for layer in range(2):
+            slots.layer(layer).add(x, out[name], [("gate_proj", 0, 24)])
+    torch.testing.assert_close(out["planned"], out["segment"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["planned"][1], y[1])  # the base row
+    assert slots.planned == 1 and gathers == []
+    few = LoraBatch(batch.token_slots[:5], None)
+    slots.batch = few
+    slots.layer(0).add(x[:5], y[:5].clone(), [("gate_proj", 0, 24)])
+    assert few.tiles is None and slots.planned == 1 and gathers == [1]
+    with pytest.raises(ValueError, match="plan op needs the tiled op"):
+        LoraSlots(shapes, 3, 8, torch.float64, cpu, plan_op=lora_reference.lora_plan)

@@ -32,7 +32,7 @@ from metrale.engine.request import CompletionOutput
 from metrale.errors import InvalidRequestError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
-from metrale.server.protocol.common import SpeculationFields, unsupported
+from metrale.server.protocol.common import SpeculationFields, content_parts, unsupported
 
 
 class MessagesRequest(SpeculationFields):
@@ -135,25 +135,19 @@ def _text_blocks(content: Any, where: str, images: bool = False) -> str | list[d
         raise InvalidRequestError(
             f"{where} must be a string or a list of content blocks", param=where
         )
-    texts = []
-    parts: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = f"{where}[{j}]"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
-            parts.append({"type": "text", "text": block["text"]})
-        elif kind in ("thinking", "redacted_thinking"):
-            continue  # earlier turns' reasoning is not replayed
-        elif kind == "image" and images:
-            parts.append(_image_block(block, at))
-        elif kind in ("image", "document", "tool_use", "tool_result", "search_result", "server_tool_use"):  # fmt: skip
+
+    def other(kind: str | None, block: Any, at: str) -> dict[str, Any] | None:
+        if kind in ("thinking", "redacted_thinking"):
+            return None  # earlier turns' reasoning is not replayed
+        if kind == "image" and images:
+            return _image_block(block, at)
+        if kind in ("image", "document", "tool_use", "tool_result", "search_result", "server_tool_use"):  # fmt: skip
             raise unsupported(at, f"'{kind}' content blocks are not implemented")
-        else:
-            raise InvalidRequestError(
-                f"{at} must be a text block {{'type': 'text', 'text': ...}}", param=at
-            )
-    return "".join(texts) if len(parts) == len(texts) else parts
+        raise InvalidRequestError(
+            f"{at} must be a text block {{'type': 'text', 'text': ...}}", param=at
+        )
+
+    return content_parts(content, where, other, "")
 
 
 def chat_messages(req: MessagesRequest) -> list[dict[str, Any]]:

@@ -1,7 +1,9 @@
 """Request-body parsing shared by the OpenAI and Anthropic protocols.
 
 Owner: server. `parse_body` validates a JSON body against a pydantic v2 model and turns every
-failure into an `InvalidRequestError` whose `param` names the offending field.
+failure into an `InvalidRequestError` whose `param` names the offending field;
+`content_parts` walks a message's content list (OpenAI parts, Anthropic blocks), each API
+saying which other kinds it keeps or refuses.
 
 Invariants:
 - A field the server does not know is, by default, ignored as vLLM ignores it: `parse_body`
@@ -83,6 +85,31 @@ class SpeculationFields(RequestModel):
             return self.session_id
         user = (self.model_extra or {}).get("user")
         return f"user:{user}" if isinstance(user, str) and user else None
+
+
+def content_parts(
+    content: list[Any],
+    where: str,
+    other: Callable[[str | None, Any, str], dict[str, Any] | None],
+    sep: str,
+) -> str | list[dict[str, Any]]:
+    """A message's content list (OpenAI parts, Anthropic blocks): its text parts joined by
+    `sep` when all it keeps is text, else the text parts and the kept others in order. A
+    part that is not `{'type': 'text', 'text': str}` goes to `other(kind, part, at)` (`at`:
+    its parameter path), which returns the part to keep, None to skip it, or raises."""
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kept = other(kind, part, at)
+            if kept is not None:
+                parts.append(kept)
+    return sep.join(texts) if len(parts) == len(texts) else parts
 
 
 def unsupported(field: str, what: str | None = None) -> Unsupported:

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from metrale.errors import InvalidRequestError
 from metrale.sampling.defaults import SamplingDefaults
 from metrale.sampling.params import SamplingParams
-from metrale.server.protocol.common import SpeculationFields, unsupported
+from metrale.server.protocol.common import SpeculationFields, content_parts, unsupported
 from metrale.server.structured import request_grammar
 from metrale.server.tools import openai_tool_messages
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -308,6 +308,17 @@ def _video_part(part: dict[str, Any], at: str) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": url}}
 
 
+def _other_part(kind: str | None, part: Any, at: str) -> dict[str, Any]:
+    """A chat message's content part that is not text: an image or a video, else refused."""
+    if kind in IMAGE_PARTS:
+        return _image_part(part, at)
+    if kind == "video_url":
+        return _video_part(part, at)
+    if kind in _UNSUPPORTED_PARTS:
+        raise unsupported(at, f"{_UNSUPPORTED_PARTS[kind]} is not implemented")
+    raise InvalidRequestError(f"{at} must be a text part {{'type': 'text', 'text': ...}}", param=at)
+
+
 def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """OpenAI chat messages as the plain `{role, content: str}` dicts chat templates read;
     a content list with image parts stays a list (text parts and image parts in order)."""
@@ -337,25 +348,7 @@ def chat_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
                 raise InvalidRequestError(f"{where}.content is required", param=f"{where}.content")
             content = ""
         elif isinstance(content, list):
-            texts: list[str] = []
-            parts: list[dict[str, Any]] = []
-            for j, part in enumerate(content):
-                at = f"{where}.content[{j}]"
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                    parts.append({"type": "text", "text": part["text"]})
-                elif kind in IMAGE_PARTS:
-                    parts.append(_image_part(part, at))
-                elif kind == "video_url":
-                    parts.append(_video_part(part, at))
-                elif kind in _UNSUPPORTED_PARTS:
-                    raise unsupported(at, f"{_UNSUPPORTED_PARTS[kind]} is not implemented")
-                else:
-                    raise InvalidRequestError(
-                        f"{at} must be a text part {{'type': 'text', 'text': ...}}", param=at
-                    )
-            content = "\n".join(texts) if len(parts) == len(texts) else parts
+            content = content_parts(content, f"{where}.content", _other_part, "\n")
         elif not isinstance(content, str):
             raise InvalidRequestError(
                 f"{where}.content must be a string or a list of text parts",

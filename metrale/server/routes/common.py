@@ -11,6 +11,8 @@ Invariants:
 - Every engine request of a generation gets the body's `speculative`, the draft-lookup
   tenant of the request's API key and `tenant` field (`request_tenant`), and its prefix-cache
   namespace (`cache_namespace`: key tenant under isolation, `cache_salt`).
+- `Generation.add` either returns one accepted stream per prompt or raises having aborted
+  the ones it had already added, so a bad prompt in a batch leaves nothing running.
 - A chat prompt's token ids are its rendered text encoded without added special tokens (the
   template writes them).
 - Prompts are prepared by `Generation.completion_prompts` / `Generation.chat_prompt`: the
@@ -30,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from metrale.engine.handle import RequestStream
-from metrale.errors import InvalidRequestError
+from metrale.errors import InvalidRequestError, MetraleError
 from metrale.sampling.params import SamplingParams
 from metrale.server.metrics import RequestTracker
 from metrale.server.protocol.common import RequestModel
@@ -175,22 +177,51 @@ class Generation(Generic[BodyT]):
         prompt_param: str = "prompt",
         vision: Any = None,
     ) -> list[RequestStream]:
-        """`ServerState.add_requests` with the body's speculation fields (`vision`: the one
-        prompt's images, `metrale.server.media.chat_images`)."""
+        """One accepted engine stream per prompt, each with the body's speculation fields
+        (see the invariants); errors about the prompt name `prompt_param` (`vision`: the
+        one prompt's images, `metrale.server.media.chat_images`)."""
+        state = self.state
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(params, name)
+            if count is not None and count > state.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name} asks for {count} alternatives; this server returns at most "
+                    f"{state.max_logprobs} (--max-logprobs)",
+                    param=name,
+                )
         body: GenerationBody = self.body  # type: ignore[assignment]
-        return await self.state.add_requests(
-            request_id,
-            prompts,
-            params,
-            prompt_param=prompt_param,
-            adapter_id=self.adapter_id,
-            speculative=body.speculative,
-            lookup_tenant=request_tenant(self.request, body.tenant),
-            cache_namespace=cache_namespace(self.request, body.cache_salt),
-            priority=getattr(body, "priority", 0),
-            session_id=body.session(),
-            vision=vision,
-        )
+        priority = getattr(body, "priority", 0)
+        if priority != 0 and state.engine.info.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                "priority needs the server started with --scheduling-policy priority",
+                param="priority",
+            )
+        lookup_tenant = request_tenant(self.request, body.tenant)
+        namespace = cache_namespace(self.request, body.cache_salt)
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                stream = await state.engine.add_request(
+                    rid, text, params, prompt_token_ids=ids, adapter_id=self.adapter_id,
+                    speculative=body.speculative,
+                    lookup_tenant=lookup_tenant, cache_namespace=namespace,
+                    priority=priority,
+                    session_id=body.session(),
+                    vision=vision,
+                )  # fmt: skip
+                streams.append(stream)
+        except MetraleError as exc:
+            for stream in streams:
+                stream.abort()
+            if exc.param == "prompt":
+                exc.param = prompt_param
+            raise
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
 
     def stream(self, events: AsyncIterator[str], close: Callable[[], None]) -> Response:
         """A streamed answer of `events`: `close` runs however the stream ends, and a client

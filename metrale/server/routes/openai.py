@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -154,23 +155,18 @@ async def create_chat_completion(request: Request) -> Response:
     return JSONResponse(view.response())
 
 
+@dataclass(eq=False)
 class _ChatView:
-    def __init__(
-        self,
-        job: Job,
-        req: ChatCompletionRequest,
-        plan: ChatOutputPlan,
-        prompt: str,
-        echoed: str = "",
-    ) -> None:
-        self.job = job
-        self.req = req
-        self.plan = plan
-        self.prompt = prompt
-        self.echoed = echoed
-        self.tokenizer = job.state.tokenizer
-        self.top = req.top_logprobs or 0
-        self.as_ids = bool(req.return_tokens_as_token_ids)
+    job: Job
+    req: ChatCompletionRequest
+    plan: ChatOutputPlan
+    prompt: str
+    echoed: str = ""
+
+    def __post_init__(self) -> None:
+        self.tokenizer = self.job.state.tokenizer
+        self.top = self.req.top_logprobs or 0
+        self.as_ids = bool(self.req.return_tokens_as_token_ids)
 
     def _logprobs(self, choice: CompletionOutput, start: int = 0) -> dict[str, Any] | None:
         if not self.req.logprobs:

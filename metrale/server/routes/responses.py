@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter
@@ -54,35 +55,25 @@ from metrale.server.tools import ToolCall, responses_function_item
 router = APIRouter()
 
 
+@dataclass(eq=False)
 class _ResponseJob:
     """One `/v1/responses` request: its engine stream and what it produced so far."""
 
-    def __init__(
-        self,
-        state: ServerState,
-        req: ResponsesRequest,
-        stream: RequestStream,
-        prompt_tokens: int,
-        tracker: RequestTracker,
-        turns: list[dict[str, Any]],
-        plan: ChatOutputPlan,
-        prompt: str,
-    ) -> None:
-        self.plan = plan
-        self.prompt = prompt
-        self.state = state
-        self.req = req
-        self.stream = stream
-        self.prompt_tokens = prompt_tokens
-        self.tracker = tracker
-        self.turns = turns
-        self.response_id = f"resp_{uuid.uuid4().hex}"
-        self.item_id = f"msg_{uuid.uuid4().hex}"
-        self.reasoning_id = f"rs_{uuid.uuid4().hex}"
-        #: Tokens of the reasoning split off the answer (`usage.output_tokens_details`).
-        self.reasoning_tokens = 0
-        self.created = now()
-        self.final: RequestOutput | None = None
+    state: ServerState
+    req: ResponsesRequest
+    stream: RequestStream
+    prompt_tokens: int
+    tracker: RequestTracker
+    turns: list[dict[str, Any]]
+    plan: ChatOutputPlan
+    prompt: str
+    response_id: str = field(init=False, default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    item_id: str = field(init=False, default_factory=lambda: f"msg_{uuid.uuid4().hex}")
+    reasoning_id: str = field(init=False, default_factory=lambda: f"rs_{uuid.uuid4().hex}")
+    #: Tokens of the reasoning split off the answer (`usage.output_tokens_details`).
+    reasoning_tokens: int = field(init=False, default=0)
+    created: int = field(init=False, default_factory=now)
+    final: RequestOutput | None = field(init=False, default=None)
 
     def record(self, output: RequestOutput) -> None:
         self.final = output
