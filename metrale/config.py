@@ -60,6 +60,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     #: KV memory budget on the CPU, in GiB, when num_kv_blocks is not given.
     cpu_kv_cache_gb: float = 1.0
+    #: Torch intra-op threads of the engine on the CPU; None: every core the process may run
+    #: on, less one for the HTTP process when the engine serves (`engine.cpu_threads`).
+    cpu_threads: int | None = None
     #: One of KV_CACHE_DTYPES: "auto" stores K/V in the model dtype; "fp8" in float8 E4M3
     #: with per-layer scales (checkpoint k_scale/v_scale, else calibrated on the first
     #: prefill), so a KV block takes half the bytes of bfloat16 (a quarter of float32).
@@ -212,6 +215,8 @@ class EngineConfig:
             )
         if self.cpu_kv_cache_gb <= 0:
             raise bad("cpu_kv_cache_gb", f"must be > 0, got {self.cpu_kv_cache_gb}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise bad("cpu_threads", f"must be >= 1, got {self.cpu_threads}")
         if self.ssm_snapshot_min_gap_tokens is not None and self.ssm_snapshot_min_gap_tokens < 0:
             raise bad("ssm_snapshot_min_gap_tokens", "must be >= 0")
         if self.ssm_snapshot_slots < 0:

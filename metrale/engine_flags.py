@@ -43,6 +43,8 @@ FLAG_HELP = {
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights, "
     "activations, KV, graphs)",
     "cpu_kv_cache_gb": "KV memory budget on the CPU in GiB, when --num-kv-blocks is not given",
+    "cpu_threads": "torch threads of the engine on the CPU (default: the cores this process may "
+    "use, less one for the HTTP process when serving; else OMP_NUM_THREADS when set)",
     "kv_cache_dtype": "auto (the model dtype) | fp8 (alias fp8_e4m3): float8 E4M3 K/V with a "
     "K and a V scale per layer (the checkpoint's k_scale/v_scale, else calibrated on the first "
     "prefill); twice the blocks per GiB of bfloat16",
@@ -138,7 +140,7 @@ FLAG_TOPICS: dict[str, str] = {
     ),
     **dict.fromkeys(
         ("max_num_seqs", "max_num_batched_tokens", "preemption_mode", "scheduling_policy", "batch_invariant", "request_timeout",
-         "max_queue", "async_scheduling", "enforce_eager"),
+         "max_queue", "async_scheduling", "enforce_eager", "cpu_threads"),
         "scheduling",
     ),
     "speculative_config": "speculation",

@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import tempfile
@@ -74,11 +75,18 @@ def main() -> None:
     parser.add_argument("--osl", type=int, default=64)
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (opt-in)")
+    parser.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+        help="the engine's async scheduling (on the CPU a forward is synchronous: compare)",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.size, Path(tmp) / args.size)
-        llm = LLM(str(path), device="cpu", dtype=args.dtype, load_format="dummy", num_kv_blocks=64)
+        llm = LLM(
+            str(path), device="cpu", dtype=args.dtype, load_format="dummy", num_kv_blocks=64,
+            async_scheduling=args.async_scheduling,
+        )  # fmt: skip
         engine = llm.engine
         prompt = list(range(6, 6 + args.isl))
         params = SamplingParams(temperature=0, max_tokens=args.osl, min_tokens=args.osl)
@@ -128,7 +136,9 @@ def main() -> None:
         "profile-cpu-step",
         model_shape=f"qwen3-{args.size}-random",
         config={"isl": args.isl, "osl": args.osl, "threads": args.threads, "dtype": args.dtype,
-                "requests": args.requests, "size": SIZES[args.size]},
+                "requests": args.requests, "size": SIZES[args.size],
+                "async_scheduling": args.async_scheduling,
+                "cpu_ops": os.environ.get("METRALE_CPU_OPS", "lean")},
         figures=figures,
         device="cpu",
     )  # fmt: skip

@@ -34,6 +34,7 @@ import threading
 from dataclasses import dataclass
 
 from metrale.config import EngineConfig
+from metrale.engine.cpu_threads import apply_engine_threads
 from metrale.engine.engine import Engine
 from metrale.engine.handle import (
     ControlCall,
@@ -108,6 +109,7 @@ class AsyncEngine(HandleBase[RequestStream]):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
+        apply_engine_threads(config, reserve=1)  # one core stays with the event loop
         return cls(Engine(config))
 
     # ----------------------------------------------------------------- lifecycle

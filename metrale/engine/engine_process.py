@@ -37,6 +37,9 @@ Invariants:
 - `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`) reaches
   the child only: this process's environment holds it, under a lock, just while the child
   starts (a spawned child copies the environment then), and is restored right after.
+- Threads (`engine.cpu_threads`): the child runs the engine's CPU policy, leaving one core to
+  the parent (`--cpu-threads` overrides); the parent, which runs no model, takes one torch
+  thread once the child is started.
 - The child ignores SIGINT/SIGTERM (the parent drains and stops it) and exits when the pipe
   closes, so it never outlives the server.
 - Outputs are applied on the streams' event loop, one `call_soon_threadsafe` per step.
@@ -63,6 +66,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
+from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
 from metrale.engine.handle import (
     AddArgs,
     ControlCall,
@@ -101,6 +105,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from metrale.engine.engine import Engine
 
     try:
+        apply_engine_threads(config, reserve=1)  # one core stays with the HTTP process
         engine = Engine(config)
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -261,6 +266,7 @@ class EngineProcess(HandleBase[Assembly]):
         with _child_environ(child_env):
             self._process.start()
         child_conn.close()
+        apply_frontend_threads()
         self._send_lock = threading.Lock()
         #: Adds the child has not answered yet.
         self._pending: dict[str, _PendingAdd] = {}

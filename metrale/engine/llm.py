@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from metrale.config import EngineConfig
+from metrale.engine.cpu_threads import apply_engine_threads
 from metrale.engine.engine import Engine
 from metrale.engine.request import LoRARequest, RequestOutput
 from metrale.engine.translate import (
@@ -64,6 +65,8 @@ class LLM:
                 block_size=c.block_size,
             )
             return
+        if self.config.cpu_threads is not None:  # else the caller's torch setting stands
+            apply_engine_threads(self.config, reserve=0)
         self.engine = Engine(self.config, max_prefill_chunk=max_prefill_chunk, proposer=proposer)
 
     def get_tokenizer(self) -> Tokenizer | SentencePieceVocab:

@@ -1,5 +1,5 @@
 """Hot ops chosen by device: the torch references on the CPU (projections through oneDNN,
-`cpu_linear`), Triton kernels on CUDA where a kernel exists and pays.
+`cpu_linear`; norms, rotary + KV write and decode attention in `cpu_ops`' lean forms), Triton kernels on CUDA where a kernel exists and pays.
 
 Owner: kernels. Layers receive a `KernelOps` at construction and call through it; nothing
 here is global or mutable after selection.
@@ -122,6 +122,7 @@ def kernels_for(
     if device.type == "cpu":
         from metrale.kernels import cpu_linear
 
+        lean: dict[str, Callable] = {}
         if os.environ.get("METRALE_CPU_LINEAR", "onednn") == "torch":
             logger.info("kernels: CPU projections by F.linear (METRALE_CPU_LINEAR=torch)")
         elif not cpu_linear.available():
@@ -129,9 +130,30 @@ def kernels_for(
         else:
             impls.update(linear="onednn", silu_mul_linear="onednn")
             logger.info("kernels: CPU projections by oneDNN (float32/bfloat16; others F.linear)")
-            return KernelOps(
-                linear=cpu_linear.linear,
-                silu_mul_linear=cpu_linear.silu_mul_linear,
-                implementations=impls,
+            lean["linear"] = cpu_linear.linear
+            lean["silu_mul_linear"] = cpu_linear.silu_mul_linear
+        if os.environ.get("METRALE_CPU_OPS", "lean") == "torch":
+            logger.info("kernels: CPU norms, rotary and decode attention by the references "
+                        "(METRALE_CPU_OPS=torch)")  # fmt: skip
+        else:
+            from metrale.kernels import cpu_ops
+
+            rotary = cpu_ops.CpuOps()
+            lean.update(
+                rms_norm=cpu_ops.rms_norm,
+                add_rms_norm=cpu_ops.add_rms_norm,
+                rotary_write_kv=rotary.rotary_write_kv,
+                qk_norm_rotary_write_kv=rotary.qk_norm_rotary_write_kv,
+                paged_attention=cpu_ops.paged_attention,
             )
+            impls.update(
+                dict.fromkeys(
+                    ("rms_norm", "add_rms_norm", "rotary_write_kv", "qk_norm_rotary_write_kv",
+                     "paged_attention"),
+                    "cpu-lean",
+                )
+            )  # fmt: skip
+            logger.info("kernels: CPU norms, rotary + KV write and decode attention, lean forms "
+                        "(float32; others the references)")  # fmt: skip
+        return KernelOps(**lean, implementations=impls)
     return KernelOps(implementations=impls)

@@ -69,6 +69,13 @@ class AttentionMetadata:
     host_kv: Any = None
 
     @functools.cached_property
+    def memo(self) -> dict[Any, Any]:
+        """What ops derive from this forward's metadata alone, kept for the next layer (the
+        CPU decode attention's block indices and mask, `kernels.cpu_ops`). Metadata with
+        host lists is built for one forward and never changed, so nothing here goes stale."""
+        return {}
+
+    @functools.cached_property
     def attention_decode_seqs(self) -> int:
         """The leading sequences an attention kernel may run as decode rows: `num_decode`, or
         every sequence when the decode rows are single tokens and so is every prompt chunk

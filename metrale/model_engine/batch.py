@@ -1,7 +1,9 @@
 """Turning the rows of one forward (decode rows, prefill chunks) into input tensors and
 `AttentionMetadata`.
 
-Owner: model-engine. Built on the host with numpy, uploaded once per forward.
+Owner: model-engine. Built on the host with numpy, uploaded once per forward; on the CPU a
+forward of one-token decode rows only (no adapter, no recurrent state) is built from Python
+lists, the same tensors without numpy's staging.
 
 Invariants:
 - Decode rows come first, then prefill chunks, in the order given; logits row `i` of the
@@ -71,6 +73,8 @@ class ForwardBatch:
 def build_forward_batch(
     rows: list[ForwardRow], num_decode: int, block_size: int, device: torch.device
 ) -> ForwardBatch:
+    if device.type == "cpu" and num_decode == len(rows) and _plain_decode(rows):
+        return _decode_batch(rows, block_size)
     query_lens = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=len(rows))
     starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
     seq_lens = starts + query_lens
@@ -160,3 +164,51 @@ def _sequential_rows(
         device,
     )
     return len(marked), capture
+
+
+def _plain_decode(rows: list[ForwardRow]) -> bool:
+    """Whether every row is a one-token decode row wanting its logits, on the base model,
+    with no recurrent state (what `_decode_batch` builds)."""
+    for r in rows:
+        seq = r.seq
+        if (
+            len(r.tokens) != 1
+            or not r.want_logits
+            or r.all_logits
+            or r.ssm_verify is not None
+            or seq.adapter_slot >= 0
+            or seq.ssm_slot_idx() is not None
+        ):
+            return False
+    return True
+
+
+def _decode_batch(rows: list[ForwardRow], block_size: int) -> ForwardBatch:
+    """`build_forward_batch` of one-token decode rows on the CPU, from Python lists (the
+    general path's numpy staging costs more than the rest of a tiny model's step)."""
+    n = len(rows)
+    starts = [r.start for r in rows]
+    tables = [r.seq.block_table for r in rows]
+    width = max(len(t) for t in tables)
+    slots = [t[p // block_size] * block_size + p % block_size for t, p in zip(tables, starts)]
+    lens = [p + 1 for p in starts]
+    padded = [t if len(t) == width else [*t, *([0] * (width - len(t)))] for t in tables]
+    meta = AttentionMetadata(
+        positions=torch.tensor(starts, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=torch.tensor(padded, dtype=torch.int32),
+        num_decode=n,
+        query_lens_host=[1] * n,
+        seq_lens_host=lens,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_host=list(range(n + 1)),
+    )
+    return ForwardBatch(
+        input_ids=torch.tensor([r.tokens[0] for r in rows], dtype=torch.int64),
+        meta=meta,
+        logits_indices=torch.arange(n, dtype=torch.int64),
+        logits_spans=[(i, 1) for i in range(n)],
+    )

@@ -1,0 +1,168 @@
+"""The lean CPU ops (`metrale.kernels.cpu_ops`) compute their references: bit for bit in
+float32 for the norms and the q/k norm + rotary + KV write (fused-QKV views and separate
+tensors alike), the decode attention of several sequences and, to rounding, of one sequence
+read without a mask; every case they do not cover (bfloat16, a float8 cache, partial rotary,
+prefill rows) returns exactly the reference's result; `kernels_for(cpu)` selects them and
+`METRALE_CPU_OPS=torch` turns them off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from metrale.kernels import cpu_ops, kernels_for, reference
+from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.rotary import RotaryEmbedding
+from metrale.model_config import RopeConfig
+
+HQ, HK, D, BLOCK = 4, 2, 16, 4
+
+
+def _meta(lens: list[int], qlens: list[int], nd: int, tables: torch.Tensor) -> AttentionMetadata:
+    starts = [0]
+    for n in qlens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        positions=torch.zeros(starts[-1], dtype=torch.int64),
+        slot_mapping=torch.zeros(starts[-1], dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        num_decode=nd,
+        query_lens_host=qlens,
+        seq_lens_host=lens,
+        max_query_len=max(qlens),
+        max_seq_len=max(lens),
+        query_start_loc_host=starts,
+    )
+
+
+def test_rms_norms_equal_the_reference_bit_for_bit() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, res = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g)
+    w = torch.randn(96, generator=g)
+    assert torch.equal(cpu_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    got, want = cpu_ops.add_rms_norm(x, res, w, 1e-5), reference.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(cpu_ops.rms_norm(xb, wb, 1e-6), reference.rms_norm(xb, wb, 1e-6))
+
+
+def _qkv(tokens: int, fused: bool, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(tokens + fused)
+    if fused:  # the attention layer's split of the fused projection: views of one tensor
+        qkv = torch.randn(tokens, (HQ + 2 * HK) * D, generator=g).to(dtype)
+        q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+        return q.view(tokens, HQ, D), k.view(tokens, HK, D), v.view(tokens, HK, D)
+    return (
+        torch.randn(tokens, HQ, D, generator=g).to(dtype),
+        torch.randn(tokens, HK, D, generator=g).to(dtype),
+        torch.randn(tokens, HK, D, generator=g).to(dtype),
+    )
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_rotary_write_kv_equals_the_reference_bit_for_bit(fused: bool, qk_norm: bool) -> None:
+    tokens = 6
+    q, k, v = _qkv(tokens, fused)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), D, 64)
+    positions = torch.tensor([0, 5, 6, 7, 30, 63])
+    slots = torch.tensor([3, 9, 10, 11, 17, 30])
+    qw, kw = torch.randn(D), torch.randn(D)
+    results = []
+    for impl in (reference, cpu_ops.CpuOps()):
+        caches = torch.zeros(2, 8, BLOCK, HK, D)
+        if qk_norm:
+            out = impl.qk_norm_rotary_write_kv(
+                positions, q, k, v, qw, kw, 1e-6, rotary.cos_sin, D, caches[0], caches[1], slots
+            )
+        else:
+            out = impl.rotary_write_kv(
+                positions, q, k, v, rotary.cos_sin, D, caches[0], caches[1], slots
+            )
+        results.append((out, caches))
+    (want, want_caches), (got, got_caches) = results
+    assert torch.equal(got, want) and torch.equal(got_caches, want_caches)
+
+
+def test_rotary_table_follows_its_table() -> None:
+    """A table grown (a new tensor) or changed in place is never served stale."""
+    ops = cpu_ops.CpuOps()
+    q, k, v = _qkv(1, True)
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), D, 8)
+    pos, slots = torch.tensor([3]), torch.tensor([1])
+
+    def run(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        caches = torch.zeros(2, 2, BLOCK, HK, D)
+        got = ops.rotary_write_kv(pos, q, k, v, table, D, caches[0], caches[1], slots)
+        caches_ref = torch.zeros(2, 2, BLOCK, HK, D)
+        want = reference.rotary_write_kv(
+            pos, q, k, v, table, D, caches_ref[0], caches_ref[1], slots
+        )
+        return got - want, caches - caches_ref
+
+    assert all(not d.any() for d in run(rotary.cos_sin))
+    rotary.cos_sin.mul_(0.5)
+    assert all(not d.any() for d in run(rotary.cos_sin))
+    rotary.ensure_positions(100)
+    assert all(not d.any() for d in run(rotary.cos_sin))
+    with torch.inference_mode():  # a per-forward table (M-RoPE's) has no version counter
+        table = rotary.cos_sin * 1.5
+        assert all(not d.any() for d in run(table))
+
+
+def test_uncovered_cases_run_the_reference() -> None:
+    ops = cpu_ops.CpuOps()
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), D, 16)
+    pos, slots = torch.tensor([1, 2]), torch.tensor([4, 5])
+    for dtype, rotary_dim in ((torch.bfloat16, D), (torch.float32, D // 2)):
+        q, k, v = _qkv(2, True, dtype)
+        outs = []
+        for impl in (reference, ops):
+            caches = torch.zeros(2, 2, BLOCK, HK, D, dtype=dtype)
+            table = rotary.cos_sin[:, :, : rotary_dim // 2].contiguous()
+            out = impl.rotary_write_kv(pos, q, k, v, table, rotary_dim, caches[0], caches[1], slots)
+            outs.append((out, caches))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("lens", [[7], [13, 4, 9]])
+def test_decode_attention_equals_the_reference(lens: list[int]) -> None:
+    g = torch.Generator().manual_seed(len(lens))
+    k_cache = torch.randn(12, BLOCK, HK, D, generator=g)
+    v_cache = torch.randn(12, BLOCK, HK, D, generator=g)
+    tables = torch.tensor([[5, 2, 9, 1], [3, 0, 0, 0], [7, 11, 4, 0]], dtype=torch.int32)
+    tables = tables[: len(lens)]
+    meta = _meta(lens, [1] * len(lens), len(lens), tables)
+    q = torch.randn(len(lens), HQ, D, generator=g)
+    want = reference.paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    for _ in range(2):  # the second layer reads the forward's memo
+        got = cpu_ops.paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+        if len(lens) > 1:
+            assert torch.equal(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert ("cpu_decode", BLOCK) in meta.memo
+
+
+def test_prefill_rows_run_the_reference() -> None:
+    g = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(6, BLOCK, HK, D, generator=g)
+    v_cache = torch.randn(6, BLOCK, HK, D, generator=g)
+    meta = _meta([9, 6], [1, 3], 1, torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32))
+    q = torch.randn(4, HQ, D, generator=g)
+    want = reference.paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    assert torch.equal(cpu_ops.paged_attention(q, k_cache, v_cache, meta, D**-0.5), want)
+    assert not meta.memo
+
+
+def test_kernels_for_cpu_selects_the_lean_ops_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ops = kernels_for(torch.device("cpu"))
+    assert ops.rms_norm is cpu_ops.rms_norm and ops.implementations["rms_norm"] == "cpu-lean"
+    assert ops.paged_attention is cpu_ops.paged_attention
+    monkeypatch.setenv("METRALE_CPU_OPS", "torch")
+    plain = kernels_for(torch.device("cpu"))
+    assert plain.rms_norm is reference.rms_norm and plain.implementations["rms_norm"] == "torch"
+    assert plain.qk_norm_rotary_write_kv is reference.qk_norm_rotary_write_kv
