@@ -76,6 +76,39 @@ def _geometry(
 
 
 @triton.jit
+def _a_rows(a_ptr, s, R, stride_as, stride_at, stride_ar, T: tl.constexpr, BLOCK_R: tl.constexpr,
+            BLOCK_TR: tl.constexpr):  # fmt: skip
+    """Slot `s`'s A rows, all targets stacked (`jr = target * BLOCK_R + rank row`): `(jr, row
+    pointers, mask of the real rows)`."""
+    jr = tl.arange(0, BLOCK_TR)
+    j = jr // BLOCK_R
+    r = jr % BLOCK_R
+    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    return jr, rows, (j < T) & (r < R)
+
+
+@triton.jit
+def _b_tile(b_ptr, s, r, r_mask, n, n_mask, stride_bs, stride_br):
+    """Slot `s`'s `[BLOCK_R, BLOCK_N]` tile of B^T (rank rows `r`, output columns `n`)."""
+    return tl.load(
+        b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
+        mask=r_mask[:, None] & n_mask[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _tile_rows(tiles_ptr, tile, BLOCK_M: tl.constexpr):
+    """Tile `tile` of `tiles [num_tiles, 3]` (start row, row count, slot): `(start, slot, row
+    offsets, their mask)`."""
+    start = tl.load(tiles_ptr + tile * 3)
+    count = tl.load(tiles_ptr + tile * 3 + 1)
+    s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    return start, s, m, m < count
+
+
+@triton.jit
 def _lora_shrink(
     x_ptr, a_ptr, slots_ptr, part_ptr,
     K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
@@ -87,11 +120,9 @@ def _lora_shrink(
     sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
     s = tl.maximum(slot, 0).to(tl.int64)
-    jr = tl.arange(0, BLOCK_TR)
-    j = jr // BLOCK_R
-    r = jr % BLOCK_R
-    row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
-    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    jr, rows, row_mask = _a_rows(a_ptr, s, R, stride_as, stride_at, stride_ar, T, BLOCK_R,
+                                 BLOCK_TR)  # fmt: skip
+    row_mask = row_mask & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
     acc = tl.zeros((BLOCK_TR,), dtype=tl.float32)
     k_start = sp * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
@@ -121,11 +152,7 @@ def _lora_expand(
     r_mask = r < R
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = (n < N) & ((n * 0 + slot) >= 0)  # base rows (slot -1) are not written
-    bv = tl.load(
-        b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-        mask=r_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
+    bv = _b_tile(b_ptr, s, r, r_mask, n, n_mask, stride_bs, stride_br).to(tl.float32)
     target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)  # which target owns column n
     sp = tl.arange(0, SPLITS_P2)
     parts = part_ptr + (t * SPLITS + sp[:, None]) * BLOCK_TR + r[None, :]
@@ -178,19 +205,11 @@ def _lora_tile_shrink(
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TR: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
     sp = tl.program_id(1)
-    start = tl.load(tiles_ptr + tile * 3)
-    count = tl.load(tiles_ptr + tile * 3 + 1)
-    s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < count
+    start, s, m, m_mask = _tile_rows(tiles_ptr, tl.program_id(0), BLOCK_M)
     rows_x = x_ptr + (start + m).to(tl.int64) * stride_x
-    jr = tl.arange(0, BLOCK_TR)
-    j = jr // BLOCK_R
-    r = jr % BLOCK_R
-    jr_mask = (j < T) & (r < R)
-    rows_a = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
+    jr, rows_a, jr_mask = _a_rows(a_ptr, s, R, stride_as, stride_at, stride_ar, T, BLOCK_R,
+                                  BLOCK_TR)  # fmt: skip
     acc = tl.zeros((BLOCK_M, BLOCK_TR), dtype=tl.float32)
     k_start = sp * k_per_split
     for k0 in range(0, k_per_split, BLOCK_K):
@@ -220,23 +239,14 @@ def _lora_tile_expand(
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_TR: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
     nb = tl.program_id(1)
-    start = tl.load(tiles_ptr + tile * 3)
-    count = tl.load(tiles_ptr + tile * 3 + 1)
-    s = tl.load(tiles_ptr + tile * 3 + 2).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    m_mask = m < count
+    start, s, m, m_mask = _tile_rows(tiles_ptr, tl.program_id(0), BLOCK_M)
     tokens = (start + m).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    bv = tl.load(
-        b_ptr + s * stride_bs + r[:, None] * stride_br + n[None, :],
-        mask=r_mask[:, None] & n_mask[None, :],
-        other=0.0,
-    )
+    bv = _b_tile(b_ptr, s, r, r_mask, n, n_mask, stride_bs, stride_br)
     target = (n >= n1).to(tl.int32) + (n >= n2).to(tl.int32)
     delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for jj in tl.static_range(T):
