@@ -144,27 +144,17 @@ def _gemv_launch(
 
 
 def gemv_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`reference.linear_fp8` for `x [M, K]` with 1 <= M <= 8."""
     return _gemv_launch(x, weight, scale, bias, block, x.shape[-1], False, pdl)
 
 
 def gemv_fp8_silu_mul(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`gemv_fp8(silu_and_mul(gate_up), ...)`, the activation computed while loading x."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gemv_fp8_silu_mul: odd gate/up width {gate_up.shape[-1]}")
@@ -241,12 +231,9 @@ def gemm_config(
 
 
 def gemm_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """`reference.linear_fp8` for `x [M, K]`, any M (the many-row path)."""
     k = x.shape[-1]
     _check(x, weight, scale, k)
@@ -280,14 +267,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`KernelOps.linear_fp8`: the GEMV for 1..`FP8_GEMV_MAX_ROWS` rows, else the GEMM
     (`pdl` applies to the GEMV only)."""
     flat = _flat(x)
@@ -299,14 +281,9 @@ def linear_fp8(
 
 
 def silu_mul_linear_fp8(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`KernelOps.silu_mul_linear_fp8`: the fused GEMV for few rows; else `silu_and_mul`
     (Triton) then the GEMM."""
     flat = _flat(gate_up)

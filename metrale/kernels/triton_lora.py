@@ -167,15 +167,9 @@ def _lora_expand(
 
 
 def lora_gather_add(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b_t: torch.Tensor,
-    token_slots: torch.Tensor,
-    scales: torch.Tensor,
-    widths: tuple[int, ...],
-    pdl: bool = False,
-) -> None:
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, token_slots: torch.Tensor,
+    scales: torch.Tensor, widths: tuple[int, ...], pdl: bool = False,
+) -> None:  # fmt: skip
     """`lora_reference.lora_gather_add` (see there) by the shrink and expand kernels; with `pdl`
     both launch as programmatic dependents (the decode graph's chain, `PDL_OPS`)."""
     tokens = x.shape[0]
@@ -270,14 +264,9 @@ def _lora_tile_expand(
 
 
 def lora_tiles_add(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    b_t: torch.Tensor,
-    tiles: torch.Tensor,
-    scales: torch.Tensor,
-    widths: tuple[int, ...],
-) -> None:
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b_t: torch.Tensor, tiles: torch.Tensor,
+    scales: torch.Tensor, widths: tuple[int, ...],
+) -> None:  # fmt: skip
     """`lora_reference.lora_tiles_add` (see there): per tile of at most `lora_reference.LORA_TILE_ROWS` token rows of one
     adapter, a split-K shrink and an expand, each one `tl.dot` per tile, so a prefill chunk
     reads each adapter's A and B once per tile rather than once per token."""

@@ -458,17 +458,10 @@ def sort_by_expert(
 
 
 def moe_experts(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gated: bool,
-    activation: str,
-    *,
-    path: str | None = None,
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, gated: bool, activation: str, *, path: str | None = None,
     pdl: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """`ssm_reference.moe_experts` on the device (see there for the operands). `path`:
     "gemv" or "grouped" forces a path (tests, benchmarks); None: `use_gemv`. `pdl`: the
     kernels launch as programmatic dependents (each waits for its predecessor on entry)."""
@@ -477,19 +470,10 @@ def moe_experts(
 
 
 def moe_softmax_experts(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    weights_dtype: torch.dtype,
-    gated: bool,
-    activation: str,
-    *,
-    path: str | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, logits: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, top_k: int,
+    renormalize: bool, weights_dtype: torch.dtype, gated: bool, activation: str, *,
+    path: str | None = None, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`ssm_reference.moe_softmax_experts`: softmax routing from the router `logits [T, E]`
     then the experts. On the GEMV path the routing runs inside the gate/up kernel (one launch
     fewer per layer at decode); on the grouped path `moe_softmax_topk` runs first."""
@@ -612,13 +596,9 @@ def _run_grouped(
 
 
 def moe_softmax_topk(
-    logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    out_dtype: torch.dtype,
-    *,
+    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, *,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`ssm_reference.moe_softmax_topk` in one launch (the reference's softmax, top-k,
     sum, divide and cast are five); `pdl`: as a programmatic dependent."""
     if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:

@@ -237,13 +237,9 @@ def _conv1d_update_kernel(
 
 
 def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    slots: torch.Tensor,
-    activation: str | None,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    slots: torch.Tensor, activation: str | None,
+) -> torch.Tensor:  # fmt: skip
     """One new input per row `x [n, C]`: shift it into `conv_states[slots[i]]` (`[C, K]`, oldest
     first) in place and return the activated conv of the window, `[n, C]` in x's dtype."""
     n, channels = x.shape
@@ -306,16 +302,9 @@ def _mamba2_update_kernel(
 
 
 def mamba2_state_update(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    d: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """One Mamba-2 step per row: `x [n, H, P]`, raw `dt [n, H]`, `a [H]`, `b`/`c [n, G, N]`,
     `d`/`dt_bias [H]`, float32 `ssm_states [S, H, P, N]` updated in place at `slots`; returns
     `y [n, H, P]` (with the D skip) in x's dtype."""
@@ -379,15 +368,9 @@ def _gated_delta_update_kernel(
 
 
 def gated_delta_update(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_states: torch.Tensor,
-    slots: torch.Tensor,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """One gated-delta step per row: `q`/`k [n, Hk, Dk]`, `v [n, Hv, Dv]`, log decay and
     `beta [n, Hv]`, float32 `ssm_states [S, Hv, Dk, Dv]` updated in place at `slots`; returns
     `o [n, Hv, Dv]` in v's dtype."""

@@ -158,15 +158,10 @@ def _conv1d_varlen_kernel(
 
 
 def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
-    has_initial_state: Sequence[bool],
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    query_start_loc: Sequence[int], slots: Sequence[int], has_initial_state: Sequence[bool],
     activation: str | None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Causal conv over each chunk's rows of `x [T, C]`, continuing from its window in
     `conv_states[slot]` (zero without a carried state) and leaving its last K inputs there;
     returns the activated conv `[T, C]` in x's dtype."""
@@ -234,20 +229,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def mamba2_chunk_scan_varlen(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float],
-    chunk_size: int,
-    ssm_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], chunk_size: int,
+    ssm_states: torch.Tensor, query_start_loc: Sequence[int], slots: Sequence[int],
     has_initial_state: Sequence[bool],
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Mamba-2 over prefill rows, as `ssm_reference.mamba2_chunk_scan_varlen`: float32
     `y [T, H, P]` with the D skip, each chunk's final state left in `ssm_states[slot]`.
     Chunks of at most `SCAN_MAX_TOKENS` run the sequential Triton scan; a longer one sends the
@@ -319,18 +305,10 @@ def _gated_delta_scan_kernel(
 
 
 def gated_delta_chunk_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
-    has_initial_state: Sequence[bool],
-    chunk_size: int = 64,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, query_start_loc: Sequence[int], slots: Sequence[int],
+    has_initial_state: Sequence[bool], chunk_size: int = 64, use_qk_l2norm: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """The gated delta rule over prefill rows, as `ssm_reference.gated_delta_chunk_varlen`:
     `o [T, Hv, Dv]` in v's dtype, each chunk's final state left in `ssm_states[slot]`. Chunks
     of at most `SCAN_MAX_TOKENS` run the sequential Triton scan; a longer one sends the call to

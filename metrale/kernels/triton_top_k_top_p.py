@@ -513,16 +513,10 @@ def _launch(
 
 
 def top_k_top_p_sample(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-    *,
-    has_top_k: bool = True,
-    has_top_p: bool = True,
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+    min_p: torch.Tensor | None = None, *, has_top_k: bool = True, has_top_p: bool = True,
     slices: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Draw one token per row of processed logits `[B, V]`; see `reference.top_k_top_p_sample`.
 
     `top_k` `[B]` int (<= 0 or >= V: off), `top_p` `[B]` float (>= 1: off), `uniforms` `[B]`
@@ -537,13 +531,9 @@ def top_k_top_p_sample(
 
 
 def top_k_top_p_filter(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-    *,
-    slices: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None, *, slices: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The probabilities the draw uses, `[B, V]` float32 (0 where filtered; unnormalised),
     and `samplable`; see `reference.top_k_top_p_filter`. Costs one extra write of `[B, V]`."""
     _, ok, probs = _launch(logits, top_k, top_p, None, min_p, True, slices=slices)
