@@ -52,26 +52,11 @@ __all__ = [
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slots_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_HD: tl.constexpr,
     KV_FP8: tl.constexpr = False,
-):
+):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot < 0:

@@ -126,6 +126,17 @@ def _softplus(v):
 
 
 @triton.jit
+def _decode_program(slots_ptr):
+    """A decode program's `(row as int64, head, state tile, the row's pool slot)` (grid
+    `(rows, heads, tiles)`; a negative slot is a padding row)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    return row.to(tl.int64), head, tile, slot
+
+
+@triton.jit
 def _mamba2_load(
     x_ptr, b_ptr, c_ptr, t, head, group, ps, ns, pmask, nmask,
     stride_xn, stride_xh, stride_bn, stride_bg, stride_cn, stride_cg,
@@ -274,11 +285,7 @@ def _mamba2_update_kernel(
     H, P, N, HEADS_PER_GROUP,
     BLOCK_P: tl.constexpr, NP: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    pblk = tl.program_id(2)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    row64 = row.to(tl.int64)
+    row64, head, pblk, slot = _decode_program(slots_ptr)
     group = head // HEADS_PER_GROUP
     dt = tl.load(dt_ptr + row64 * stride_dtn + head).to(tl.float32)
     dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
@@ -341,11 +348,7 @@ def _gated_delta_update_kernel(
     stride_ss, HV, DK, DV, RATIO, scale,
     L2NORM: tl.constexpr, DKP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    vblk = tl.program_id(2)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    row64 = row.to(tl.int64)
+    row64, head, vblk, slot = _decode_program(slots_ptr)
     khead = head // RATIO
     ks = tl.arange(0, DKP)
     vs = vblk * BLOCK_V + tl.arange(0, BLOCK_V)

@@ -84,6 +84,17 @@ def _chunk_of(layout_ptr, seq, num_seqs):
     return start, end, slot, initial
 
 
+@triton.jit
+def _scan_program(layout_ptr, num_seqs):
+    """A scan program's `(head, state tile, chunk start, end, slot, has_initial_state)` (grid
+    `(sequences, heads, tiles)`)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    start, end, slot, initial = _chunk_of(layout_ptr, seq, num_seqs)
+    return head, tile, start, end, slot, initial
+
+
 def _torch_form(longest: int, op: str, *args: object, **kwargs: object) -> torch.Tensor | None:
     """The torch chunked form's result when the longest chunk is past `SCAN_MAX_TOKENS`
     (`ssm_reference.<op>`, same function), else None: the Triton scan takes the call."""
@@ -194,10 +205,7 @@ def _mamba2_scan_kernel(
     num_seqs, H, P, N, HEADS_PER_GROUP, dt_min, dt_max,
     BLOCK_P: tl.constexpr, NP: tl.constexpr, DT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    pblk = tl.program_id(2)
-    start, end, slot, initial = _chunk_of(layout_ptr, seq, num_seqs)
+    head, pblk, start, end, slot, initial = _scan_program(layout_ptr, num_seqs)
     group = head // HEADS_PER_GROUP
     ps = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
     ns = tl.arange(0, NP)
@@ -278,10 +286,7 @@ def _gated_delta_scan_kernel(
     stride_ss, num_seqs, HV, DK, DV, RATIO, scale,
     L2NORM: tl.constexpr, DKP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    vblk = tl.program_id(2)
-    start, end, slot, initial = _chunk_of(layout_ptr, seq, num_seqs)
+    head, vblk, start, end, slot, initial = _scan_program(layout_ptr, num_seqs)
     khead = head // RATIO
     ks = tl.arange(0, DKP)
     vs = vblk * BLOCK_V + tl.arange(0, BLOCK_V)
