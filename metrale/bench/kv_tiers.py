@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from metrale.bench.disk import disk_bandwidth, drop_page_cache
+from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.bench.ttft import time_to_first_token
@@ -416,12 +417,11 @@ def _gb(v: float | None) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default="bench/configs/tiny-2k")
-    parser.add_argument("--shape", default=None, help="model shape name for the record")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_model_flags(
+        parser, config_dir="bench/configs/tiny-2k", shape_help="model shape name for the record",
+        device="cpu", dtype="float32",
+    )  # fmt: skip
+    add_flags(parser, {"--prompt-len": 1024, "--repeats": 3})
     parser.add_argument("--host-prompts", type=int, default=4,
                         help="host tier size, in prompts' KV")  # fmt: skip
     parser.add_argument("--disk-gb", type=float, default=16.0, help="disk tier size")

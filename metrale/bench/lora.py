@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from metrale.bench.offline import _engine, _engine_info, _print_table, _sync, vars_of
+from metrale.bench.flags import COMMITTED_CONFIG_HELP, add_engine_flags, add_flags, add_model_flags
+from metrale.bench.offline import _engine, _engine_info, _print_table, _sync, drain, vars_of
 from metrale.bench.record import write_record
 from metrale.engine.engine import Engine
 from metrale.layers.lora import LORA_TARGETS
@@ -76,12 +77,7 @@ def _throughput(engine: Engine, args: argparse.Namespace, adapter_ids: list[int]
         prompt = torch.randint(10, top, (args.prompt_len,), generator=gen).tolist()
         adapter = adapter_ids[i % len(adapter_ids)] if adapter_ids else 0
         engine.add_request(f"lora-tp-{i}", prompt, params, adapter_id=adapter, final_only=True)
-    produced = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                produced += len(out.outputs[0].token_ids)
-    _sync(engine)
+    produced = drain(engine)
     return produced / (time.perf_counter() - start)
 
 
@@ -140,20 +136,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config-dir", required=True, help="committed config dir, e.g. bench/configs/qwen3-8b"
-    )
-    parser.add_argument("--shape", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--concurrency", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--latency-tokens", type=int, default=128)
-    parser.add_argument("--out-dir", default="bench/records")
+    add_model_flags(parser, config_required=True, config_help=COMMITTED_CONFIG_HELP)
+    add_engine_flags(parser, max_model_len=2048)
+    add_flags(parser, {
+        "--adapters": 8, "--rank": 16, "--concurrency": 64, "--requests": 128,
+        "--prompt-len": 256, "--output-len": 256, "--latency-tokens": 128,
+        "--out-dir": "bench/records",
+    })  # fmt: skip

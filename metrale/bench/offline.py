@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from metrale.bench.flags import COMMITTED_CONFIG_HELP, add_engine_flags, add_flags, add_model_flags
 from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.config import EngineConfig
@@ -112,6 +113,17 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.model.device)
 
 
+def drain(engine: Engine) -> int:
+    """Step until no request is left; the output tokens of the finished ones (then synced)."""
+    produced = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                produced += len(out.outputs[0].token_ids)
+    _sync(engine)
+    return produced
+
+
 def decode_latency(engine: Engine, prompt_len: int, tokens: int, seed: int = 0) -> dict[str, float]:
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(10, engine.vocab_size - 10, (prompt_len,), generator=gen).tolist()
@@ -177,12 +189,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
             SamplingParams(temperature=0.6, max_tokens=m, ignore_eos=True),
             final_only=True,  # as LLM.generate: only finished outputs are read
         )
-    produced = 0
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                produced += len(out.outputs[0].token_ids)
-    _sync(engine)
+    produced = drain(engine)
     elapsed = time.perf_counter() - start
     figures: dict[str, Any] = {
         "output_tok_s": produced / elapsed,
@@ -277,15 +284,8 @@ def _print_table(name: str, shape: str, figures: dict[str, Any], peer: Any, path
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config-dir", required=True, help="committed config dir, e.g. bench/configs/qwen3-8b"
-    )
-    parser.add_argument("--shape", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--enforce-eager", action="store_true")
+    add_model_flags(parser, config_required=True, config_help=COMMITTED_CONFIG_HELP)
+    add_engine_flags(parser, max_model_len=4096)
     parser.add_argument(
         "--quantization", default=None, choices=["fp8"],
         help="fp8: the projections quantized to FP8 at load (the roofline counts them at 1 byte)",
@@ -297,10 +297,8 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 def add_latency(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--peer-tokens", type=int, default=32)
+    add_flags(parser, {"--prompt-len": 128, "--tokens": 256, "--max-num-seqs": 8,
+                       "--peer-tokens": 32})  # fmt: skip
     parser.add_argument("--peer-compile", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument(
         "--peer-compile-modes",
@@ -312,9 +310,7 @@ def add_latency(parser: argparse.ArgumentParser) -> None:
 
 def add_throughput(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--min-len", type=int, default=100)
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--peer-batch", type=int, default=16)
-    parser.add_argument("--peer-tokens", type=int, default=32)
+    add_flags(parser, {
+        "--num-requests": 256, "--min-len": 100, "--max-len": 1024, "--max-num-seqs": 256,
+        "--peer-batch": 16, "--peer-tokens": 32,
+    })  # fmt: skip

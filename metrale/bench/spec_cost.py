@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
 from metrale.config import EngineConfig
 from metrale.engine.engine import BUNDLED_MODEL_DIR, Engine
@@ -72,19 +73,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def prefilled_seqs(engine: Engine, batch: int, context: int, high: int) -> list[Any]:
+    """`batch` new sequences of the engine's model, each prefilled with `context` random ids
+    in `[8, high)` (seeded by `batch`)."""
+    model = engine.model
+    gen = torch.Generator().manual_seed(batch)
+    seqs = []
+    for _ in range(batch):
+        seq = model.alloc_sequence()
+        prompt = torch.randint(8, high, (context,), generator=gen).tolist()
+        model.prefill_chunk(prompt, seq, 0, context, True)
+        seqs.append(seq)
+    return seqs
+
+
 def verify_cost(engine: Engine, batch: int, ks: Sequence[int], context: int, iters: int) -> dict:
     """Seconds of a plain decode step and of a verify step with each k, at `batch` rows of
     `context` tokens; every verify is rolled back, so each call sees the same state."""
     model = engine.model
     device = torch.device(str(getattr(model, "device", "cpu")))
-    gen = torch.Generator().manual_seed(batch)
-    vocab = engine.vocab_size
-    seqs = []
-    for _ in range(batch):
-        seq = model.alloc_sequence()
-        prompt = torch.randint(8, vocab, (context,), generator=gen).tolist()
-        model.prefill_chunk(prompt, seq, 0, context, True)
-        seqs.append(seq)
+    seqs = prefilled_seqs(engine, batch, context, engine.vocab_size)
     tokens = [1] * batch
 
     # `commit_accepted_prefix(seq, 0, n)` rewinds the last n tokens: the whole step here.
@@ -340,16 +348,11 @@ def measure_speedup(
 
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default=None, help="a config shape (dummy weights)")
-    parser.add_argument("--shape", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--ks", default="1,2,3,4,5,6,7,8")
-    parser.add_argument("--batches", default="1,8,32,128")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--acceptance", type=float, default=0.6)
-    parser.add_argument("--requests", type=int, default=4)
+    add_model_flags(parser, config_help="a config shape (dummy weights)")
+    add_flags(parser, {
+        "--ks": "1,2,3,4,5,6,7,8", "--batches": "1,8,32,128", "--context": 512, "--iters": 20,
+        "--acceptance": 0.6, "--requests": 4,
+    })  # fmt: skip
     parser.add_argument(
         "--mtp",
         action="store_true",

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
+from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
+from metrale.bench.spec_cost import prefilled_seqs
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
 from metrale.sampling.grammar import GrammarState, bitmask_words
@@ -43,94 +45,82 @@ from metrale.sampling.params import SamplingParams
 from metrale.sampling.sampler import SamplingRow
 from metrale.sampling.structured import GrammarSpec
 
+
+def _closed_object(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """A JSON schema object of exactly these properties (no others)."""
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": required,
+        "additionalProperties": False,
+    }
+
+
+def _tool_call(name: str, arguments: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    """`{"name": name, "arguments": {...}}` with these argument properties."""
+    return _closed_object(
+        {"name": {"const": name}, "arguments": _closed_object(arguments, required)},
+        ["name", "arguments"],
+    )
+
+
 #: The tool-call schema: `{"name": ..., "arguments": {...}}` for one of three tools.
 TOOL_CALL_SCHEMA: dict[str, Any] = {
     "anyOf": [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": "get_weather"},
-                "arguments": {
-                    "type": "object",
-                    "properties": {
-                        "location": {"type": "string", "maxLength": 64},
-                        "unit": {"enum": ["celsius", "fahrenheit"]},
-                        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                        "include_hourly": {"type": "boolean"},
-                    },
-                    "required": ["location", "unit", "days"],
-                    "additionalProperties": False,
-                },
+        _tool_call(
+            "get_weather",
+            {
+                "location": {"type": "string", "maxLength": 64},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                "include_hourly": {"type": "boolean"},
             },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        },
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": "search_flights"},
-                "arguments": {
-                    "type": "object",
-                    "properties": {
-                        "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
-                        "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
-                        "date": {"type": "string", "format": "date"},
-                        "passengers": {
-                            "type": "array",
-                            "items": {
-                                "type": "object",
-                                "properties": {
-                                    "type": {"enum": ["adult", "child", "infant"]},
-                                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                                },
-                                "required": ["type"],
-                                "additionalProperties": False,
-                            },
-                            "minItems": 1,
-                            "maxItems": 9,
+            ["location", "unit", "days"],
+        ),
+        _tool_call(
+            "search_flights",
+            {
+                "origin": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "destination": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "date": {"type": "string", "format": "date"},
+                "passengers": {
+                    "type": "array",
+                    "items": _closed_object(
+                        {
+                            "type": {"enum": ["adult", "child", "infant"]},
+                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
                         },
-                        "cabin": {"enum": ["economy", "premium", "business", "first"]},
-                        "max_price": {"type": "number", "minimum": 0},
-                    },
-                    "required": ["origin", "destination", "date", "passengers"],
-                    "additionalProperties": False,
+                        ["type"],
+                    ),
+                    "minItems": 1,
+                    "maxItems": 9,
                 },
+                "cabin": {"enum": ["economy", "premium", "business", "first"]},
+                "max_price": {"type": "number", "minimum": 0},
             },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        },
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": "create_event"},
-                "arguments": {
-                    "type": "object",
-                    "properties": {
-                        "title": {"type": "string", "maxLength": 120},
-                        "start": {"type": "string", "format": "date-time"},
-                        "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 1440},
-                        "attendees": {
-                            "type": "array",
-                            "items": {"type": "string", "format": "email"},
-                            "maxItems": 20,
-                        },
-                        "reminder": {
-                            "type": "object",
-                            "properties": {
-                                "minutes_before": {"type": "integer", "minimum": 0},
-                                "method": {"enum": ["email", "popup"]},
-                            },
-                            "required": ["minutes_before", "method"],
-                            "additionalProperties": False,
-                        },
-                    },
-                    "required": ["title", "start"],
-                    "additionalProperties": False,
+            ["origin", "destination", "date", "passengers"],
+        ),
+        _tool_call(
+            "create_event",
+            {
+                "title": {"type": "string", "maxLength": 120},
+                "start": {"type": "string", "format": "date-time"},
+                "duration_minutes": {"type": "integer", "minimum": 5, "maximum": 1440},
+                "attendees": {
+                    "type": "array",
+                    "items": {"type": "string", "format": "email"},
+                    "maxItems": 20,
                 },
+                "reminder": _closed_object(
+                    {
+                        "minutes_before": {"type": "integer", "minimum": 0},
+                        "method": {"enum": ["email", "popup"]},
+                    },
+                    ["minutes_before", "method"],
+                ),
             },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        },
+            ["title", "start"],
+        ),
     ]
 }
 
@@ -177,14 +167,8 @@ def step_cost(
     back and, when `constrained`, the matchers' advance), and of the bitmask fill alone."""
     model = engine.model
     device = torch.device(str(getattr(model, "device", "cpu")))
-    gen = torch.Generator().manual_seed(batch)
     vocab = engine.vocab_size
-    seqs = []
-    for _ in range(batch):
-        seq = model.alloc_sequence()
-        prompt = torch.randint(8, min(vocab, 1000), (context,), generator=gen).tolist()
-        model.prefill_chunk(prompt, seq, 0, context, True)
-        seqs.append(seq)
+    seqs = prefilled_seqs(engine, batch, context, min(vocab, 1000))
     spec = GrammarSpec.json_schema(TOOL_CALL_SCHEMA, "bench")
     backend = engine.grammar_backend
     params = SamplingParams(temperature=temperature, max_tokens=10**6, seed=7)
@@ -372,16 +356,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default="bench/configs/qwen3-8b",
-                        help="a config shape (dummy weights; default: qwen3-8b)")  # fmt: skip
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer directory (default: a BPE trained on the stdlib)")  # fmt: skip
-    parser.add_argument("--shape", default=None)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--temperatures", default="0,0.7")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    parser.add_argument("--out-dir", default="bench/records")
+    add_model_flags(parser, config_dir="bench/configs/qwen3-8b",
+                    config_help="a config shape (dummy weights; default: qwen3-8b)")  # fmt: skip
+    add_flags(parser, {
+        "--batches": "1,64", "--temperatures": "0,0.7", "--context": 512, "--steps": 200,
+        "--gpu-memory-utilization": 0.85, "--out-dir": "bench/records",
+    })  # fmt: skip

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.config import EngineConfig
@@ -145,12 +146,10 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config-dir", default="bench/configs/tiny-2k")
-    parser.add_argument("--shape", default=None, help="model shape name for the record")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", type=int, default=2000)
-    parser.add_argument("--cached-len", type=int, default=1900)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out-dir", default="bench/records")
+    add_model_flags(
+        parser, config_dir="bench/configs/tiny-2k", shape_help="model shape name for the record",
+        device="cpu", dtype="float32",
+    )  # fmt: skip
+    add_flags(parser, {"--prompt-len": 2000, "--cached-len": 1900, "--repeats": 5,
+                       "--out-dir": "bench/records"})  # fmt: skip
     parser.add_argument("--notes", default="", help="appended to the record's notes")

@@ -66,13 +66,9 @@ def _attend_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float)
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of query rows `[T, Hq, D]` over paged K/V, one row at a time."""
     out = torch.empty_like(q)
     starts = meta.query_start_loc_host or meta.query_start_loc.tolist()

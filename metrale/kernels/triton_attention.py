@@ -52,26 +52,11 @@ __all__ = [
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slots_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_HD: tl.constexpr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, k_scale_ptr, v_scale_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_HD: tl.constexpr,
     KV_FP8: tl.constexpr = False,
-):
+):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     if slot < 0:
@@ -91,14 +76,10 @@ def _write_kv_kernel(
 
 
 def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-) -> None:
+) -> None:  # fmt: skip
     """Store rows `k`/`v` `[T, Hk, D]` at flat slots of the `[NB, BS, Hk, D]` caches (one
     launch for both; quantized with the scales for a float8 cache). Same function as
     `reference.write_kv`; slots < 0 are skipped."""
@@ -138,17 +119,10 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+    scale: float, sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of query rows `[T, Hq, D]` over paged K/V (float8 K/V dequantized
     with `k_scale` / `v_scale`); returns `[T, Hq, D]`.
 

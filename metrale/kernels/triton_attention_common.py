@@ -1,6 +1,8 @@
 """Shared pieces of the Triton kernels: device queries, split constants, programmatic
-dependent launch (PDL) helpers, the device helpers (`_dot`, `_attend_tile`) both the decode
-and the prefill kernels inline, and the float8 KV helpers (`kv_scale_args`, `_quantize_kv`).
+dependent launch (PDL) helpers, the device helpers (`_dot`, `online_softmax_start`,
+`_attend_tile`) both the decode and the prefill kernels inline, the float8 KV helpers
+(`kv_scale_args`, `_quantize_kv`), and the activations the MoE and conv kernels fuse
+(`ACTIVATIONS`, `_activate`).
 
 Owner: kernels. See `triton_attention` for the invariants the kernels keep together.
 
@@ -35,6 +37,23 @@ _LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 256
 #: Most splits of one decode row (partials cost `splits * head_dim * 4` bytes per head).
 MAX_SPLITS = 64
+
+
+#: Activation name -> `_activate`'s constexpr code (the MoE and causal-conv kernels').
+ACTIVATIONS: dict[str, int] = {
+    "silu": 0,
+    "swish": 0,
+    "relu": 1,
+    "relu2": 2,
+    "gelu_pytorch_tanh": 3,
+    "gelu": 4,
+}
+#: `_activate`'s code for no activation (the identity).
+NO_ACTIVATION = 5
+
+# tl.constexpr: Triton refuses plain float globals in jit code.
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 def interpreting() -> bool:
@@ -86,6 +105,27 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 @triton.jit
+def _activate(g, ACT: tl.constexpr):
+    """The activation of float32 `g` (codes of `ACTIVATIONS`, `NO_ACTIVATION`), in float32."""
+    if ACT == 0:
+        out = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:
+        out = tl.maximum(g, 0.0)
+    elif ACT == 2:
+        r = tl.maximum(g, 0.0)
+        out = r * r
+    elif ACT == 3:
+        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        out = 0.5 * g * (1.0 + tanh)
+    elif ACT == 4:
+        out = 0.5 * g * (1.0 + tl.math.erf(g * _INV_SQRT_2))
+    else:
+        out = g
+    return out
+
+
+@triton.jit
 def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     """`a @ b` accumulated in float32. UPCAST: operands as float32 (the CPU interpreter
     mis-computes bf16 dots); IEEE: exact float32 products (no tf32) for float32 inputs."""
@@ -96,6 +136,15 @@ def _dot(a, b, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     else:
         out = tl.dot(a, b)
     return out
+
+
+@triton.jit
+def online_softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The online softmax's `(m_i, l_i, acc)` before the first tile, for ROWS query rows."""
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -169,6 +218,17 @@ def attention_strides(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
     )  # fmt: skip
+
+
+def specialisation(q: torch.Tensor, sliding_window: int | None, kv_fp8: bool) -> dict[str, bool]:
+    """The constexpr flags both attention kernels specialise on: a sliding window, dots
+    upcast to float32 (under the interpreter), IEEE dots (float32 queries), float8 K/V."""
+    return {
+        "USE_WINDOW": sliding_window is not None,
+        "UPCAST": interpreting(),
+        "IEEE": q.dtype == torch.float32,
+        "KV_FP8": kv_fp8,
+    }
 
 
 def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

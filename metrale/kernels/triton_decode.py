@@ -23,8 +23,10 @@ from metrale.kernels.triton_attention_common import (
     interpreting,
     kv_scale_args,
     multiprocessor_count,
+    online_softmax_start,
     pdl_enter,
     pdl_options,
+    specialisation,
 )
 
 
@@ -118,9 +120,7 @@ def _decode_kernel(
         )
         # Causal among the sequence's own rows: token j sits at seq_len - QUERY_LEN + j.
         q_pos = seq_len - QUERY_LEN + tok
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_H, BLOCK_D)
     table_row = tables_ptr + row.to(tl.int64) * stride_bt
     rows = (q, q_pos, h_mask, offs_d, d_mask, scale_log2, window)
     kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
@@ -327,11 +327,8 @@ def decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         MIN_TILES=max(1, (min_split_tokens or block_n) // block_n),
-        USE_WINDOW=sliding_window is not None,
-        UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32,
         PDL=pdl,
-        KV_FP8=fp8,
+        **specialisation(q, sliding_window, fp8),
         num_warps=num_warps,
         num_stages=num_stages,
         **variant,

@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from metrale.kernels.reference import fp8_block_supported as block_supported
-from metrale.kernels.triton_attention_common import gdc_launch_dependents, gdc_wait, pdl_options
-from metrale.kernels.triton_gemv import _load_w, _load_x
+from metrale.kernels.triton_attention_common import pdl_options
+from metrale.kernels.triton_gemv import _store_rows, _stream_tiles
 from metrale.kernels.triton_norm import silu_and_mul
 
 #: Most rows sent to the FP8 GEMV (its register budget allows 8; with the weight stream
@@ -73,61 +73,6 @@ def _row_block(block: tuple[int, int] | None, n: int) -> int:
 
 
 @triton.jit
-def _fma_row(acc, w, ptrs, mask, half, sx, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-             BLOCK_SCALE: tl.constexpr):  # fmt: skip
-    x = _load_x(ptrs, mask, half, EVEN_K, ACT)
-    if BLOCK_SCALE:
-        x = x * sx
-    return acc + w * x[None, :]
-
-
-@triton.jit
-def _apply_tile(
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half, sx,
-    M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-):  # fmt: skip
-    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 1:
-        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 2:
-        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 3:
-        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 4:
-        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 5:
-        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 6:
-        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    if M > 7:
-        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, sx, EVEN_K, ACT, BLOCK_SCALE)
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@triton.jit
-def _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr, BI: tl.constexpr,
-             BLOCK_SCALE: tl.constexpr):  # fmt: skip
-    """The block scales of the tile's K columns (`[BLOCK_K]`; 1.0 without block scales)."""
-    if BLOCK_SCALE:
-        kk = k + offs_k
-        sx = tl.load(s_row_ptr + kk // BI, mask=kk < K, other=0.0, eviction_policy="evict_last")
-    else:
-        sx = tl.full([BLOCK_K], 1.0, tl.float32)
-    return sx
-
-
-@triton.jit
-def _store_row(out_ptr, b_ptr, s_ptr, acc, row, offs_n, n_mask, stride_om,
-               HAS_BIAS: tl.constexpr, BLOCK_SCALE: tl.constexpr):  # fmt: skip
-    y = tl.sum(acc, axis=1)
-    if not BLOCK_SCALE:
-        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _gemv_fp8_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, N, K, stride_xm, stride_wn, stride_sn, stride_om, half,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
@@ -144,52 +89,12 @@ def _gemv_fp8_kernel(
     x_ptrs = x_ptr + offs_k
     # BLOCK_N divides BO: the program's rows share one row block of scales.
     s_row_ptr = s_ptr + ((pid_n * BLOCK_N) // BO).to(tl.int64) * stride_sn
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # First W tile (and its scales) before the PDL wait: they do not depend on the previous
-    # kernel.
-    w = _load_w(w_ptrs, 0, offs_k, K, EVEN_K)
-    sx = _load_sx(s_row_ptr, 0, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
-    if PDL:
-        gdc_wait()
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, offs_k < K, stride_xm,
-        half, sx, M, EVEN_K, ACT, BLOCK_SCALE,
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
+        w_ptrs, x_ptrs, s_row_ptr, 0, K, offs_k, offs_k, stride_xm, half, M, BLOCK_N, BLOCK_K,
+        STAGES, EVEN_K, ACT, False, BLOCK_SCALE, BI, PDL,
     )  # fmt: skip
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        w = _load_w(w_ptrs, k, offs_k, K, EVEN_K)
-        sx = _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K, BI, BLOCK_SCALE)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + offs_k) < K,
-            stride_xm, half, sx, M, EVEN_K, ACT, BLOCK_SCALE,
-        )  # fmt: skip
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if PDL:
-        gdc_launch_dependents()
-    _store_row(out_ptr, b_ptr, s_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 1:
-        _store_row(out_ptr, b_ptr, s_ptr, acc1, 1, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 2:
-        _store_row(out_ptr, b_ptr, s_ptr, acc2, 2, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 3:
-        _store_row(out_ptr, b_ptr, s_ptr, acc3, 3, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 4:
-        _store_row(out_ptr, b_ptr, s_ptr, acc4, 4, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 5:
-        _store_row(out_ptr, b_ptr, s_ptr, acc5, 5, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 6:
-        _store_row(out_ptr, b_ptr, s_ptr, acc6, 6, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
-    if M > 7:
-        _store_row(out_ptr, b_ptr, s_ptr, acc7, 7, offs_n, n_mask, stride_om, HAS_BIAS, BLOCK_SCALE)
+    _store_rows(out_ptr, b_ptr, s_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, offs_n,
+                n_mask, stride_om, M, HAS_BIAS, False, not BLOCK_SCALE)  # fmt: skip
 
 
 def gemv_config(m: int, k: int, block: tuple[int, int] | None) -> tuple[int, int, int]:
@@ -239,27 +144,17 @@ def _gemv_launch(
 
 
 def gemv_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`reference.linear_fp8` for `x [M, K]` with 1 <= M <= 8."""
     return _gemv_launch(x, weight, scale, bias, block, x.shape[-1], False, pdl)
 
 
 def gemv_fp8_silu_mul(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`gemv_fp8(silu_and_mul(gate_up), ...)`, the activation computed while loading x."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gemv_fp8_silu_mul: odd gate/up width {gate_up.shape[-1]}")
@@ -336,12 +231,9 @@ def gemm_config(
 
 
 def gemm_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """`reference.linear_fp8` for `x [M, K]`, any M (the many-row path)."""
     k = x.shape[-1]
     _check(x, weight, scale, k)
@@ -375,14 +267,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fp8(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`KernelOps.linear_fp8`: the GEMV for 1..`FP8_GEMV_MAX_ROWS` rows, else the GEMM
     (`pdl` applies to the GEMV only)."""
     flat = _flat(x)
@@ -394,14 +281,9 @@ def linear_fp8(
 
 
 def silu_mul_linear_fp8(
-    gate_up: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+    bias: torch.Tensor | None = None, block: tuple[int, int] | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`KernelOps.silu_mul_linear_fp8`: the fused GEMV for few rows; else `silu_and_mul`
     (Triton) then the GEMM."""
     flat = _flat(gate_up)

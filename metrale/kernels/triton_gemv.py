@@ -38,6 +38,10 @@ the SM count go in):
   Qwen3-8B bf16 at M == 1: qkv 384 programs, o_proj 256, gate_up 1536, down 256, lm_head
   9496; at M == 1 the projections reach 80-109% of the H200's copy bandwidth (cuBLAS 63-100%).
 `candidate_configs` lists the variations `tools/bench_gemv.py` times on the device.
+
+The device helpers that stream W and apply it to the rows (`_stream_tiles`, `_apply_tile`,
+`_store_rows`) also serve `triton_fp8`'s GEMV, whose K-column block scales (`_load_sx`,
+BLOCK_SCALE) and row scales (ROW_SCALE) are constexpr branches this GEMV compiles out.
 """
 
 from __future__ import annotations
@@ -174,14 +178,25 @@ def _load_x(ptrs, mask, half, EVEN_K: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
-def _fma_row(acc, w, ptrs, mask, half, EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr):
-    """`acc + w * x` for one row of x: `[BLOCK_N, BLOCK_K]` elementwise, no reduction."""
+def _fma_row(acc, w, ptrs, mask, half, sx, EVEN_K: tl.constexpr, ACT: tl.constexpr,
+             X2D: tl.constexpr, BLOCK_SCALE: tl.constexpr):  # fmt: skip
+    """`acc + w * x` for one row of x: `[BLOCK_N, BLOCK_K]` elementwise, no reduction (x
+    times the tile's K-column scales `sx` with BLOCK_SCALE: `triton_fp8`'s block scales)."""
     x = _load_x(ptrs, mask, half, EVEN_K, ACT)
+    if BLOCK_SCALE:
+        x = x * sx
     if X2D:
         out = acc + w * x
     else:
         out = acc + w * x[None, :]
     return out
+
+
+@triton.jit
+def _zero_accs(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The 8 row accumulators (`[BLOCK_N, BLOCK_K]` float32 zeros; rows past M stay unused)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc, acc, acc, acc, acc, acc, acc, acc
 
 
 @triton.jit
@@ -197,49 +212,132 @@ def _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _apply_tile(
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half,
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half, sx,
     M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr,
+    BLOCK_SCALE: tl.constexpr,
 ):  # fmt: skip
     """One W tile applied to each of the M rows of x (accumulators past M untouched)."""
-    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, EVEN_K, ACT, X2D)
+    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, sx, EVEN_K, ACT, X2D, BLOCK_SCALE)
     if M > 1:
-        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 2:
-        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 3:
-        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 4:
-        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 5:
-        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 6:
-        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     if M > 7:
-        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, EVEN_K, ACT, X2D)
+        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
+                        BLOCK_SCALE)  # fmt: skip
     return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit
-def _store_row(
-    out_ptr,
-    b_ptr,
-    acc,
-    row,
-    offs_n,
-    n_mask,
-    stride_om,
-    HAS_BIAS: tl.constexpr,
-    PARTIAL: tl.constexpr,
-):
-    """Reduce `acc` over K and store it as row `row` of the output (PARTIAL: float32, into
-    this split's slice of the workspace, bias left to the reduction)."""
+def _store_row(out_ptr, b_ptr, s_ptr, acc, row, offs_n, n_mask, stride_om,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROW_SCALE: tl.constexpr):  # fmt: skip
+    """Reduce `acc` over K and store it as row `row` of the output (ROW_SCALE: times the
+    output rows' scales at `s_ptr`, `triton_fp8`'s row scales; PARTIAL: float32, into this
+    split's slice of the workspace, bias left to the reduction)."""
     y = tl.sum(acc, axis=1)
+    if ROW_SCALE:
+        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
     if PARTIAL:
         tl.store(out_ptr + row * stride_om + offs_n, y, mask=n_mask)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _store_rows(
+    out_ptr, b_ptr, s_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, offs_n, n_mask,
+    stride_om, M: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+):  # fmt: skip
+    """`_store_row` of each of the M rows."""
+    _store_row(out_ptr, b_ptr, s_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+               ROW_SCALE)  # fmt: skip
+    if M > 1:
+        _store_row(out_ptr, b_ptr, s_ptr, acc1, 1, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 2:
+        _store_row(out_ptr, b_ptr, s_ptr, acc2, 2, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 3:
+        _store_row(out_ptr, b_ptr, s_ptr, acc3, 3, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 4:
+        _store_row(out_ptr, b_ptr, s_ptr, acc4, 4, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 5:
+        _store_row(out_ptr, b_ptr, s_ptr, acc5, 5, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 6:
+        _store_row(out_ptr, b_ptr, s_ptr, acc6, 6, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+    if M > 7:
+        _store_row(out_ptr, b_ptr, s_ptr, acc7, 7, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
+                   ROW_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr, BI: tl.constexpr,
+             BLOCK_SCALE: tl.constexpr):  # fmt: skip
+    """The block scales of the tile's K columns (`[BLOCK_K]`; 1.0 without block scales)."""
+    if BLOCK_SCALE:
+        kk = k + offs_k
+        sx = tl.load(s_row_ptr + kk // BI, mask=kk < K, other=0.0, eviction_policy="evict_last")
+    else:
+        sx = tl.full([BLOCK_K], 1.0, tl.float32)
+    return sx
+
+
+@triton.jit
+def _stream_tiles(
+    w_ptrs, x_ptrs, s_row_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half,
+    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr, BLOCK_SCALE: tl.constexpr,
+    BI: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """The W tiles of K range `[k_lo, k_hi)` (and, BLOCK_SCALE, their K-column scales from
+    `s_row_ptr`) applied to the M rows of x: the 8 row accumulators. The first tile is peeled
+    off the loop and loaded before waiting on the previous kernel (PDL): W does not depend on
+    it, so its latency hides behind that kernel's tail; once the loads are done the next
+    kernel may launch."""
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _zero_accs(BLOCK_N, BLOCK_K)
+    w = _load_w(w_ptrs, k_lo, offs_k, k_hi, EVEN_K)
+    sx = _load_sx(s_row_ptr, k_lo, offs_k, k_hi, BLOCK_K, BI, BLOCK_SCALE)
+    if PDL:
+        gdc_wait()
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k_lo + x_offs) < k_hi,
+        stride_xm, half, sx, M, EVEN_K, ACT, X2D, BLOCK_SCALE,
+    )  # fmt: skip
+    w_ptrs += BLOCK_K
+    x_ptrs += BLOCK_K
+    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
+        w = _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K)
+        sx = _load_sx(s_row_ptr, k, offs_k, k_hi, BLOCK_K, BI, BLOCK_SCALE)
+        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + x_offs) < k_hi,
+            stride_xm, half, sx, M, EVEN_K, ACT, X2D, BLOCK_SCALE,
+        )  # fmt: skip
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        gdc_launch_dependents()
+    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit
@@ -294,51 +392,13 @@ def _gemv_kernel(
     else:
         x_offs = offs_k
     x_ptrs = x_ptr + k_lo + x_offs
-    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc4 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc5 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc6 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc7 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # The first W tile is peeled off the loop and loaded before waiting on the previous
-    # kernel (PDL): W does not depend on it, so its latency hides behind that kernel's tail.
-    w = _load_w(w_ptrs, k_lo, offs_k, k_hi, EVEN_K)
-    if PDL:
-        gdc_wait()
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k_lo + x_offs) < k_hi,
-        stride_xm, half, M, EVEN_K, ACT, X2D,
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
+        w_ptrs, x_ptrs, x_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half, M, BLOCK_N, BLOCK_K,
+        STAGES, EVEN_K, ACT, X2D, False, 1, PDL,
     )  # fmt: skip
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
-        w = _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + x_offs) < k_hi,
-            stride_xm, half, M, EVEN_K, ACT, X2D,
-        )  # fmt: skip
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if PDL:
-        gdc_launch_dependents()
     out_ptr += pid_k.to(tl.int64) * stride_split
-    _store_row(out_ptr, b_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 1:
-        _store_row(out_ptr, b_ptr, acc1, 1, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 2:
-        _store_row(out_ptr, b_ptr, acc2, 2, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 3:
-        _store_row(out_ptr, b_ptr, acc3, 3, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 4:
-        _store_row(out_ptr, b_ptr, acc4, 4, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 5:
-        _store_row(out_ptr, b_ptr, acc5, 5, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 6:
-        _store_row(out_ptr, b_ptr, acc6, 6, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
-    if M > 7:
-        _store_row(out_ptr, b_ptr, acc7, 7, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL)
+    _store_rows(out_ptr, b_ptr, b_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, offs_n,
+                n_mask, stride_om, M, HAS_BIAS, PARTIAL, False)  # fmt: skip
 
 
 @triton.jit

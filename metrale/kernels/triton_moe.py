@@ -55,25 +55,19 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import _dot, interpreting, pdl_enter, pdl_options
+from metrale.kernels.triton_attention_common import (
+    ACTIVATIONS,
+    _activate,
+    _dot,
+    interpreting,
+    pdl_enter,
+    pdl_options,
+)
 
 #: Most assignments (`tokens * top_k`) the gathered GEMV takes; above it (or above the expert
 #: count, where assignments start to share experts and a GEMV would read an expert once per
 #: assignment) the grouped GEMM reads each routed expert once per block of rows.
 GEMV_MAX_ASSIGNMENTS = 64
-
-#: Activation name -> the kernels' constexpr code.
-ACTIVATIONS: dict[str, int] = {
-    "silu": 0,
-    "swish": 0,
-    "relu": 1,
-    "relu2": 2,
-    "gelu_pytorch_tanh": 3,
-    "gelu": 4,
-}
-
-_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
-_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
 
 
 def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -87,25 +81,6 @@ def use_gemv(tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _activate(g, ACT: tl.constexpr):
-    """The activation of float32 `g` (codes of `ACTIVATIONS`), in float32."""
-    if ACT == 0:
-        out = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:
-        out = tl.maximum(g, 0.0)
-    elif ACT == 2:
-        r = tl.maximum(g, 0.0)
-        out = r * r
-    elif ACT == 3:
-        inner = _SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)
-        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
-        out = 0.5 * g * (1.0 + tanh)
-    else:
-        out = 0.5 * g * (1.0 + tl.math.erf(g * _INV_SQRT_2))
-    return out
-
-
-@triton.jit
 def _finish_up(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr):
     """Projection sums (float32) -> the intermediate in `dtype`, rounded as the reference:
     the projection, the activation and (gated) the product with up each rounded."""
@@ -115,6 +90,36 @@ def _finish_up(acc_g, acc_u, dtype: tl.constexpr, ACT: tl.constexpr, GATED: tl.c
         u = acc_u.to(dtype).to(tl.float32)
         h = (h.to(tl.float32) * u).to(dtype)
     return h
+
+
+@triton.jit
+def _feature_tile(N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A program's output features `[pid1 * BLOCK_N, +BLOCK_N)`: `(offsets, mask, their rows
+    clamped below N as int64, the K offsets [BLOCK_K])`."""
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    return offs_n, n_mask, rows, offs_k
+
+
+@triton.jit
+def _block_expert(block_expert_ptr, PDL: tl.constexpr):
+    """A grouped program's block `pid0` (after the PDL wait) and the expert owning it (E or
+    more: a padding block)."""
+    pdl_enter(PDL)
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b)
+    return b, e
+
+
+@triton.jit
+def _block_rows(sorted_ptr, b, A, BLOCK_M: tl.constexpr):
+    """Block `b`'s sorted rows: `(row offsets, their assignments, valid)` (a padding row holds
+    `A`, not valid)."""
+    offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    assign = tl.load(sorted_ptr + offs_m)
+    return offs_m, assign, assign < A
 
 
 # -------------------------------------------------------------------------------------------
@@ -150,10 +155,7 @@ def _gemv_up_kernel(
             tl.store(weights_ptr + a, weight.to(weights_ptr.dtype.element_ty))
     else:
         e = tl.load(ids_ptr + a).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < INTER
-    rows = tl.minimum(offs_n, INTER - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, rows, offs_k = _feature_tile(INTER, BLOCK_N, BLOCK_K)
     w_g = w_ptr + e * stride_we + rows[:, None] * stride_wr + offs_k[None, :]
     x_row = x_ptr + (a // TOPK).to(tl.int64) * stride_x + offs_k
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -191,10 +193,7 @@ def _gemv_down_kernel(
     pdl_enter(PDL)
     a = tl.program_id(0)
     e = tl.load(ids_ptr + a).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, rows, offs_k = _feature_tile(N, BLOCK_N, BLOCK_K)
     w_rows = w_ptr + e * stride_we + rows[:, None] * stride_wr + offs_k[None, :]
     h_row = h_ptr + a.to(tl.int64) * stride_h + offs_k
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -227,19 +226,12 @@ def _grouped_up_kernel(
     """Grid `(blocks, cdiv(INTER, BLOCK_N))`: the BLOCK_M sorted rows of block `pid0` (one
     expert's; rows past its assignments hold `A` and load zeros) times that expert's gate
     (and up) rows, activation fused; written to rows `pid0 * BLOCK_M ..` of `h`."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b)
+    b, e = _block_expert(block_expert_ptr, PDL)
     if e >= E:
         return
-    offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(sorted_ptr + offs_m)
-    valid = assign < A
+    offs_m, assign, valid = _block_rows(sorted_ptr, b, A, BLOCK_M)
     tok = (tl.minimum(assign, A - 1) // TOPK).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < INTER
-    rows = tl.minimum(offs_n, INTER - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_n, n_mask, rows, offs_k = _feature_tile(INTER, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
     w_g = w_ptr + e.to(tl.int64) * stride_we + rows[None, :] * stride_wr + offs_k[:, None]
     up_off = INTER * stride_wr
@@ -268,18 +260,11 @@ def _grouped_down_kernel(
     """Grid `(blocks, cdiv(H, BLOCK_N))`: block `pid0`'s intermediate rows times its expert's
     `w_out` rows, rounded to the dtype and scattered to the rows of their assignments in `y`
     (padding rows are not written)."""
-    pdl_enter(PDL)
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b)
+    b, e = _block_expert(block_expert_ptr, PDL)
     if e >= E:
         return
-    offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    assign = tl.load(sorted_ptr + offs_m)
-    valid = assign < A
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_m, assign, valid = _block_rows(sorted_ptr, b, A, BLOCK_M)
+    offs_n, n_mask, rows, offs_k = _feature_tile(N, BLOCK_N, BLOCK_K)
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_h + offs_k[None, :]
     w_ptrs = w_ptr + e.to(tl.int64) * stride_we + rows[None, :] * stride_wr + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -402,14 +387,9 @@ def _grouped_blocks(dtype: torch.dtype, assignments: int, experts: int) -> tuple
 
 
 def _check(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gated: bool,
-    activation: str,
-) -> int:
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, gated: bool, activation: str,
+) -> int:  # fmt: skip
     """Validate the operands; the activation's code."""
     if activation not in ACTIVATIONS:
         raise ValueError(
@@ -478,17 +458,10 @@ def sort_by_expert(
 
 
 def moe_experts(
-    x: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gated: bool,
-    activation: str,
-    *,
-    path: str | None = None,
+    x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor, gated: bool, activation: str, *, path: str | None = None,
     pdl: bool = False,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """`ssm_reference.moe_experts` on the device (see there for the operands). `path`:
     "gemv" or "grouped" forces a path (tests, benchmarks); None: `use_gemv`. `pdl`: the
     kernels launch as programmatic dependents (each waits for its predecessor on entry)."""
@@ -497,19 +470,10 @@ def moe_experts(
 
 
 def moe_softmax_experts(
-    x: torch.Tensor,
-    logits: torch.Tensor,
-    w_in: torch.Tensor,
-    w_out: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    weights_dtype: torch.dtype,
-    gated: bool,
-    activation: str,
-    *,
-    path: str | None = None,
-    pdl: bool = False,
-) -> torch.Tensor:
+    x: torch.Tensor, logits: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor, top_k: int,
+    renormalize: bool, weights_dtype: torch.dtype, gated: bool, activation: str, *,
+    path: str | None = None, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`ssm_reference.moe_softmax_experts`: softmax routing from the router `logits [T, E]`
     then the experts. On the GEMV path the routing runs inside the gate/up kernel (one launch
     fewer per layer at decode); on the grouped path `moe_softmax_topk` runs first."""
@@ -632,13 +596,9 @@ def _run_grouped(
 
 
 def moe_softmax_topk(
-    logits: torch.Tensor,
-    top_k: int,
-    renormalize: bool,
-    out_dtype: torch.dtype,
-    *,
+    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, *,
     pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """`ssm_reference.moe_softmax_topk` in one launch (the reference's softmax, top-k,
     sum, divide and cast are five); `pdl`: as a programmatic dependent."""
     if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:

@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -87,22 +89,17 @@ def rms_norm(
     if rows == 0:
         return out
     xv, inner, s_outer, s_inner = _row_view(x)
-    block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(rows,)](
-        xv,
-        weight,
-        out,
-        inner,
-        s_outer,
-        s_inner,
-        eps,
-        N=n,
-        BLOCK=block,
-        PDL=pdl,
-        num_warps=_norm_warps(block),
-        **pdl_options(pdl),
-    )
+    _launch_rows(_rms_norm_kernel, rows, n, pdl, xv, weight, out, inner, s_outer, s_inner, eps)
     return out
+
+
+def _launch_rows(kernel: Any, rows: int, n: int, pdl: bool, *args: Any) -> None:
+    """Launch a norm kernel, one program per row of `n` columns (one block of the next power
+    of two, `_norm_warps` warps), as a programmatic dependent with `pdl`."""
+    block = triton.next_power_of_2(n)
+    kernel[(rows,)](
+        *args, N=n, BLOCK=block, PDL=pdl, num_warps=_norm_warps(block), **pdl_options(pdl)
+    )
 
 
 @triton.jit
@@ -148,22 +145,8 @@ def add_rms_norm(
         x2 = x2.contiguous()
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
-    block = triton.next_power_of_2(n)
-    _add_rms_norm_kernel[(rows,)](
-        x2,
-        r2,
-        weight,
-        out,
-        summed,
-        x2.stride(0),
-        r2.stride(0),
-        eps,
-        N=n,
-        BLOCK=block,
-        PDL=pdl,
-        num_warps=_norm_warps(block),
-        **pdl_options(pdl),
-    )
+    _launch_rows(_add_rms_norm_kernel, rows, n, pdl, x2, r2, weight, out, summed, x2.stride(0),
+                 r2.stride(0), eps)  # fmt: skip
     return out, summed
 
 

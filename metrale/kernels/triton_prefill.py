@@ -18,6 +18,8 @@ from metrale.kernels.triton_attention_common import (
     attention_strides,
     interpreting,
     kv_scale_args,
+    online_softmax_start,
+    specialisation,
 )
 
 
@@ -78,9 +80,7 @@ def _prefill_kernel(
     )
     first_pos = context + q_tile * BLOCK_Q
     last_pos = context + tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i, l_i, acc = online_softmax_start(BLOCK_M, BLOCK_D)
     table_row = tables_ptr + seq.to(tl.int64) * stride_bt
     rows = (q, q_pos, row_ok, offs_d, d_mask, scale_log2, window)
     kv = (k_ptr, v_ptr, table_row, seq_len, max_blocks, kv_head, stride_cb, stride_cs, stride_ch)
@@ -177,10 +177,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
-        USE_WINDOW=sliding_window is not None,
-        UPCAST=interpreting(),
-        IEEE=q.dtype == torch.float32,
-        KV_FP8=fp8,
+        **specialisation(q, sliding_window, fp8),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -325,12 +325,9 @@ def _launch(
 
 
 def rotary_embedding(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_sin: torch.Tensor,
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
     rotary_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Rotate q `[T, Hq, D]` and k `[T, Hk, D]` by `positions` `[T]`; same as
     `reference.rotary_embedding`."""
     q_out, k_out = _launch(positions, q, k, cos_sin, rotary_dim, None, 0.0)
@@ -339,15 +336,9 @@ def rotary_embedding(
 
 
 def qk_norm_rotary(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos_sin: torch.Tensor,
-    rotary_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+    k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor, rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Per-head RMSNorm of q and k (weights `[D]`), then rotary; one launch. Same as
     `reference.qk_norm_rotary`."""
     q_out, k_out = _launch(positions, q, k, cos_sin, rotary_dim, (q_weight, k_weight), eps)
@@ -356,20 +347,11 @@ def qk_norm_rotary(
 
 
 def rotary_write_kv(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin: torch.Tensor,
-    rotary_dim: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cos_sin: torch.Tensor, rotary_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`rotary_embedding`, then `write_kv` of the rotated k and of v `[T, Hk, D]` into the
     `[NB, BS, Hk, D]` caches, in one launch; returns the rotated q. Same as
     `reference.rotary_write_kv`; slots < 0 are skipped, as `triton_attention.write_kv` does."""
@@ -380,23 +362,11 @@ def rotary_write_kv(
 
 
 def qk_norm_rotary_write_kv(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    cos_sin: torch.Tensor,
-    rotary_dim: int,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
-) -> torch.Tensor:
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+    rotary_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, *, pdl: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """`qk_norm_rotary`, then `write_kv` of the rotated k and of v, in one launch; returns the
     rotated q. Same as `reference.qk_norm_rotary_write_kv`; slots < 0 are skipped."""
     cache = (v, k_cache, v_cache, slot_mapping)

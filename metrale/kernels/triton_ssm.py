@@ -26,8 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-#: Activation name -> the kernels' constexpr code.
-_ACTIVATIONS: dict[str | None, int] = {None: 0, "silu": 1, "swish": 1, "relu": 2, "relu2": 3}
+from metrale.kernels.triton_attention_common import ACTIVATIONS, NO_ACTIVATION, _activate
+
+#: Activation name -> the conv kernels' constexpr code (`_activate`'s).
+_ACTIVATIONS: dict[str | None, int] = {
+    None: NO_ACTIVATION,
+    **{name: ACTIVATIONS[name] for name in ("silu", "swish", "relu", "relu2")},
+}
 
 
 def _activation_code(activation: str | None) -> int:
@@ -50,9 +55,142 @@ def _check_slots(slots: torch.Tensor, rows: int, op: str) -> None:
         raise ValueError(f"{op}: slots must be int32 or int64, got {slots.dtype}")
 
 
+def _check_conv(op: str, x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor) -> int:
+    """The conv ops' operand checks; returns the conv width K."""
+    channels, width = x.shape[1], weight.shape[-1]
+    if weight.shape != (channels, width) or conv_states.shape[1:] != (channels, width):
+        raise ValueError(
+            f"{op}: weight {tuple(weight.shape)} and conv states "
+            f"{tuple(conv_states.shape)} do not match {channels} channels"
+        )
+    if not conv_states.is_contiguous():
+        raise ValueError(f"{op}: conv states must be contiguous (written in place)")
+    return width
+
+
+def _check_states(op: str, name: str, states: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A recurrent pool's states: `[S, *shape]` float32, contiguous (written in place)."""
+    if states.shape[1:] != shape or states.dtype != torch.float32:
+        dims = ", ".join(str(d) for d in shape)
+        raise ValueError(
+            f"{op}: {name} {tuple(states.shape)} {states.dtype} do not match [S, {dims}] float32"
+        )
+    if not states.is_contiguous():
+        raise ValueError(f"{op}: {name} must be contiguous (written in place)")
+
+
+def _check_mamba2(
+    op: str, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    ssm_states: torch.Tensor,
+) -> None:  # fmt: skip
+    """The Mamba-2 ops' operand checks: `x [n, H, P]`, `dt [n, H]`, `b`/`c [n, G, N]` with G
+    dividing H, float32 contiguous `ssm_states [S, H, P, N]`."""
+    rows, heads, head_dim = x.shape
+    groups, d_state = b.shape[1], b.shape[2]
+    _check_states(op, "SSM states", ssm_states, (heads, head_dim, d_state))
+    if heads % groups or c.shape != b.shape or dt.shape != (rows, heads):
+        raise ValueError(
+            f"{op}: inconsistent shapes x {tuple(x.shape)}, dt "
+            f"{tuple(dt.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}"
+        )
+
+
+def _check_gated_delta(
+    op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, ssm_states: torch.Tensor,
+) -> None:  # fmt: skip
+    """The gated-delta ops' operand checks: `q`/`k [n, Hk, Dk]`, `v [n, Hv, Dv]` with Hk
+    dividing Hv, `g`/`beta [n, Hv]`, float32 contiguous `ssm_states [S, Hv, Dk, Dv]`."""
+    rows, k_heads, dk = q.shape
+    v_heads, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v_heads % k_heads or g.shape != (rows, v_heads):
+        raise ValueError(
+            f"{op}: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}, g {tuple(g.shape)}"
+        )
+    if beta.shape != (rows, v_heads):
+        raise ValueError(f"{op}: beta {tuple(beta.shape)} is not [{rows}, {v_heads}]")
+    _check_states(op, "states", ssm_states, (v_heads, dk, dv))
+
+
+def _state_tile(rows: int, inner: int, budget: int) -> tuple[int, int]:
+    """`(tile, inner_pow2)`: a state tile of `tile x inner_pow2` elements, at most `budget`
+    (the scans' register budget) and at most `rows` rounded up to a power of two."""
+    inner_pow = triton.next_power_of_2(inner)
+    return max(1, min(triton.next_power_of_2(rows), max(1, budget // inner_pow))), inner_pow
+
+
 @triton.jit
 def _softplus(v):
     return tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(v)))
+
+
+@triton.jit
+def _decode_program(slots_ptr):
+    """A decode program's `(row as int64, head, state tile, the row's pool slot)` (grid
+    `(rows, heads, tiles)`; a negative slot is a padding row)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    return row.to(tl.int64), head, tile, slot
+
+
+@triton.jit
+def _mamba2_load(
+    x_ptr, b_ptr, c_ptr, t, head, group, ps, ns, pmask, nmask,
+    stride_xn, stride_xh, stride_bn, stride_bg, stride_cn, stride_cg,
+):  # fmt: skip
+    """Row `t`'s x (float32, this head's P tile) and its group's B and C (as stored)."""
+    x = tl.load(x_ptr + t * stride_xn + head * stride_xh + ps, mask=pmask, other=0.0)
+    x = x.to(tl.float32)
+    b = tl.load(b_ptr + t * stride_bn + group * stride_bg + ns, mask=nmask, other=0.0)
+    c = tl.load(c_ptr + t * stride_cn + group * stride_cg + ns, mask=nmask, other=0.0)
+    return x, b, c
+
+
+@triton.jit
+def _mamba2_state(state, x, b, dt, decay):
+    """One Mamba-2 step of a `[P, N]` state tile: the new state."""
+    return state * decay + (dt * x)[:, None] * b.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _mamba2_out(state, x, c, d):
+    """A Mamba-2 step's output `y` (with the D skip) from its new state."""
+    return tl.sum(state * c.to(tl.float32)[None, :], axis=1) + d * x
+
+
+@triton.jit
+def _gated_delta_load(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t, head, khead, ks, vs, kmask, vmask,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_betan,
+    scale, L2NORM: tl.constexpr,
+):  # fmt: skip
+    """Row `t`'s q (l2-normalised with L2NORM, scaled) and k (l2-normalised with L2NORM), its
+    v tile, log decay g and beta, all float32."""
+    q = tl.load(q_ptr + t * stride_qn + khead * stride_qh + ks, mask=kmask, other=0.0)
+    k = tl.load(k_ptr + t * stride_kn + khead * stride_kh + ks, mask=kmask, other=0.0)
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    if L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    q = q * scale
+    v = tl.load(v_ptr + t * stride_vn + head * stride_vh + vs, mask=vmask, other=0.0)
+    v = v.to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gn + head).to(tl.float32)
+    beta = tl.load(beta_ptr + t * stride_betan + head).to(tl.float32)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _gated_delta_state(state, k, v, g, beta):
+    """One gated-delta step of a `[Dk, V]` state tile: the new state (its output is
+    `sum(state * q[:, None], axis=0)`)."""
+    state = state * tl.exp(g)
+    delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
+    return state + k[:, None] * delta[None, :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,36 +243,19 @@ def _conv1d_update_kernel(
     y = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + chans, mask=cmask, other=0.0).to(tl.float32)
-    if ACT == 1:
-        y = y / (1.0 + tl.exp(-y))
-    elif ACT == 2:
-        y = tl.maximum(y, 0.0)
-    elif ACT == 3:
-        y = tl.maximum(y, 0.0)
-        y = y * y
+    y = _activate(y, ACT)
     tl.store(out_ptr + row.to(tl.int64) * C + chans, y.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    slots: torch.Tensor,
-    activation: str | None,
-) -> torch.Tensor:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    slots: torch.Tensor, activation: str | None,
+) -> torch.Tensor:  # fmt: skip
     """One new input per row `x [n, C]`: shift it into `conv_states[slots[i]]` (`[C, K]`, oldest
     first) in place and return the activated conv of the window, `[n, C]` in x's dtype."""
     n, channels = x.shape
-    width = weight.shape[-1]
-    if weight.shape != (channels, width) or conv_states.shape[1:] != (channels, width):
-        raise ValueError(
-            f"causal_conv1d_update: weight {tuple(weight.shape)} and conv states "
-            f"{tuple(conv_states.shape)} do not match {channels} channels"
-        )
+    width = _check_conv("causal_conv1d_update", x, weight, conv_states)
     _check_slots(slots, n, "causal_conv1d_update")
-    if not conv_states.is_contiguous():
-        raise ValueError("causal_conv1d_update: conv states must be contiguous (written in place)")
     act = _activation_code(activation)
     x = _dense_last(x)
     weight = weight.contiguous()
@@ -159,36 +280,12 @@ def causal_conv1d_update(
 
 @triton.jit
 def _mamba2_update_kernel(
-    x_ptr,
-    dt_ptr,
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    d_ptr,
-    dt_bias_ptr,
-    state_ptr,
-    slots_ptr,
-    out_ptr,
-    stride_xn,
-    stride_xh,
-    stride_dtn,
-    stride_bn,
-    stride_bg,
-    stride_cn,
-    stride_cg,
-    stride_ss,
-    H,
-    P,
-    N,
-    HEADS_PER_GROUP,
-    BLOCK_P: tl.constexpr,
-    NP: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    pblk = tl.program_id(2)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    row64 = row.to(tl.int64)
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, slots_ptr, out_ptr,
+    stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg, stride_ss,
+    H, P, N, HEADS_PER_GROUP,
+    BLOCK_P: tl.constexpr, NP: tl.constexpr,
+):  # fmt: skip
+    row64, head, pblk, slot = _decode_program(slots_ptr)
     group = head // HEADS_PER_GROUP
     dt = tl.load(dt_ptr + row64 * stride_dtn + head).to(tl.float32)
     dt = _softplus(dt + tl.load(dt_bias_ptr + head).to(tl.float32))
@@ -200,55 +297,34 @@ def _mamba2_update_kernel(
     nmask = ns < N
     valid = (ps * 0 + slot) >= 0  # a vector: the interpreter rejects a scalar in a mask
     slot = tl.maximum(slot, 0)
-    x = tl.load(x_ptr + row64 * stride_xn + head * stride_xh + ps, mask=pmask, other=0.0)
-    x = x.to(tl.float32)
-    b = tl.load(b_ptr + row64 * stride_bn + group * stride_bg + ns, mask=nmask, other=0.0)
-    c = tl.load(c_ptr + row64 * stride_cn + group * stride_cg + ns, mask=nmask, other=0.0)
+    x, b, c = _mamba2_load(x_ptr, b_ptr, c_ptr, row64, head, group, ps, ns, pmask, nmask,
+                           stride_xn, stride_xh, stride_bn, stride_bg, stride_cn, stride_cg)  # fmt: skip
     smask = (pmask & valid)[:, None] & nmask[None, :]
     sptr = state_ptr + slot * stride_ss + (head * P + ps)[:, None] * N + ns[None, :]
     state = tl.load(sptr, mask=smask, other=0.0)
-    state = state * decay + (dt * x)[:, None] * b.to(tl.float32)[None, :]
+    state = _mamba2_state(state, x, b, dt, decay)
     tl.store(sptr, state, mask=smask)
-    y = tl.sum(state * c.to(tl.float32)[None, :], axis=1) + d * x
+    y = _mamba2_out(state, x, c, d)
     tl.store(out_ptr + (row64 * H + head) * P + ps, y.to(out_ptr.dtype.element_ty), mask=pmask)
 
 
 def mamba2_state_update(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt_bias: torch.Tensor,
-    ssm_states: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    d: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """One Mamba-2 step per row: `x [n, H, P]`, raw `dt [n, H]`, `a [H]`, `b`/`c [n, G, N]`,
     `d`/`dt_bias [H]`, float32 `ssm_states [S, H, P, N]` updated in place at `slots`; returns
     `y [n, H, P]` (with the D skip) in x's dtype."""
     n, heads, head_dim = x.shape
     groups, d_state = b.shape[1], b.shape[2]
-    if ssm_states.shape[1:] != (heads, head_dim, d_state) or ssm_states.dtype != torch.float32:
-        raise ValueError(
-            f"mamba2_state_update: SSM states {tuple(ssm_states.shape)} {ssm_states.dtype} do "
-            f"not match [S, {heads}, {head_dim}, {d_state}] float32"
-        )
-    if not ssm_states.is_contiguous():
-        raise ValueError("mamba2_state_update: SSM states must be contiguous (written in place)")
-    if heads % groups or c.shape != b.shape or dt.shape != (n, heads):
-        raise ValueError(
-            f"mamba2_state_update: inconsistent shapes x {tuple(x.shape)}, dt "
-            f"{tuple(dt.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}"
-        )
+    _check_mamba2("mamba2_state_update", x, dt, b, c, ssm_states)
     _check_slots(slots, n, "mamba2_state_update")
     x, dt, b, c = (_dense_last(t) for t in (x, dt, b, c))
     a, d, dt_bias = (t.contiguous() for t in (a, d, dt_bias))
     out = torch.empty((n, heads, head_dim), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    n_pow = triton.next_power_of_2(d_state)
-    block_p = max(1, min(triton.next_power_of_2(head_dim), max(1, 4096 // n_pow)))
+    block_p, n_pow = _state_tile(head_dim, d_state, 4096)
     grid = (n, heads, triton.cdiv(head_dim, block_p))
     _mamba2_update_kernel[grid](
         x, dt, a, b, c, d, dt_bias, ssm_states, slots, out,
@@ -267,37 +343,12 @@ def mamba2_state_update(
 
 @triton.jit
 def _gated_delta_update_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    state_ptr,
-    slots_ptr,
-    out_ptr,
-    stride_qn,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_gn,
-    stride_betan,
-    stride_ss,
-    HV,
-    DK,
-    DV,
-    RATIO,
-    scale,
-    L2NORM: tl.constexpr,
-    DKP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    vblk = tl.program_id(2)
-    slot = tl.load(slots_ptr + row).to(tl.int64)
-    row64 = row.to(tl.int64)
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, out_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_betan,
+    stride_ss, HV, DK, DV, RATIO, scale,
+    L2NORM: tl.constexpr, DKP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    row64, head, vblk, slot = _decode_program(slots_ptr)
     khead = head // RATIO
     ks = tl.arange(0, DKP)
     vs = vblk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -305,66 +356,36 @@ def _gated_delta_update_kernel(
     vmask = vs < DV
     valid = (ks * 0 + slot) >= 0  # a vector: the interpreter rejects a scalar in a mask
     slot = tl.maximum(slot, 0)
-    q = tl.load(q_ptr + row64 * stride_qn + khead * stride_qh + ks, mask=kmask, other=0.0)
-    k = tl.load(k_ptr + row64 * stride_kn + khead * stride_kh + ks, mask=kmask, other=0.0)
-    q = q.to(tl.float32)
-    k = k.to(tl.float32)
-    if L2NORM:
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    q = q * scale
-    v = tl.load(v_ptr + row64 * stride_vn + head * stride_vh + vs, mask=vmask, other=0.0)
-    v = v.to(tl.float32)
-    g = tl.load(g_ptr + row64 * stride_gn + head).to(tl.float32)
-    beta = tl.load(beta_ptr + row64 * stride_betan + head).to(tl.float32)
+    q, k, v, g, beta = _gated_delta_load(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row64, head, khead, ks, vs, kmask, vmask,
+        stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_betan,
+        scale, L2NORM,
+    )  # fmt: skip
     smask = (kmask & valid)[:, None] & vmask[None, :]
     sptr = state_ptr + slot * stride_ss + (head * DK + ks)[:, None] * DV + vs[None, :]
     state = tl.load(sptr, mask=smask, other=0.0)
-    state = state * tl.exp(g)
-    memory = tl.sum(state * k[:, None], axis=0)  # [BLOCK_V]
-    delta = (v - memory) * beta
-    state = state + k[:, None] * delta[None, :]
+    state = _gated_delta_state(state, k, v, g, beta)
     tl.store(sptr, state, mask=smask)
     o = tl.sum(state * q[:, None], axis=0)
     tl.store(out_ptr + (row64 * HV + head) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
 
 
 def gated_delta_update(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_states: torch.Tensor,
-    slots: torch.Tensor,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, slots: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """One gated-delta step per row: `q`/`k [n, Hk, Dk]`, `v [n, Hv, Dv]`, log decay and
     `beta [n, Hv]`, float32 `ssm_states [S, Hv, Dk, Dv]` updated in place at `slots`; returns
     `o [n, Hv, Dv]` in v's dtype."""
     n, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v_heads % k_heads or g.shape != (n, v_heads):
-        raise ValueError(
-            f"gated_delta_update: inconsistent shapes q {tuple(q.shape)}, k {tuple(k.shape)}, "
-            f"v {tuple(v.shape)}, g {tuple(g.shape)}"
-        )
-    if beta.shape != (n, v_heads):
-        raise ValueError(f"gated_delta_update: beta {tuple(beta.shape)} is not [{n}, {v_heads}]")
-    if ssm_states.shape[1:] != (v_heads, dk, dv) or ssm_states.dtype != torch.float32:
-        raise ValueError(
-            f"gated_delta_update: states {tuple(ssm_states.shape)} {ssm_states.dtype} do not "
-            f"match [S, {v_heads}, {dk}, {dv}] float32"
-        )
-    if not ssm_states.is_contiguous():
-        raise ValueError("gated_delta_update: states must be contiguous (written in place)")
+    _check_gated_delta("gated_delta_update", q, k, v, g, beta, ssm_states)
     _check_slots(slots, n, "gated_delta_update")
     q, k, v, g, beta = (_dense_last(t) for t in (q, k, v, g, beta))
     out = torch.empty((n, v_heads, dv), dtype=v.dtype, device=v.device)
     if n == 0:
         return out
-    dkp = triton.next_power_of_2(dk)
-    block_v = max(1, min(triton.next_power_of_2(dv), max(1, 4096 // dkp)))
+    block_v, dkp = _state_tile(dv, dk, 4096)
     grid = (n, v_heads, triton.cdiv(dv, block_v))
     _gated_delta_update_kernel[grid](
         q, k, v, g, beta, ssm_states, slots, out,

@@ -25,7 +25,21 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_ssm import _activation_code, _dense_last, _softplus
+from metrale.kernels.triton_attention_common import _activate
+from metrale.kernels.triton_ssm import (
+    _activation_code,
+    _check_conv,
+    _check_gated_delta,
+    _check_mamba2,
+    _dense_last,
+    _gated_delta_load,
+    _gated_delta_state,
+    _mamba2_load,
+    _mamba2_out,
+    _mamba2_state,
+    _softplus,
+    _state_tile,
+)
 
 #: Longest prefill chunk the sequential scans take (tokens): one program walks its chunk token
 #: by token, so past this the torch chunked form (matmuls over chunks) is the faster one and
@@ -61,30 +75,45 @@ def _varlen_layout(
 
 
 @triton.jit
-def _conv1d_varlen_kernel(
-    x_ptr,
-    w_ptr,
-    b_ptr,
-    state_ptr,
-    layout_ptr,
-    out_ptr,
-    stride_x,
-    stride_ss,
-    num_seqs,
-    C,
-    K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    cblk = tl.program_id(1)
+def _chunk_of(layout_ptr, seq, num_seqs):
+    """Chunk `seq`'s `(start, end, slot, has_initial_state)` from `_varlen_layout`'s tensor."""
     start = tl.load(layout_ptr + seq)
     end = tl.load(layout_ptr + seq + 1)
     slot = tl.load(layout_ptr + num_seqs + 1 + seq)
     initial = tl.load(layout_ptr + 2 * num_seqs + 1 + seq)
+    return start, end, slot, initial
+
+
+@triton.jit
+def _scan_program(layout_ptr, num_seqs):
+    """A scan program's `(head, state tile, chunk start, end, slot, has_initial_state)` (grid
+    `(sequences, heads, tiles)`)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    start, end, slot, initial = _chunk_of(layout_ptr, seq, num_seqs)
+    return head, tile, start, end, slot, initial
+
+
+def _torch_form(longest: int, op: str, *args: object, **kwargs: object) -> torch.Tensor | None:
+    """The torch chunked form's result when the longest chunk is past `SCAN_MAX_TOKENS`
+    (`ssm_reference.<op>`, same function), else None: the Triton scan takes the call."""
+    if longest <= SCAN_MAX_TOKENS:
+        return None
+    from metrale.kernels import ssm_reference
+
+    return getattr(ssm_reference, op)(*args, **kwargs)
+
+
+@triton.jit
+def _conv1d_varlen_kernel(
+    x_ptr, w_ptr, b_ptr, state_ptr, layout_ptr, out_ptr, stride_x, stride_ss, num_seqs, C,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    cblk = tl.program_id(1)
+    start, end, slot, initial = _chunk_of(layout_ptr, seq, num_seqs)
     length = end - start
     chans = cblk * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = chans < C
@@ -115,13 +144,7 @@ def _conv1d_varlen_kernel(
             acc += (from_x + from_state) * w[None, :]
         if HAS_BIAS:
             acc += bias[None, :]
-        if ACT == 1:
-            acc = acc / (1.0 + tl.exp(-acc))
-        elif ACT == 2:
-            acc = tl.maximum(acc, 0.0)
-        elif ACT == 3:
-            acc = tl.maximum(acc, 0.0)
-            acc = acc * acc
+        acc = _activate(acc, ACT)
         tl.store(
             out_ptr + (start + ts)[:, None] * C + chans[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -146,27 +169,15 @@ def _conv1d_varlen_kernel(
 
 
 def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
-    has_initial_state: Sequence[bool],
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    query_start_loc: Sequence[int], slots: Sequence[int], has_initial_state: Sequence[bool],
     activation: str | None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Causal conv over each chunk's rows of `x [T, C]`, continuing from its window in
     `conv_states[slot]` (zero without a carried state) and leaving its last K inputs there;
     returns the activated conv `[T, C]` in x's dtype."""
     tokens, channels = x.shape
-    width = weight.shape[-1]
-    if weight.shape != (channels, width) or conv_states.shape[1:] != (channels, width):
-        raise ValueError(
-            f"causal_conv1d_varlen: weight {tuple(weight.shape)} and conv states "
-            f"{tuple(conv_states.shape)} do not match {channels} channels"
-        )
-    if not conv_states.is_contiguous():
-        raise ValueError("causal_conv1d_varlen: conv states must be contiguous (written in place)")
+    width = _check_conv("causal_conv1d_varlen", x, weight, conv_states)
     act = _activation_code(activation)
     layout, _ = _varlen_layout(
         query_start_loc, slots, has_initial_state, x.device, "causal_conv1d_varlen"
@@ -189,42 +200,12 @@ def causal_conv1d_varlen(
 
 @triton.jit
 def _mamba2_scan_kernel(
-    x_ptr,
-    dt_ptr,
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    d_ptr,
-    dt_bias_ptr,
-    state_ptr,
-    layout_ptr,
-    out_ptr,
-    stride_xn,
-    stride_xh,
-    stride_dtn,
-    stride_bn,
-    stride_bg,
-    stride_cn,
-    stride_cg,
-    stride_ss,
-    num_seqs,
-    H,
-    P,
-    N,
-    HEADS_PER_GROUP,
-    dt_min,
-    dt_max,
-    BLOCK_P: tl.constexpr,
-    NP: tl.constexpr,
-    DT_DTYPE: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    pblk = tl.program_id(2)
-    start = tl.load(layout_ptr + seq)
-    end = tl.load(layout_ptr + seq + 1)
-    slot = tl.load(layout_ptr + num_seqs + 1 + seq)
-    initial = tl.load(layout_ptr + 2 * num_seqs + 1 + seq)
+    x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr, layout_ptr, out_ptr,
+    stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg, stride_ss,
+    num_seqs, H, P, N, HEADS_PER_GROUP, dt_min, dt_max,
+    BLOCK_P: tl.constexpr, NP: tl.constexpr, DT_DTYPE: tl.constexpr,
+):  # fmt: skip
+    head, pblk, start, end, slot, initial = _scan_program(layout_ptr, num_seqs)
     group = head // HEADS_PER_GROUP
     ps = pblk * BLOCK_P + tl.arange(0, BLOCK_P)
     ns = tl.arange(0, NP)
@@ -244,12 +225,10 @@ def _mamba2_scan_kernel(
         dt = dt.to(DT_DTYPE).to(tl.float32)
         dt = _softplus(dt).to(DT_DTYPE).to(tl.float32)
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        x = tl.load(x_ptr + t64 * stride_xn + head * stride_xh + ps, mask=pmask, other=0.0)
-        x = x.to(tl.float32)
-        b = tl.load(b_ptr + t64 * stride_bn + group * stride_bg + ns, mask=nmask, other=0.0)
-        c = tl.load(c_ptr + t64 * stride_cn + group * stride_cg + ns, mask=nmask, other=0.0)
-        state = state * tl.exp(dt * a) + (dt * x)[:, None] * b.to(tl.float32)[None, :]
-        y = tl.sum(state * c.to(tl.float32)[None, :], axis=1) + d * x
+        x, b, c = _mamba2_load(x_ptr, b_ptr, c_ptr, t64, head, group, ps, ns, pmask, nmask,
+                               stride_xn, stride_xh, stride_bn, stride_bg, stride_cn, stride_cg)  # fmt: skip
+        state = _mamba2_state(state, x, b, dt, tl.exp(dt * a))
+        y = _mamba2_out(state, x, c, d)
         tl.store(out_ptr + (t64 * H + head) * P + ps, y, mask=pmask)
     tl.store(sptr, state, mask=smask)
 
@@ -258,58 +237,36 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def mamba2_chunk_scan_varlen(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor,
-    d: torch.Tensor,
-    dt_bias: torch.Tensor,
-    dt_limit: tuple[float, float],
-    chunk_size: int,
-    ssm_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
+    x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+    d: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float], chunk_size: int,
+    ssm_states: torch.Tensor, query_start_loc: Sequence[int], slots: Sequence[int],
     has_initial_state: Sequence[bool],
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """Mamba-2 over prefill rows, as `ssm_reference.mamba2_chunk_scan_varlen`: float32
     `y [T, H, P]` with the D skip, each chunk's final state left in `ssm_states[slot]`.
     Chunks of at most `SCAN_MAX_TOKENS` run the sequential Triton scan; a longer one sends the
     call to the torch chunked form (`chunk_size` is its chunk length only)."""
     tokens, heads, head_dim = x.shape
     groups, d_state = b.shape[1], b.shape[2]
-    if ssm_states.shape[1:] != (heads, head_dim, d_state) or ssm_states.dtype != torch.float32:
-        raise ValueError(
-            f"mamba2_chunk_scan_varlen: SSM states {tuple(ssm_states.shape)} "
-            f"{ssm_states.dtype} do not match [S, {heads}, {head_dim}, {d_state}] float32"
-        )
-    if heads % groups or c.shape != b.shape or dt.shape != (tokens, heads):
-        raise ValueError(
-            f"mamba2_chunk_scan_varlen: inconsistent shapes x {tuple(x.shape)}, dt "
-            f"{tuple(dt.shape)}, b {tuple(b.shape)}, c {tuple(c.shape)}"
-        )
-    if not ssm_states.is_contiguous():
-        raise ValueError("mamba2_chunk_scan_varlen: SSM states must be contiguous")
+    _check_mamba2("mamba2_chunk_scan_varlen", x, dt, b, c, ssm_states)
     if dt.dtype not in _TL_DTYPES:
         raise ValueError(f"mamba2_chunk_scan_varlen: unsupported dt dtype {dt.dtype}")
     layout, longest = _varlen_layout(
         query_start_loc, slots, has_initial_state, x.device, "mamba2_chunk_scan_varlen"
     )
-    if longest > SCAN_MAX_TOKENS:
-        from metrale.kernels import ssm_reference
-
-        return ssm_reference.mamba2_chunk_scan_varlen(
-            x, dt, a, b, c, d, dt_bias, dt_limit, chunk_size, ssm_states, query_start_loc,
-            slots, has_initial_state,
-        )  # fmt: skip
+    reference = _torch_form(
+        longest, "mamba2_chunk_scan_varlen", x, dt, a, b, c, d, dt_bias, dt_limit, chunk_size,
+        ssm_states, query_start_loc, slots, has_initial_state,
+    )  # fmt: skip
+    if reference is not None:
+        return reference
     x, dt, b, c = (_dense_last(t) for t in (x, dt, b, c))
     a, d = a.contiguous(), d.contiguous()
     dt_bias = dt_bias.to(dt.dtype).contiguous()
     out = torch.empty((tokens, heads, head_dim), dtype=torch.float32, device=x.device)
     if not slots or tokens == 0:
         return out
-    n_pow = triton.next_power_of_2(d_state)
-    block_p = max(1, min(triton.next_power_of_2(head_dim), max(1, 2048 // n_pow)))
+    block_p, n_pow = _state_tile(head_dim, d_state, 2048)
     grid = (len(slots), heads, triton.cdiv(head_dim, block_p))
     _mamba2_scan_kernel[grid](
         x, dt, a, b, c, d, dt_bias, ssm_states, layout, out,
@@ -324,40 +281,12 @@ def mamba2_chunk_scan_varlen(
 
 @triton.jit
 def _gated_delta_scan_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    g_ptr,
-    beta_ptr,
-    state_ptr,
-    layout_ptr,
-    out_ptr,
-    stride_qn,
-    stride_qh,
-    stride_kn,
-    stride_kh,
-    stride_vn,
-    stride_vh,
-    stride_gn,
-    stride_betan,
-    stride_ss,
-    num_seqs,
-    HV,
-    DK,
-    DV,
-    RATIO,
-    scale,
-    L2NORM: tl.constexpr,
-    DKP: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    vblk = tl.program_id(2)
-    start = tl.load(layout_ptr + seq)
-    end = tl.load(layout_ptr + seq + 1)
-    slot = tl.load(layout_ptr + num_seqs + 1 + seq)
-    initial = tl.load(layout_ptr + 2 * num_seqs + 1 + seq)
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, layout_ptr, out_ptr,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_betan,
+    stride_ss, num_seqs, HV, DK, DV, RATIO, scale,
+    L2NORM: tl.constexpr, DKP: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    head, vblk, start, end, slot, initial = _scan_program(layout_ptr, num_seqs)
     khead = head // RATIO
     ks = tl.arange(0, DKP)
     vs = vblk * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -369,77 +298,43 @@ def _gated_delta_scan_kernel(
     state = tl.load(sptr, mask=smask & carried[:, None], other=0.0)
     for t in range(start, end):
         t64 = t  # int64: the bounds are loaded from the int64 layout
-        q = tl.load(q_ptr + t64 * stride_qn + khead * stride_qh + ks, mask=kmask, other=0.0)
-        k = tl.load(k_ptr + t64 * stride_kn + khead * stride_kh + ks, mask=kmask, other=0.0)
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        if L2NORM:
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        q = q * scale
-        v = tl.load(v_ptr + t64 * stride_vn + head * stride_vh + vs, mask=vmask, other=0.0)
-        v = v.to(tl.float32)
-        g = tl.load(g_ptr + t64 * stride_gn + head).to(tl.float32)
-        beta = tl.load(beta_ptr + t64 * stride_betan + head).to(tl.float32)
-        state = state * tl.exp(g)
-        delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
-        state = state + k[:, None] * delta[None, :]
+        q, k, v, g, beta = _gated_delta_load(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, t64, head, khead, ks, vs, kmask, vmask,
+            stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
+            stride_betan, scale, L2NORM,
+        )  # fmt: skip
+        state = _gated_delta_state(state, k, v, g, beta)
         o = tl.sum(state * q[:, None], axis=0)
         tl.store(out_ptr + (t64 * HV + head) * DV + vs, o.to(out_ptr.dtype.element_ty), mask=vmask)
     tl.store(sptr, state, mask=smask)
 
 
 def gated_delta_chunk_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    ssm_states: torch.Tensor,
-    query_start_loc: Sequence[int],
-    slots: Sequence[int],
-    has_initial_state: Sequence[bool],
-    chunk_size: int = 64,
-    use_qk_l2norm: bool = True,
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, query_start_loc: Sequence[int], slots: Sequence[int],
+    has_initial_state: Sequence[bool], chunk_size: int = 64, use_qk_l2norm: bool = True,
+) -> torch.Tensor:  # fmt: skip
     """The gated delta rule over prefill rows, as `ssm_reference.gated_delta_chunk_varlen`:
     `o [T, Hv, Dv]` in v's dtype, each chunk's final state left in `ssm_states[slot]`. Chunks
     of at most `SCAN_MAX_TOKENS` run the sequential Triton scan; a longer one sends the call to
     the torch chunked (WY) form."""
     tokens, k_heads, dk = q.shape
     v_heads, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v_heads % k_heads or g.shape != (tokens, v_heads):
-        raise ValueError(
-            f"gated_delta_chunk_varlen: inconsistent shapes q {tuple(q.shape)}, k "
-            f"{tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}"
-        )
-    if beta.shape != (tokens, v_heads):
-        raise ValueError(
-            f"gated_delta_chunk_varlen: beta {tuple(beta.shape)} is not [{tokens}, {v_heads}]"
-        )
-    if ssm_states.shape[1:] != (v_heads, dk, dv) or ssm_states.dtype != torch.float32:
-        raise ValueError(
-            f"gated_delta_chunk_varlen: states {tuple(ssm_states.shape)} {ssm_states.dtype} "
-            f"do not match [S, {v_heads}, {dk}, {dv}] float32"
-        )
-    if not ssm_states.is_contiguous():
-        raise ValueError("gated_delta_chunk_varlen: states must be contiguous")
+    _check_gated_delta("gated_delta_chunk_varlen", q, k, v, g, beta, ssm_states)
     layout, longest = _varlen_layout(
         query_start_loc, slots, has_initial_state, v.device, "gated_delta_chunk_varlen"
     )
-    if longest > SCAN_MAX_TOKENS:
-        from metrale.kernels import ssm_reference
-
-        return ssm_reference.gated_delta_chunk_varlen(
-            q, k, v, g, beta, ssm_states, query_start_loc, slots, has_initial_state,
-            chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm,
-        )  # fmt: skip
+    reference = _torch_form(
+        longest, "gated_delta_chunk_varlen", q, k, v, g, beta, ssm_states, query_start_loc,
+        slots, has_initial_state, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm,
+    )  # fmt: skip
+    if reference is not None:
+        return reference
     q, k, v, g, beta = (_dense_last(t) for t in (q, k, v, g, beta))
     out = torch.empty((tokens, v_heads, dv), dtype=v.dtype, device=v.device)
     if not slots or tokens == 0:
         return out
-    dkp = triton.next_power_of_2(dk)
-    block_v = max(1, min(triton.next_power_of_2(dv), max(1, 2048 // dkp)))
+    block_v, dkp = _state_tile(dv, dk, 2048)
     grid = (len(slots), v_heads, triton.cdiv(dv, block_v))
     _gated_delta_scan_kernel[grid](
         q, k, v, g, beta, ssm_states, layout, out,

@@ -78,6 +78,15 @@ def _row_stats(pmax_ptr, pkmin_ptr, row, S, SP: tl.constexpr):
 
 
 @triton.jit
+def _top_p_row(top_p_ptr, pmax_ptr, pkmin_ptr, row, S, SP: tl.constexpr):
+    """Row `row`'s top-p (float32), its `_row_stats` `(m, key_min, key_max)`, and whether its
+    top-p pass runs (top-p below 1 and the row samplable)."""
+    top_p = tl.load(top_p_ptr + row).to(tl.float32)
+    m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
+    return top_p, m, key_min, key_max, (top_p < 1.0) & samplable
+
+
+@triton.jit
 def _row_sum(ptr, row, S, SP: tl.constexpr):
     """The sum of a row's per-slice partials `ptr[row, :S]`, in one fixed order."""
     offs = tl.arange(0, SP)
@@ -190,6 +199,14 @@ def _probs(x, m, inv_z):
 
 
 @triton.jit
+def _keys_probs(base, cols, end, m, inv_z):
+    """Columns `cols` of the row (`_load_row`): `(cols, their order keys, their
+    probabilities)`."""
+    x = _load_row(base, cols, end)
+    return cols, order_key(x), _probs(x, m, inv_z)
+
+
+@triton.jit
 def _top_p_total_kernel(
     x_ptr, top_p_ptr, min_p_ptr, pmax_ptr, pkmin_ptr, scalars_ptr, pz_ptr, ptot_ptr,
     stride_x, V, S, span, CHUNK: tl.constexpr, SP: tl.constexpr,
@@ -197,9 +214,10 @@ def _top_p_total_kernel(
     """This slice's float64 mass of the top-k and min-p survivors (top-p rows only)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row).to(tl.float32)
-    m, _key_min, _key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
-    if (top_p < 1.0) & samplable:
+    _top_p, m, _key_min, _key_max, searching = _top_p_row(
+        top_p_ptr, pmax_ptr, pkmin_ptr, row, S, SP
+    )
+    if searching:
         t_k, inv_z, p_floor = _row_filters(scalars_ptr, pz_ptr, min_p_ptr, row, S, SP)
         base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
         total = tl.zeros([CHUNK], dtype=tl.float64)
@@ -222,9 +240,8 @@ def _top_p_pass_kernel(
     masses, then sum this slice's surviving mass above each new pivot (float64)."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row).to(tl.float32)
-    m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
-    if (top_p < 1.0) & samplable:
+    top_p, m, key_min, key_max, searching = _top_p_row(top_p_ptr, pmax_ptr, pkmin_ptr, row, S, SP)
+    if searching:
         bound = top_p.to(tl.float64) * _row_sum(ptot_ptr, row, S, SP)
         lo, hi = top_p_search(state_ptr, masses_ptr, row, t, bound, key_min, key_max, B, S, SP, NP)
         cur = store_state(state_ptr, t, B, row, sl, lo, hi)
@@ -234,10 +251,7 @@ def _top_p_pass_kernel(
             base, start, end, offs = _slice(x_ptr, stride_x, row, sl, span, V, CHUNK)
             part = tl.zeros([CHUNK, NP], dtype=tl.float64)
             for c in range(start, end, CHUNK):
-                cols = c + offs
-                x = _load_row(base, cols, end)
-                key = order_key(x)
-                p = _probs(x, m, inv_z)
+                cols, key, p = _keys_probs(base, c + offs, end, m, inv_z)
                 w = tl.where((key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
                 part += tl.where(key[:, None] > piv[None, :], w.to(tl.float64)[:, None], 0.0)
             tl.store(masses_ptr + (cur * S + sl) * NP + tl.arange(0, NP), tl.sum(part, 0))
@@ -253,9 +267,8 @@ def _ties_kernel(
     strictly above it and its count of logits tied at it."""
     row = tl.program_id(0)
     sl = tl.program_id(1)
-    top_p = tl.load(top_p_ptr + row).to(tl.float32)
-    m, key_min, key_max, samplable = _row_stats(pmax_ptr, pkmin_ptr, row, S, SP)
-    if (top_p < 1.0) & samplable:
+    top_p, m, key_min, key_max, searching = _top_p_row(top_p_ptr, pmax_ptr, pkmin_ptr, row, S, SP)
+    if searching:
         bound = top_p.to(tl.float64) * _row_sum(ptot_ptr, row, S, SP)
         _, k_b = top_p_search(
             state_ptr, masses_ptr, row, PASSES, bound, key_min, key_max, B, S, SP, NP
@@ -267,10 +280,7 @@ def _ties_kernel(
         above = tl.zeros([CHUNK], dtype=tl.float64)
         ties = tl.zeros([CHUNK], dtype=tl.int32)
         for c in range(start, end, CHUNK):
-            cols = c + offs
-            x = _load_row(base, cols, end)
-            key = order_key(x)
-            p = _probs(x, m, inv_z)
+            cols, key, p = _keys_probs(base, c + offs, end, m, inv_z)
             w = tl.where((key > k_b) & (key >= t_k) & (p >= p_floor) & (cols < end), p, 0.0)
             above += w.to(tl.float64)
             ties += ((key == k_b) & (cols < end)).to(tl.int32)
@@ -503,18 +513,11 @@ def _launch(
 
 
 def top_k_top_p_sample(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-    *,
-    has_top_k: bool = True,
-    has_top_p: bool = True,
-    slices: int | None = None,
-    temperature: torch.Tensor | None = None,
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniforms: torch.Tensor,
+    min_p: torch.Tensor | None = None, *, has_top_k: bool = True, has_top_p: bool = True,
+    slices: int | None = None, temperature: torch.Tensor | None = None,
     active: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Draw one token per row of processed logits `[B, V]`; see `reference.top_k_top_p_sample`.
 
     `top_k` `[B]` int (<= 0 or >= V: off), `top_p` `[B]` float (>= 1: off), `uniforms` `[B]`
@@ -540,13 +543,9 @@ def top_k_top_p_sample(
 
 
 def top_k_top_p_filter(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-    *,
-    slices: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None, *, slices: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The probabilities the draw uses, `[B, V]` float32 (0 where filtered; unnormalised),
     and `samplable`; see `reference.top_k_top_p_filter`. Costs one extra write of `[B, V]`."""
     _, ok, probs = _launch(logits, top_k, top_p, None, min_p, True, slices=slices)

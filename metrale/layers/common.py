@@ -42,6 +42,9 @@ LayerCache = tuple[torch.Tensor, torch.Tensor] | None
 #: One attention layer's paged caches: `(k_cache, v_cache)`; the pool's entries are
 #: `metrale.cache.kv_cache.KvLayer`s, which also carry float8 scales (`kv_scale_kwargs`).
 KvCache = tuple[torch.Tensor, torch.Tensor]
+#: A model's per-layer pool tensors, in layer order: its attention layers' `KvCache`s
+#: (`kv_caches`), or its recurrent layers' `(conv_states, ssm_states)` (`ssm_states`).
+LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def kv_scale_kwargs(kv: KvCache) -> dict[str, torch.Tensor]:

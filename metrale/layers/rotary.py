@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from metrale.kernels import reference
 from metrale.model_config import RopeConfig
 
 
@@ -114,18 +115,6 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q `[T, Hq, D]`, k `[T, Hk, D]`, positions `[T]` -> rotated q, k (same dtypes)."""
-        cos_sin = self.cos_sin.index_select(0, positions)
-        cos = cos_sin[:, 0].unsqueeze(1)
-        sin = cos_sin[:, 1].unsqueeze(1)
-        return _rotate(q, cos, sin, self.rotary_dim), _rotate(k, cos, sin, self.rotary_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    half = rotary_dim // 2
-    rot = x[..., :rotary_dim].float()
-    x1, x2 = rot[..., :half], rot[..., half:]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-    if rotary_dim == x.shape[-1]:
-        return out
-    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+        """q `[T, Hq, D]`, k `[T, Hk, D]`, positions `[T]` -> rotated q, k (same dtypes): the
+        torch reference op, `reference.rotary_embedding`, over this layer's table."""
+        return reference.rotary_embedding(positions, q, k, self.cos_sin, self.rotary_dim)

@@ -25,7 +25,7 @@ from torch import nn
 
 from metrale.cache.ssm_pool import SsmLayerSpec
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import LayerCache, PreNormLayer
+from metrale.layers.common import LayerCache, LayerCaches, PreNormLayer
 from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping
 
@@ -88,8 +88,8 @@ class HybridStack(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ssm_states: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
+        ssm_states: LayerCaches,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(after the final norm, the residual stream before it)` for every row."""
         hidden = self.embed(input_ids)
@@ -138,8 +138,8 @@ class HybridForCausalLM(nn.Module, ABC):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ssm_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_caches: LayerCaches,
+        ssm_states: LayerCaches | None = None,
     ) -> torch.Tensor:
         return self.forward_for_mtp(input_ids, positions, meta, kv_caches, ssm_states)[0]
 
@@ -148,8 +148,8 @@ class HybridForCausalLM(nn.Module, ABC):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        ssm_states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_caches: LayerCaches,
+        ssm_states: LayerCaches | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(hidden after the final norm, the hidden an MTP head reads)` for every row: the
         stream before the final norm, or after it where the head says so."""

@@ -16,11 +16,18 @@ Invariants:
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.common import GatedMLP, LayerCache, PagedSelfAttention, PreNormLayer, RMSNorm
+from metrale.layers.common import (
+    GatedMLP,
+    LayerCache,
+    LayerCaches,
+    PagedSelfAttention,
+    PreNormLayer,
+    RMSNorm,
+)
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
 from metrale.models.loader import WeightMapping, dense_weight_mapping
@@ -60,21 +67,13 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: LayerCaches
+    ) -> Tensor:
         return self.run(input_ids, positions, meta, kv_caches)[0]
 
     def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: LayerCaches
+    ) -> tuple[Tensor, Tensor]:
         """`(after the final norm, the residual stream before it)` for every row."""
         hidden = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
@@ -142,21 +141,13 @@ class LlamaForCausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> torch.Tensor:
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: LayerCaches
+    ) -> Tensor:
         return self.model(input_ids, positions, meta, kv_caches)
 
     def forward_for_mtp(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, kv_caches: LayerCaches
+    ) -> tuple[Tensor, Tensor]:
         """`(hidden after the final norm, the hidden the MTP head reads)` for every row."""
         return self.model.run(input_ids, positions, meta, kv_caches)
 

@@ -37,6 +37,7 @@ from torch import nn
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import LayerCaches
 from metrale.models.loader import checkpoint_files, iter_tensors
 from metrale.models.m2m100_config import ACTIVATIONS, M2M100Config
 
@@ -154,24 +155,29 @@ class _Attention(nn.Module):
         return x.view(x.shape[0], self.heads, self.head_dim).transpose(0, 1)
 
 
-class _FeedForward(nn.Module):
-    def __init__(self, d: int, ffn: int, act: str) -> None:
+class _Layer(nn.Module):
+    """What both layers hold (under transformers' names): pre-norm self-attention and the
+    pre-norm feed-forward block `fc2(act(fc1(.)))`."""
+
+    def __init__(self, d: int, heads: int, ffn: int, act: str) -> None:
         super().__init__()
+        self.self_attn = _Attention(d, heads)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
         self.fc1 = nn.Linear(d, ffn)
         self.fc2 = nn.Linear(ffn, d)
+        self.final_layer_norm = nn.LayerNorm(d)
         self.act = ACTIVATIONS[act]
 
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` plus the feed-forward block of its final-norm."""
+        return x + self.fc2(self.act(self.fc1(self.final_layer_norm(x))))
 
-class EncoderLayer(nn.Module):
+
+class EncoderLayer(_Layer):
     def __init__(self, cfg: M2M100Config) -> None:
-        super().__init__()
-        d = cfg.d_model
-        self.self_attn = _Attention(d, cfg.encoder_attention_heads)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.encoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, d)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.act = ACTIVATIONS[cfg.activation_function]
+        super().__init__(
+            cfg.d_model, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, cfg.activation_function
+        )
 
     def forward(self, x: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """`x` `[B, S, d]`; `key_mask` `[B, S]` True where a key may be attended (None: all)."""
@@ -186,22 +192,17 @@ class EncoderLayer(nn.Module):
         mask = key_mask[:, None, None, :] if key_mask is not None else None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
         x = x + a.out_proj(o.transpose(1, 2).reshape(batch, length, d))
-        h = self.final_layer_norm(x)
-        return x + self.fc2(self.act(self.fc1(h)))
+        return self.feed_forward(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Layer):
     def __init__(self, cfg: M2M100Config, ops: KernelOps) -> None:
-        super().__init__()
         d = cfg.d_model
-        self.self_attn = _Attention(d, cfg.decoder_attention_heads)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
+        super().__init__(
+            d, cfg.decoder_attention_heads, cfg.decoder_ffn_dim, cfg.activation_function
+        )
         self.encoder_attn = _Attention(d, cfg.decoder_attention_heads)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.decoder_ffn_dim)
-        self.fc2 = nn.Linear(cfg.decoder_ffn_dim, d)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.act = ACTIVATIONS[cfg.activation_function]
         self.ops = ops
 
     def forward(self, x: torch.Tensor, attn: DecoderAttention, layer: int) -> torch.Tensor:
@@ -220,8 +221,7 @@ class DecoderLayer(nn.Module):
         q = c.q_proj(h).view(-1, heads, dim)
         out = attn.cross_attend(q, layer, c.scaling)
         x = x + c.out_proj(out.reshape(x.shape))
-        h = self.final_layer_norm(x)
-        return x + self.fc2(self.act(self.fc1(h)))
+        return self.feed_forward(x)
 
 
 class DecoderAttention(Protocol):
@@ -243,7 +243,7 @@ class EagerAttention:
         self,
         ops: KernelOps,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
         cross: CrossBatch,
     ) -> None:
         self.ops, self.meta, self.kv_caches, self.cross = ops, meta, kv_caches, cross
@@ -378,7 +378,7 @@ class M2M100ForConditionalGeneration(nn.Module):
         self,
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
         groups: list[tuple[int, int, CrossKv]],
     ) -> torch.Tensor:
         """Decoder hidden rows after the final norm; `groups` lists `(first row, end row,

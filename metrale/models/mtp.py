@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import LayerCaches
 
 
 class MtpHead(nn.Module):
@@ -47,7 +48,7 @@ class MtpHead(nn.Module):
         hidden: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(normed, next_hidden)`: the rows to take logits of, and the hidden state a further
         draft step reads (see the invariants)."""

@@ -31,6 +31,7 @@ from torch import nn
 from metrale.errors import CheckpointError
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
+from metrale.layers.common import LayerCaches
 from metrale.layers.moe import SparseMoeBlock
 from metrale.model_config import ModelConfig
 from metrale.models.llama import DecoderStack, LlamaForCausalLM
@@ -72,7 +73,7 @@ class VisionDecoderStack(DecoderStack):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
         vision_rows: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -134,7 +135,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: LayerCaches,
         vision_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         stack = self.model
