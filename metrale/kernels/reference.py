@@ -1,5 +1,6 @@
 """Torch reference implementations of the hot ops. They define what every Triton kernel must
-compute, and they are the CPU path.
+compute, and they are the CPU path. The sampler's references are in `sampling_reference`
+(re-exported here).
 
 Owner: kernels.
 
@@ -23,6 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from metrale.kernels.metadata import AttentionMetadata
+
+# The sampler's references live in `sampling_reference`; re-exported, so every hot op's
+# reference is named `reference.<op>`.
+from metrale.kernels.sampling_reference import (  # noqa: F401
+    argmax,
+    candidate_sample,
+    greedy_logprobs,
+    token_logprobs,
+    top_k_top_p_filter,
+    top_k_top_p_sample,
+)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -392,192 +404,3 @@ def qk_norm_rotary_write_kv(
     q, k = qk_norm_rotary(positions, q, k, q_weight, k_weight, eps, cos_sin, rotary_dim)
     write_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
-
-
-def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's whole result for rows that take the argmax of unprocessed logits.
-
-    Per row of `[B, V]` logits, read as float32 with NaN as -inf and +inf as the float32 max:
-    `(token_ids [B] int64, packed [B, 4] float64)`, the token the largest logit's (ties: the
-    lowest id; a row without a finite logit: 0) and `packed` its (token id, raw logprob =
-    logit - logsumexp of the row (-inf for a row without a finite logit), rank = 1 (nothing
-    is larger than the argmax), samplable = 1.0 if the row has a finite logit else 0.0)."""
-    f32 = torch.finfo(torch.float32)
-    raw = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=f32.max, neginf=float("-inf"))
-    values, ids = raw.max(dim=-1)
-    lse = torch.logsumexp(raw, dim=-1)
-    logprobs = values - lse
-    logprobs = torch.where(torch.isnan(logprobs), float("-inf"), logprobs)
-    samplable = values > float("-inf")
-    packed = torch.stack(
-        [ids.double(), logprobs.double(), torch.ones_like(logprobs).double(), samplable.double()],
-        dim=1,
-    )
-    return ids, packed
-
-
-def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of `[B, V]`: `(index of the largest logit [B] int64, its value [B] float32)`.
-
-    NaN reads as -inf; ties go to the lowest index; a row of -inf gives index 0, value -inf.
-    """
-    x = logits.float().masked_fill(torch.isnan(logits), float("-inf"))
-    ids = x.argmax(dim=-1)
-    return ids, x.gather(1, ids.unsqueeze(1)).squeeze(1)
-
-
-def top_k_top_p_filter(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The filtered probabilities `[B, V]` float32 (0 where filtered, not renormalised) of
-    processed logits (penalties, bias and temperature applied; NaN reads as -inf), by a full
-    sort; with `samplable [B]` (whether the row has a finite logit; if not, all zeros).
-
-    Per row: top-k (`top_k` <= 0 or >= V: off) keeps every logit >= the k-th largest;
-    softmax; min-p (`min_p` <= 0 or None: off) zeroes probabilities < min_p * max; top-p
-    (`top_p` >= 1: off) keeps a token while the mass ranked above it (descending, ties by id)
-    is < top_p * the remaining mass.
-    """
-    x = logits.float().masked_fill(torch.isnan(logits), float("-inf"))
-    vocab = x.shape[-1]
-    k = top_k.to(device=x.device, dtype=torch.int64)
-    k = torch.where((k <= 0) | (k >= vocab), vocab, k)
-    kth = x.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-    x = x.masked_fill(x < kth, float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    samplable = ~torch.isnan(probs[:, 0])
-    probs = torch.nan_to_num(probs, nan=0.0)
-    if min_p is not None:
-        floor = probs.amax(dim=-1, keepdim=True) * min_p.to(x.device).float().unsqueeze(1)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    p = top_p.to(device=x.device, dtype=torch.float32).unsqueeze(1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    # float64 sums: in float32 the order of summation decides which token crosses the bound.
-    wide = sorted_probs.double()
-    mass_above = wide.cumsum(dim=-1) - wide
-    total = wide.sum(dim=-1, keepdim=True)
-    keep_sorted = (mass_above < total * p.double()) | (p >= 1.0)
-    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return probs.masked_fill(~keep, 0.0), samplable
-
-
-def top_k_top_p_sample(
-    logits: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    uniforms: torch.Tensor,
-    min_p: torch.Tensor | None = None,
-    *,
-    has_top_k: bool = True,
-    has_top_p: bool = True,
-    temperature: torch.Tensor | None = None,
-    active: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row: `top_k_top_p_filter`, then the first token in id order whose
-    float64 cumulative probability reaches `uniforms * total` (`uniforms` in (0, 1)); the
-    definition the Triton kernel matches. Returns `(token_ids [B] int64, samplable [B]
-    bool)`; a row without a finite logit gets token 0 and samplable False.
-    `has_top_k` / `has_top_p` are the kernel's launch hints (False: no row has that filter
-    on); they never change the result, and the reference does not need them.
-    `temperature` (`[B]`, > 0): the logits are divided by it first, then NaN reads as -inf
-    and +inf as the float32 max (the sampler's order). `active` (`[B]` bool): rows it
-    leaves out give token 0, samplable False (the kernel does not read them).
-    """
-    if temperature is not None:
-        f32 = torch.finfo(torch.float32)
-        scale = temperature.to(device=logits.device, dtype=torch.float32).unsqueeze(1)
-        logits = torch.nan_to_num(
-            logits.float() / scale, nan=float("-inf"), posinf=f32.max, neginf=float("-inf")
-        )
-    probs, samplable = top_k_top_p_filter(logits, top_k, top_p, min_p)
-    cdf = probs.to(torch.float64).cumsum(dim=-1)
-    target = uniforms.to(device=probs.device, dtype=torch.float64).unsqueeze(1) * cdf[:, -1:]
-    ids = torch.searchsorted(cdf, target, right=False).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-    if active is not None:
-        samplable = samplable & active.to(device=samplable.device, dtype=torch.bool)
-    return torch.where(samplable, ids, 0), samplable
-
-
-def candidate_sample(
-    values: torch.Tensor,
-    ids: torch.Tensor,
-    table: torch.Tensor,
-    vocab: int,
-    *,
-    has_top_p: bool = True,
-    has_min_p: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sampler's draw on each row's candidates: `values` / `ids` `[B, W]`, a row's `W`
-    largest processed (untempered) logits in descending order and their token ids, as
-    `torch.topk` gives them (NaN first); `table` `[5, B]` float64: temperature, top_k, top_p,
-    min_p, uniform per row (`metrale.sampling.candidates.pack_rows`).
-
-    Per row: temper and sanitize (x / t, then NaN -> -inf, +inf -> float32 max); the top-k
-    threshold is the k-th candidate; softmax, min-p, top-p (float64 mass, ties ranked by id)
-    and the inverse-CDF draw, all in token-id order over the candidates. Returns `(token_ids
-    [B] int64, samplable [B] bool, rerouted [B] bool)`: `rerouted` marks a row the candidates
-    cannot hold (a NaN, or its last candidate tied with the threshold while `W < vocab` and
-    the threshold is finite), whose token and samplable are then not valid.
-    `has_top_p` / `has_min_p` False: no row has that filter on (a neutral filter changes
-    nothing either way)."""
-    width = values.shape[1]
-    f32 = torch.finfo(torch.float32)
-    values = values.float()
-    has_nan = torch.isnan(values[:, 0])
-    tempered = torch.nan_to_num(
-        values / table[0].float().unsqueeze(1),
-        nan=float("-inf"),
-        posinf=f32.max,
-        neginf=float("-inf"),
-    )
-    k = table[1].long().clamp(1, width)
-    threshold = tempered.gather(1, (k - 1).unsqueeze(1))
-    rerouted = has_nan
-    if width < vocab:
-        spill = (tempered[:, -1:] >= threshold) & (threshold > float("-inf"))
-        rerouted = rerouted | spill.squeeze(1)
-    ids, order = ids.sort(dim=-1)  # token-id order: the draw's and top-p's tie order
-    tempered = tempered.gather(1, order)
-    probs = torch.softmax(tempered.masked_fill(tempered < threshold, float("-inf")), dim=-1)
-    samplable = ~torch.isnan(probs[:, 0])
-    if has_min_p:
-        floor = probs.amax(dim=-1, keepdim=True) * table[3].float().unsqueeze(1)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    if has_top_p:
-        p = table[2].float().unsqueeze(1)
-        sorted_probs, perm = probs.sort(dim=-1, descending=True, stable=True)
-        wide = sorted_probs.double()
-        mass_above = wide.cumsum(dim=-1) - wide
-        keep_sorted = (mass_above < wide.sum(dim=-1, keepdim=True) * p.double()) | (p >= 1.0)
-        keep = torch.zeros_like(keep_sorted).scatter(-1, perm, keep_sorted)
-        probs = probs.masked_fill(~keep, 0.0)
-    cdf = probs.double().cumsum(dim=-1)
-    target = table[4].double().unsqueeze(1) * cdf[:, -1:]
-    column = torch.searchsorted(cdf, target, right=False).clamp_(max=width - 1)
-    return ids.gather(1, column).squeeze(1), samplable, rerouted
-
-
-def token_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, samplable: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sampler's result for drawn tokens, from the RAW logits `[B, V]` (read as float32,
-    NaN as -inf, +inf as the float32 max): `(token_ids [B] int64, packed [B, 4] float64)`.
-
-    A row whose `samplable` is False takes the argmax of its raw logits instead (ties: the
-    lowest id). `packed` holds (token id, raw logprob = logit - logsumexp of the row, -inf
-    for a row without a finite logit; rank = 1 + the number of strictly larger logits;
-    samplable as 1.0 / 0.0), the columns `SampledBatch` copies back.
-    """
-    f32 = torch.finfo(torch.float32)
-    raw = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=f32.max, neginf=float("-inf"))
-    ok = samplable.to(torch.bool)
-    ids = torch.where(ok, token_ids.to(torch.int64), raw.argmax(dim=-1))
-    chosen = raw.gather(1, ids.unsqueeze(1))
-    logprobs = (chosen - torch.logsumexp(raw, dim=-1, keepdim=True)).squeeze(1)
-    logprobs = torch.where(torch.isnan(logprobs), float("-inf"), logprobs)
-    ranks = (raw > chosen).sum(dim=-1) + 1
-    packed = torch.stack([ids.double(), logprobs.double(), ranks.double(), ok.double()], dim=1)
-    return ids, packed

@@ -15,7 +15,7 @@ enter the request's `K` best finished hypotheses with `score / length ** length_
 `early_stopping` (True, False, "never") decides when the request is done, with the same
 heuristic. The bookkeeping runs as the same float32 torch operations on transformers'
 batched shapes (`[requests, ...]`, the requests of one beam width together), so ties break
-as there. It runs where the logits are: the requests of one beam width form a `_Group` whose
+as there. It runs where the logits are: the requests of one beam width form a `BeamGroup` whose
 search state stays there as `[R, k]` tensors for the request's whole life (rows added at
 admission, dropped when a request ends), and whose token history is host arrays (`[R, k, L]`
 generated tokens, the finished hypotheses'), advanced by vectorised gathers. Per step the host
@@ -32,7 +32,7 @@ physical sequence (the K copies of the prompt at step 0); a beam that continues 
 takes the parent's sequence over, a second continuation forks it: a new `SequenceState`
 whose block table references the same blocks (`BlockPool.incref`). Before a forward writes
 into a shared partial last block, that block is copied (copy-on-write; the step's copies
-run as one batch before the forward); only a sequence just started or forked (`_Phys.check`)
+run as one batch before the forward); only a sequence just started or forked (`Phys.check`)
 can hold a shared last block, so only those are looked at. A beam whose score is
 `-inf` can never be chosen again and holds no sequence. Every request's rows run in one
 decoder forward per step.
@@ -69,153 +69,10 @@ from metrale.model_engine.beam_backend import (  # noqa: F401  (re-exported: the
     DecoderOnlyBeamBackend,
     fork_state,
 )
+from metrale.model_engine.beam_state import NEG, BeamGroup, BeamState, Phys, beam_bans
 from metrale.model_engine.traits import SequenceState
 
 logger = logging.getLogger(__name__)
-
-NEG = -1.0e9
-
-
-class _Phys:
-    """A physical sequence and the token it feeds next; `check`: its last block may be
-    shared (it was just started or forked), so the next step looks at it for copy-on-write."""
-
-    __slots__ = ("check", "pending", "seq")
-
-    def __init__(self, seq: SequenceState, pending: int) -> None:
-        self.seq = seq
-        self.pending = pending
-        self.check = True
-
-
-class _State:
-    """One running request's host side: its beams' physical sequences. Its search tensors and
-    token arrays are row `row` of its beam width's `_Group`."""
-
-    __slots__ = ("bans", "base", "eos_ids", "forced", "group", "k", "keep", "max_new",
-                 "min_new", "req", "row", "steps", "uniq")  # fmt: skip
-
-    def __init__(self, req: BeamRequest, eos: tuple[int, ...], phys: _Phys) -> None:
-        p = req.params
-        self.req = req
-        self.eos_ids = eos
-        self.k = p.num_beams
-        self.forced = len(req.forced)
-        self.max_new = p.max_tokens + self.forced
-        self.min_new = p.min_tokens + self.forced
-        self.keep = max(2, 1 + len(eos)) * self.k
-        #: Whether the request's processors can ban tokens (no_repeat_ngram / min_tokens).
-        self.bans = p.no_repeat_ngram_size > 0 or self.min_new > self.forced
-        #: The beams' distinct physical sequences in first-appearance order (the order of
-        #: their decoder rows); which beam feeds which is the group's `slot_idx` row.
-        self.uniq: list[_Phys] = [phys]
-        self.group: _Group | None = None
-        self.row = 0  # index in the group
-        self.base = 0  # the first decoder row of this step
-        self.steps = 0
-
-    def physicals(self) -> list[_Phys]:
-        return self.uniq
-
-
-class _Group:
-    """The requests of one beam width `k`, batched: the search state as `[R, k]` tensors where
-    the logits are (running scores, finished scores and flags, the heuristic flag) and the
-    token history as host arrays (`gen`: every beam's generated tokens `[R, k, L]`; `fin_tok`:
-    the finished hypotheses'; -1 past a row's end), so a step runs no per-beam Python for the
-    search."""
-
-    def __init__(self, k: int, keep: int) -> None:
-        self.k, self.keep = k, keep
-        self.states: list[_State] = []
-        self.dev = torch.device("cpu")
-        self.running = torch.zeros(0, k, dtype=torch.float32)
-        self.fin_scores = torch.zeros(0, k, dtype=torch.float32)
-        self.fin_done = torch.zeros(0, k, dtype=torch.bool)
-        self.heuristic = torch.zeros(0, dtype=torch.bool)
-        self.width = 1
-        self.first_keep = np.arange(keep)[None, :]
-        self.gen = np.full((0, k, 1), -1, dtype=np.int64)
-        self.fin_tok = np.full((0, k, 1), -1, dtype=np.int64)
-        self.gen_len = np.zeros(0, dtype=np.int64)
-        # Per-request constants.
-        self.forced_len = np.zeros(0, dtype=np.int64)
-        self.max_new = np.zeros(0, dtype=np.int64)
-        self.min_new = np.zeros(0, dtype=np.int64)
-        self.early = np.zeros(0, dtype=np.int64)
-        self.lp = np.zeros(0, dtype=np.float64)
-        self.never = np.zeros(0, dtype=bool)
-        self.bans = np.zeros(0, dtype=bool)
-        #: Which beam of each request feeds which of its distinct physicals (-1: dead).
-        self.slot_idx = np.zeros((0, k), dtype=np.int64)
-
-    def add(self, states: list[_State]) -> None:
-        k, n = self.k, len(states)
-        for i, st in enumerate(states):
-            st.group, st.row = self, len(self.states) + i
-        self.states += states
-        running = torch.full((n, k), NEG, dtype=torch.float32)
-        running[:, 0] = 0.0
-        new = (
-            running,
-            torch.full((n, k), NEG, dtype=torch.float32),
-            torch.zeros(n, k, dtype=torch.bool),
-            torch.ones(n, dtype=torch.bool),
-        )
-        if self.dev.type != "cpu":
-            new = tuple(t.to(self.dev, non_blocking=True) for t in new)
-        self.running = torch.cat((self.running, new[0]))
-        self.fin_scores = torch.cat((self.fin_scores, new[1]))
-        self.fin_done = torch.cat((self.fin_done, new[2]))
-        self.heuristic = torch.cat((self.heuristic, new[3]))
-        width = max(self.width, *(st.max_new for st in states))
-        if width > self.width:
-            pad = ((0, 0), (0, 0), (0, width - self.width))
-            self.gen = np.pad(self.gen, pad, constant_values=-1)
-            self.fin_tok = np.pad(self.fin_tok, pad, constant_values=-1)
-            self.width = width
-        fresh = np.full((n, k, width), -1, dtype=np.int64)
-        self.gen = np.concatenate((self.gen, fresh))
-        self.fin_tok = np.concatenate((self.fin_tok, fresh))
-        self.gen_len = np.concatenate((self.gen_len, np.zeros(n, dtype=np.int64)))
-        ps = [st.req.params for st in states]
-
-        def cat(old: np.ndarray, vals: list[object]) -> np.ndarray:
-            return np.concatenate((old, np.asarray(vals, dtype=old.dtype)))
-
-        self.forced_len = cat(self.forced_len, [st.forced for st in states])
-        self.max_new = cat(self.max_new, [st.max_new for st in states])
-        self.min_new = cat(self.min_new, [st.min_new for st in states])
-        self.early = cat(self.early, [int(p.early_stopping is True) for p in ps])
-        self.lp = cat(self.lp, [float(p.length_penalty) for p in ps])
-        self.never = cat(
-            self.never, [p.early_stopping == "never" and p.length_penalty > 0.0 for p in ps]
-        )
-        self.bans = cat(self.bans, [st.bans for st in states])
-        # Every beam starts on the prompt's one sequence (beam 0 scores 0, the others -inf).
-        self.slot_idx = np.concatenate((self.slot_idx, np.zeros((n, k), dtype=np.int64)))
-
-    def remove(self, gone: set[int]) -> None:
-        """Drop the rows in `gone` (indices), keeping the others' order."""
-        kept = [i for i in range(len(self.states)) if i not in gone]
-        self.states = [self.states[i] for i in kept]
-        for i, st in enumerate(self.states):
-            st.row = i
-        idx = np.asarray(kept, dtype=np.int64)
-        dev_idx = torch.from_numpy(idx).to(self.dev, non_blocking=True)
-        self.running = self.running.index_select(0, dev_idx)
-        self.fin_scores = self.fin_scores.index_select(0, dev_idx)
-        self.fin_done = self.fin_done.index_select(0, dev_idx)
-        self.heuristic = self.heuristic.index_select(0, dev_idx)
-        for name in ("gen", "fin_tok", "gen_len", "forced_len", "max_new", "min_new",
-                     "early", "lp", "never", "bans", "slot_idx"):  # fmt: skip
-            setattr(self, name, getattr(self, name)[idx])
-
-    def to(self, dev: torch.device) -> None:
-        if self.dev != dev:
-            self.dev = dev
-            self.running, self.fin_scores = self.running.to(dev), self.fin_scores.to(dev)
-            self.fin_done, self.heuristic = self.fin_done.to(dev), self.heuristic.to(dev)
 
 
 class BeamSearchDriver:
@@ -228,9 +85,9 @@ class BeamSearchDriver:
         self.backend = backend
         self.eos = tuple(int(t) for t in eos_token_ids)
         self._waiting: list[BeamRequest] = []
-        self._running: dict[str, _State] = {}
+        self._running: dict[str, BeamState] = {}
         #: Beam width -> its requests, in admission order.
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, BeamGroup] = {}
         #: Blocks copied before a write into a shared partial block; forks made.
         self.cow_copies = 0
         self.forks = 0
@@ -304,7 +161,7 @@ class BeamSearchDriver:
             self._waiting.clear()
             raise
 
-    def _leave(self, states: list[_State]) -> None:
+    def _leave(self, states: list[BeamState]) -> None:
         """Take finished or aborted requests out of their groups."""
         by_group: dict[int, set[int]] = {}
         for st in states:
@@ -322,23 +179,23 @@ class BeamSearchDriver:
         backend = self.backend
         if self._waiting:  # every waiting request starts (encoder-decoder: one encoder batch)
             starting, self._waiting = self._waiting, []
-            new: list[_State] = []
+            new: list[BeamState] = []
             for req, seq in zip(starting, backend.beam_start_batch(starting), strict=True):
-                st = _State(req, self.eos, _Phys(seq, req.prompt[-1]))
+                st = BeamState(req, self.eos, Phys(seq, req.prompt[-1]))
                 self._running[req.request_id] = st
                 new.append(st)
-            by_k: dict[int, list[_State]] = {}
+            by_k: dict[int, list[BeamState]] = {}
             for st in new:
                 by_k.setdefault(st.k, []).append(st)
             for k, sts in by_k.items():
                 group = self._groups.get(k)
                 if group is None:
-                    group = self._groups[k] = _Group(k, sts[0].keep)
+                    group = self._groups[k] = BeamGroup(k, sts[0].keep)
                 group.add(sts)
         if not self._running:
             return []
         states = list(self._running.values())
-        physicals: list[_Phys] = []
+        physicals: list[Phys] = []
         for st in states:
             st.base = len(physicals)
             physicals += st.uniq
@@ -352,7 +209,7 @@ class BeamSearchDriver:
         self.forwards += 1
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         # Groups in the order of their first request (the order the bookkeeping concatenates).
-        order: dict[int, _Group] = {}
+        order: dict[int, BeamGroup] = {}
         for st in states:
             if st.k not in order:
                 order[st.k] = self._groups[st.k]
@@ -361,7 +218,7 @@ class BeamSearchDriver:
         flat = torch.cat(packed) if len(packed) > 1 else packed[0]
         host = flat.to("cpu").numpy()  # the step's one device read
         vocab = logprobs.shape[1]
-        ended: list[_State] = []
+        ended: list[BeamState] = []
         offset = 0
         for g in groups:
             size = len(g.states) * (g.keep + 3 * g.k + 1)
@@ -375,7 +232,7 @@ class BeamSearchDriver:
             return []
         # The ended requests' finished scores, read before their rows leave their groups.
         ended.sort(key=lambda s: s.base)  # the order they ran in
-        by_k: dict[int, list[_State]] = {}
+        by_k: dict[int, list[BeamState]] = {}
         for st in ended:
             by_k.setdefault(st.k, []).append(st)
         picks, at, pos = [], 0, {}
@@ -416,26 +273,7 @@ class BeamSearchDriver:
             seq.block_table[-1] = private
             self.cow_copies += 1
 
-    def _bans(self, st: _State, gen: list[int]) -> list[int]:
-        """Tokens a beam's processors set to -inf (`no_repeat_ngram_size`, `min_tokens`) after
-        its generated tokens `gen`; a beam still in its forced prefix is handled by the caller."""
-        p = st.req.params
-        banned: set[int] = set()
-        n = p.no_repeat_ngram_size
-        if n:
-            tokens = st.req.prompt + gen
-            if len(tokens) + 1 >= n:
-                prefix = tuple(tokens[len(tokens) - n + 1 :]) if n > 1 else ()
-                banned = {
-                    tokens[i + n - 1]
-                    for i in range(len(tokens) - n + 1)
-                    if tuple(tokens[i : i + n - 1]) == prefix
-                }
-        if len(gen) < st.min_new:
-            banned.update(st.eos_ids)
-        return sorted(banned)
-
-    def _search_group(self, g: _Group, logprobs: torch.Tensor) -> torch.Tensor:
+    def _search_group(self, g: BeamGroup, logprobs: torch.Tensor) -> torch.Tensor:
         """The device half of a step for the requests of one beam width `k`: transformers'
         `_beam_search` bookkeeping on `[R, ...]` tensors, no host read. The host facts are
         built from the group's arrays (per-beam Python only for requests whose processors
@@ -462,7 +300,7 @@ class BeamSearchDriver:
                 if n < st.forced:
                     zero += (r, j, st.req.forced[n])
                 else:
-                    for t in self._bans(st, g.gen[r, j, :n].tolist()):
+                    for t in beam_bans(st, g.gen[r, j, :n].tolist()):
                         ban += (r, j, t)
         # transformers' stopping rule, after its cur_len += 1.
         cur = (gl + 1).astype(np.float64)
@@ -559,7 +397,7 @@ class BeamSearchDriver:
             t = self._eos_tensors[dev] = torch.tensor(self.eos, dtype=torch.int64, device=dev)
         return t
 
-    def _apply(self, g: _Group, flat: np.ndarray, vocab: int) -> np.ndarray:
+    def _apply(self, g: BeamGroup, flat: np.ndarray, vocab: int) -> np.ndarray:
         """The host half of a step for one group, from the values `_search_group` packed: the
         finished hypotheses' and the beams' tokens (vectorised over the group), then each
         request's beams' sequences; returns the requests' done flags."""
@@ -592,7 +430,7 @@ class BeamSearchDriver:
         return block[:, -1]
 
     def _rebuild(
-        self, st: _State, old_slots: list[int], parents: list[int], tokens: list[int],
+        self, st: BeamState, old_slots: list[int], parents: list[int], tokens: list[int],
         alive: list[int],
     ) -> list[int]:  # fmt: skip
         """The request's beams' physical sequences after a step (`old_slots`: each old beam's
@@ -602,7 +440,7 @@ class BeamSearchDriver:
         old = st.uniq
         taken = [False] * len(old)  # parent sequences already continued by a child
         children: dict[tuple[int, int], int] = {}  # (parent sequence, token) -> new index
-        uniq: list[_Phys] = []
+        uniq: list[Phys] = []
         slots: list[int] = []
         for pi, tok, live in zip(parents, tokens, alive):
             u = old_slots[pi]
@@ -618,7 +456,7 @@ class BeamSearchDriver:
                     parent.pending = tok
                     uniq.append(parent)
                 else:
-                    uniq.append(_Phys(self.backend.beam_fork(parent.seq), tok))
+                    uniq.append(Phys(self.backend.beam_fork(parent.seq), tok))
                     parent.check = True  # its last block is now shared
                     self.forks += 1
             slots.append(at)
@@ -628,12 +466,12 @@ class BeamSearchDriver:
         st.uniq = uniq
         return slots
 
-    def _release(self, st: _State) -> None:
+    def _release(self, st: BeamState) -> None:
         for p in st.uniq:
             self.backend.free_sequence(p.seq)
         st.uniq = []
 
-    def _output(self, st: _State, scores: list[float]) -> BeamOutput:
+    def _output(self, st: BeamState, scores: list[float]) -> BeamOutput:
         """The request's best `n` hypotheses; `scores` are their finished scores."""
         g, nf = st.group, st.forced
         assert g is not None

@@ -281,7 +281,7 @@ def test_a_restored_snapshot_continues_as_a_cold_prefill(variant: Variant) -> No
 
 def test_snapshot_metrics_are_exported() -> None:
     """The `/metrics` families of the snapshot store carry the model's counters."""
-    from metrale.server.metrics import _snapshot_metrics
+    from metrale.server.metric_families import snapshot_metrics as _snapshot_metrics
 
     llm = make(NEMOTRON, ssm_snapshot_slots=3)
     g = torch.Generator().manual_seed(8)
