@@ -3,8 +3,8 @@
 Owner: sampling. The engine hands the sampler the model's logits `[B, V]` and one
 `SamplingRow` per logits row; the sampler returns the chosen token ids and their logprobs
 (`metrale.sampling.result`: on the device, and the one copy back). Stage 1 below lives in
-`metrale.sampling.processing` (`process_logits`, with the host-to-device helpers every stage
-uses); the filters themselves live in `logits_processors`.
+`metrale.sampling.processing` (`process_logits`, with its host-to-device helpers), the filters
+in `logits_processors`, the later stages as functions over a batch in `metrale.sampling.draw`.
 
 Pipeline, per row (each stage is one batched tensor op over the rows that need it):
 1. repetition penalty (prompt + output tokens), then frequency/presence penalties (output
@@ -22,9 +22,8 @@ Pipeline, per row (each stage is one batched tensor op over the rows that need i
    probability `probs[i] / sum(probs)`; a token whose probability is 0 can never be chosen.
    This is `metrale.kernels.reference.top_k_top_p_sample`'s definition, stage for stage.
 
-`Sampler.verify` (speculative decoding, `metrale.sampling.verify`) scores draft tokens on the
-same processed distributions (stage 1 and `_probabilities`, shared with `_draw`), one logits
-row per draft position.
+`Sampler.verify` (`metrale.sampling.verify`) scores drafts on the same distributions (stage 1
+and `draw.probabilities`, shared with `_draw`), one logits row per draft position.
 
 Candidate draw: a batch with sampled rows whose every sampled row has a top-k of 1..
 `candidates.K_MAX` (greedy rows ride along) draws each row on its largest logits only
@@ -89,9 +88,14 @@ from torch import Tensor
 from metrale.errors import MetraleError
 from metrale.sampling import candidates
 from metrale.sampling.candidates import inverse_cdf as _inverse_cdf
-from metrale.sampling.logits_processors import apply_min_p, apply_top_k, apply_top_p
+from metrale.sampling.draw import filter_rows as _filter
+from metrale.sampling.draw import finish as _finish
+from metrale.sampling.draw import gather_logprobs
+from metrale.sampling.draw import greedy as _greedy
+from metrale.sampling.draw import plain_greedy as _plain_greedy
+from metrale.sampling.draw import temper as _temper
 from metrale.sampling.params import SamplingParams, mix_seed
-from metrale.sampling.processing import apply_to_rows, process_logits, to_device
+from metrale.sampling.processing import process_logits, to_device
 from metrale.sampling.result import SampledBatch, SamplerOutput
 
 if TYPE_CHECKING:
@@ -109,8 +113,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_NEG_INF = float("-inf")
-_FLOAT32_MAX = torch.finfo(torch.float32).max
 #: Fewest non-greedy rows for which `Sampler` calls `ops.top_k_top_p_sample` rather than the
 #: torch path, by default only for a batch the torch path would fully sort (a top-p row
 #: without top-k). Measured on the H200 (`tools/bench_sampler.py`, vocabulary 152k, whole
@@ -168,41 +170,6 @@ def row_uniform(seed: int, step: int) -> float:
 def _uniform_from_bits(bits53: int) -> float:
     """53 random bits as a float in (0, 1): the bin's midpoint, never 0 nor 1."""
     return (bits53 + 0.5) * 2.0**-53
-
-
-def _sanitize(x: Tensor) -> Tensor:
-    """NaN -> -inf (not samplable), +inf -> the largest float (the most likely token)."""
-    return torch.nan_to_num(x, nan=_NEG_INF, posinf=_FLOAT32_MAX, neginf=_NEG_INF)
-
-
-def gather_logprobs(
-    logits: Tensor, token_ids: Tensor, num_top: int
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """Raw logprobs of `token_ids` under `logits` `[N, V]`, their ranks, and the top alternatives.
-
-    Returns `(logprobs [N], ranks [N] (1-based), top_ids [N, num_top], top_logprobs [N,
-    num_top])` (the last two None when `num_top == 0`), all from `log_softmax(logits.float())`.
-    NaN logits count as -inf; a row without any finite logit gets -inf logprobs. Used for the
-    sampled tokens and, by the engine, for prompt logprobs.
-    """
-    return _gather_logprobs(_sanitize(logits.float()), token_ids, num_top)
-
-
-def _gather_logprobs(
-    raw: Tensor, token_ids: Tensor, num_top: int
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """`gather_logprobs` over logits already in float32 and sanitized."""
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
-    chosen = raw.gather(1, token_ids.to(torch.int64).unsqueeze(1))
-    logprobs = (chosen - lse).squeeze(1)
-    logprobs = torch.where(torch.isnan(logprobs), _NEG_INF, logprobs)
-    ranks = (raw > chosen).sum(dim=-1) + 1
-    if num_top <= 0:
-        return logprobs, ranks, None, None
-    top_values, top_ids = raw.topk(min(num_top, raw.shape[-1]), dim=-1, sorted=True)
-    top_logprobs = top_values - lse
-    top_logprobs = torch.where(torch.isnan(top_logprobs), _NEG_INF, top_logprobs)
-    return logprobs, ranks, top_ids, top_logprobs
 
 
 class Sampler:
@@ -531,106 +498,3 @@ class Sampler:
 # -------------------------------------------------------------------------------------------
 # Helpers
 # -------------------------------------------------------------------------------------------
-
-
-def _temper(x: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Processed logits of non-greedy rows divided by their temperature, then sanitized."""
-    temperatures = [row.params.temperature for row in rows]
-    if any(t != 1.0 for t in temperatures):
-        x = x / to_device(temperatures, torch.float32, x.device).unsqueeze(1)
-    return _sanitize(x)
-
-
-def _filter(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
-    """Top-k, softmax, min-p and top-p over tempered logits (the torch path): `(probs [N, V]`
-    non-negative and unnormalised, the distribution the row's draw uses; `samplable [N])`."""
-    vocab = x.shape[1]
-    device = x.device
-    top_k_rows = [j for j, row in enumerate(rows) if row.params.top_k_filters(vocab)]
-    max_k = max((rows[j].params.top_k for j in top_k_rows), default=0)
-    if top_k_rows:
-        ks = to_device([rows[j].params.top_k for j in top_k_rows], torch.int64, device)
-        x = apply_to_rows(x, top_k_rows, lambda sub: apply_top_k(sub, ks, max_k))
-
-    probs = torch.softmax(x, dim=-1)
-    # A row with no finite logit softmaxes to NaN everywhere; any finite logit gives none.
-    samplable = ~torch.isnan(probs[:, 0])
-
-    min_p_rows = [j for j, row in enumerate(rows) if row.params.min_p_enabled]
-    if min_p_rows:
-        min_ps = to_device([rows[j].params.min_p for j in min_p_rows], torch.float32, device)
-        probs = apply_to_rows(probs, min_p_rows, lambda sub: apply_min_p(sub, min_ps))
-
-    top_p_rows = [j for j, row in enumerate(rows) if row.params.top_p_enabled]
-    if top_p_rows:
-        top_ps = to_device([rows[j].params.top_p for j in top_p_rows], torch.float32, device)
-        # Rows whose top-k already ran hold about k candidates: sort only those.
-        candidates = None
-        if all(rows[j].params.top_k_filters(vocab) for j in top_p_rows):
-            candidates = max(rows[j].params.top_k for j in top_p_rows)
-        probs = apply_to_rows(probs, top_p_rows, lambda sub: apply_top_p(sub, top_ps, candidates))
-    return probs, samplable
-
-
-def _probabilities(x: Tensor, rows: Sequence[SamplingRow]) -> tuple[Tensor, Tensor]:
-    """The distribution `Sampler._draw` draws non-greedy rows from (after stage 1):
-    temperature, top-k, softmax, min-p, top-p. `(probs, samplable)` as `_filter`."""
-    return _filter(_temper(x, rows), rows)
-
-
-def _finish(
-    raw: Tensor,
-    token_ids: Tensor,
-    samplable: Tensor,
-    top_counts: Sequence[int],
-    max_top: int,
-    emitted: Tensor | None = None,
-) -> SampledBatch:
-    """The result: unsamplable rows' fallback token (raw argmax), then raw logprobs, ranks and
-    the `max_top` top alternatives of `token_ids` under `raw` (float32, not yet sanitized);
-    `top_counts`: per row, the alternatives it asked for."""
-    raw = _sanitize(raw)
-    token_ids = torch.where(samplable, token_ids, raw.argmax(dim=-1))
-    logprobs, ranks, top_ids, top_logprobs = _gather_logprobs(raw, token_ids, max_top)
-    return SampledBatch(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        ranks=ranks,
-        samplable=samplable,
-        top_token_ids=top_ids,
-        top_logprobs=top_logprobs,
-        top_counts=[min(count, max_top) for count in top_counts],
-        emitted=emitted,
-    )
-
-
-def _plain_greedy(row: SamplingRow) -> bool:
-    """A greedy row whose logits nothing changes first (no penalty, bias, min_tokens mask,
-    bad word or allowed-token list) and that wants no alternatives: its token is the argmax
-    of the raw logits."""
-    params = row.params
-    return (
-        params.is_greedy
-        and row.grammar is None
-        and not params.uses_penalties
-        and not params.logit_bias
-        and params.allowed_token_ids is None
-        and not params.bad_words_token_ids
-        and params.stop_tokens_allowed(row.step)
-        and not params.logprobs
-    )
-
-
-def _greedy(x: Tensor, ops: KernelOps | None = None) -> tuple[Tensor, Tensor]:
-    """Argmax (ties: lowest id; NaN reads as -inf) and whether the row had a finite logit.
-
-    With `ops`, one `ops.argmax` launch, which reads NaN as -inf and breaks ties by the lowest
-    id too; a row without a finite logit gets value -inf, so it is not samplable either way.
-    (It ranks +inf above float32 max, where `_sanitize` makes them equal; see the module
-    docstring.)
-    """
-    if ops is not None:
-        token_ids, values = ops.argmax(x)
-        return token_ids, values > _NEG_INF
-    values, token_ids = _sanitize(x).max(dim=-1)
-    return token_ids, values > _NEG_INF

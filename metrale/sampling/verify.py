@@ -13,7 +13,7 @@ Per position `j` the processed distribution `p_j` is exactly the one `Sampler.sa
 for that sequence had `drafts[i][:j]` already been appended to its output: the sequence is
 expanded into `k_i + 1` `SamplingRow`s (penalties see output + drafts[:j], min_tokens and the
 seeded counter see `step + j`), and the sampler's own stage 1 (`processing.process_logits`)
-and distribution (`sampler._probabilities`, the one `Sampler._draw` draws from: temperature,
+and distribution (`draw.probabilities`, the one `Sampler._draw` draws from: temperature,
 top-k, softmax, min-p, top-p) run on them.
 
 - Greedy rows: the target token at `j` is the processed argmax (ties: lowest id); draft `j` is
@@ -62,18 +62,15 @@ import torch
 from torch import Tensor
 
 from metrale.errors import MetraleError
+from metrale.sampling.candidates import inverse_cdf as _inverse_cdf
+from metrale.sampling.draw import finish as _finish
+from metrale.sampling.draw import greedy as _greedy
+from metrale.sampling.draw import plain_greedy as _plain_greedy
+from metrale.sampling.draw import probabilities as _probabilities
 from metrale.sampling.params import mix_seed
 from metrale.sampling.processing import process_logits, to_device
 from metrale.sampling.result import SampledBatch
-from metrale.sampling.sampler import (
-    SamplingRow,
-    _finish,
-    _greedy,
-    _inverse_cdf,
-    _plain_greedy,
-    _probabilities,
-    row_uniform,
-)
+from metrale.sampling.sampler import SamplingRow, row_uniform
 
 if TYPE_CHECKING:
     from metrale.sampling.sampler import Sampler
