@@ -92,7 +92,7 @@ def _forms(
     sync: torch.Tensor | None,
 ) -> dict[str, Callable[[int], None]]:  # fmt: skip
     """Each form of one group op as `fn(layer)` over that layer's copy of the stacks."""
-    from metrale.kernels import triton_lora
+    from metrale.kernels import triton_lora, triton_lora_tiles
 
     def split(i: int) -> None:
         a, b_t = stacks[i]
@@ -102,7 +102,7 @@ def _forms(
 
     def grouped(i: int) -> None:
         a, b_t = stacks[i]
-        triton_lora.lora_tiles_add(y, x, a, b_t, tiles, scales, widths, order=order, pdl=pdl)
+        triton_lora_tiles.lora_tiles_add(y, x, a, b_t, tiles, scales, widths, order=order, pdl=pdl)
 
     def fused(i: int, p: int) -> None:
         a, b_t = stacks[i]
@@ -126,7 +126,7 @@ def _forms(
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from metrale.kernels import triton_lora
+    from metrale.kernels import triton_lora, triton_lora_tiles
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -158,14 +158,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"{'group':<8} {'rows':>4} {'form':<12} {'us/op':>8} {'max err':>9}", flush=True)
     for rows in rows_list:
         token_slots = (torch.arange(rows) % adapters).to(device)
-        order, tiles = triton_lora.lora_plan(token_slots, adapters, lora_reference.LORA_PLAN_ROWS)
+        order, tiles = triton_lora_tiles.lora_plan(
+            token_slots, adapters, lora_reference.LORA_PLAN_ROWS
+        )
         want_order, want_tiles = lora_reference.lora_plan(
             token_slots.cpu(), adapters, lora_reference.LORA_PLAN_ROWS
         )
         if not (torch.equal(order.cpu(), want_order) and torch.equal(tiles.cpu(), want_tiles)):
             raise SystemExit(f"lora_plan differs from its reference at {rows} rows")
         plan_us[rows] = _timed(
-            lambda _i, s=token_slots: triton_lora.lora_plan(
+            lambda _i, s=token_slots: triton_lora_tiles.lora_plan(
                 s, adapters, lora_reference.LORA_PLAN_ROWS
             ),
             layers,

@@ -2,7 +2,7 @@
 host, or planned on the device by `lora_plan` over rows grouped by slot), each adding the LoRA
 deltas of one group of targets that share an input.
 
-Owner: kernels (the CPU ops; `triton_lora.py` computes the same functions on CUDA, tested
+Owner: kernels (the CPU ops; `triton_lora.py` and `triton_lora_tiles.py` compute the same functions on CUDA, tested
 against these in `tests/gpu/test_lora_kernels.py`).
 
 Invariants:

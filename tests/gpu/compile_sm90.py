@@ -137,6 +137,7 @@ def _launch_lora() -> None:
     """The multi-LoRA group ops at Qwen3-8B's qkv and down shapes, rank 16 over 8 slots: the
     gather forms (split, fused, sync) at one row, the grouped tiles and the plan at 64."""
     from metrale.kernels import triton_lora as tl_
+    from metrale.kernels import triton_lora_tiles as tiles_
 
     bf, slots, rank = torch.bfloat16, 8, 16
     for fan_in, widths in ((4096, (4096, 1024, 1024)), (12288, (4096,))):
@@ -153,8 +154,8 @@ def _launch_lora() -> None:
         many = torch.arange(64) % slots
         x, y = torch.randn(64, fan_in, dtype=bf), torch.randn(64, sum(widths), dtype=bf)
         order, tiles = torch.zeros(64, dtype=torch.int32), torch.zeros(12, 3, dtype=torch.int32)
-        tl_.lora_tiles_add(y, x, a, b_t, tiles, scales, widths, order=order, pdl=True)
-    tl_.lora_plan(many, slots, 16)
+        tiles_.lora_tiles_add(y, x, a, b_t, tiles, scales, widths, order=order, pdl=True)
+    tiles_.lora_plan(many, slots, 16)
 
 
 def _launch_fp8() -> None:

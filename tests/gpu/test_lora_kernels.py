@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 from metrale import LLM, LoRARequest, SamplingParams
-from metrale.kernels import lora_reference, triton_lora
+from metrale.kernels import lora_reference, triton_lora, triton_lora_tiles
 from metrale.kernels.lora_reference import LORA_PLAN_ROWS as PLAN_ROWS
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
@@ -145,7 +145,7 @@ def test_triton_tiles_op_equals_reference(
     if planned:  # the rows interleaved, so a slot's rows are not contiguous
         perm = torch.randperm(tokens, generator=g).to(DEVICE)
         batch.token_slots = batch.token_slots[perm]
-        order, tiles = triton_lora.lora_plan(batch.token_slots, slots, PLAN_ROWS)
+        order, tiles = triton_lora_tiles.lora_plan(batch.token_slots, slots, PLAN_ROWS)
         assert int((tiles[:, 1] == 0).sum()) > 0  # padding tiles, read and written by none
     x = rand(tokens, fan_in)
     wide = rand(tokens, fan_out + 40)
@@ -153,7 +153,7 @@ def test_triton_tiles_op_equals_reference(
     f32 = [t.float() for t in (x, a, b_t)]
     lora_reference.lora_gather_add(want[:, 20 : 20 + fan_out], f32[0], f32[1], f32[2],
                                    batch.token_slots, scales, widths)  # fmt: skip
-    triton_lora.lora_tiles_add(
+    triton_lora_tiles.lora_tiles_add(
         got[:, 20 : 20 + fan_out], x, a, b_t, tiles, scales, widths, order=order
     )
     # bf16: the kernel rounds `x @ A.T` to bf16 before the expand, the float32 reference does not
@@ -179,7 +179,7 @@ def test_triton_plan_equals_reference(token_slots: list[int]) -> None:
     slot order, base rows last, padding tiles empty."""
     block_m, num_slots = 4, 8
     slots_t = torch.tensor(token_slots, dtype=torch.int64, device=DEVICE)
-    order, tiles = triton_lora.lora_plan(slots_t, num_slots, block_m)
+    order, tiles = triton_lora_tiles.lora_plan(slots_t, num_slots, block_m)
     want_order, want_tiles = lora_reference.lora_plan(slots_t, num_slots, block_m)
     assert torch.equal(order, want_order) and torch.equal(tiles, want_tiles)
     order_l, tiles_l = order.tolist(), tiles.tolist()
