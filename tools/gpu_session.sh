@@ -31,7 +31,8 @@
 #        against its roofline, one record: tools/bench_fp8.py) fp8tests (tests/gpu/test_fp8_linear.py)
 #        fp8kernels (the FP8 GEMV / GEMM alone against bf16 on qwen3-8b shapes, for tuning)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
-#        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check)
+#        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check;
+#        SAMPLED=1 adds the sampled ladder (t 0.8, top-p 0.95, top-k 50) and a second greedy one)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -365,6 +366,21 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
       $( [ -f "$OUT/serve_peer.json" ] && echo --peer-json "$OUT/serve_peer.json" ) --out-dir "$OUT" \
       >"$OUT/serve.log" 2>&1
     echo "ladder rc=$?"; tail -6 "$OUT/serve.log"
+    if [ "${SAMPLED:-0}" = 1 ]; then
+      # issue 23: the sampled ladder (t 0.8, top-p 0.95, top-k 50) on the same server,
+      # interleaved with a second greedy ladder so drift shows
+      for mode in sampled greedy2 sampled2; do
+        stamp "serve qwen3-8b, $mode ladder"
+        sargs=""; case $mode in sampled*) sargs="--temperature 0.8 --top-p 0.95 --top-k 50";; esac
+        mkdir -p "$OUT/serve-$mode"
+        timeout 200 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+          --shape qwen3-8b --vocab 151936 --concurrency "${LADDER:-1,128}" --isl 128 --osl 1024 \
+          --device cuda --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128 ($mode)" \
+          $sargs --out-dir "$OUT/serve-$mode" >"$OUT/serve_$mode.log" 2>&1
+        echo "rc=$?"; grep "C=" "$OUT/serve_$mode.log"
+      done
+      curl -s localhost:8888/metrics | grep -E "^metrale_sampler" | head -12
+    fi
     kill -TERM $server; wait $server; echo "server exit=$?"
     grep -iE "summary|graphs|KV|error" "$OUT/server.log" | head -8
     ;;

@@ -1,6 +1,8 @@
 """`metrale bench serve`: a client for any OpenAI-compatible URL that runs a concurrency ladder
 (Metrale's instrument): at each rung C every request of the rung is sent at once, ISL tokens of
-random ids, OSL tokens out at temperature 0 with ignore_eos, streamed.
+random ids, OSL tokens out with ignore_eos, streamed; greedy (temperature 0) unless
+`--temperature` / `--top-p` / `--top-k` ask for the sampled ladder (issue 23: its rungs are
+compared with the greedy ones of the same server).
 
 Owner: bench.
 
@@ -39,14 +41,26 @@ def percentiles(values: list[float]) -> dict[str, float]:
     }
 
 
+def sampling_fields(temperature: float, top_p: float, top_k: int) -> dict[str, Any]:
+    """The request's sampling fields: temperature always, top_p / top_k only when they
+    filter (so a greedy ladder's requests are what they always were)."""
+    fields: dict[str, Any] = {"temperature": temperature}
+    if top_p < 1.0:
+        fields["top_p"] = top_p
+    if top_k > 0:
+        fields["top_k"] = top_k
+    return fields
+
+
 async def one_request(
-    client: Any, url: str, model: str, prompt: list[int], osl: int, api_key: str | None
-) -> dict[str, Any]:
+    client: Any, url: str, model: str, prompt: list[int], osl: int, api_key: str | None,
+    sampling: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": osl,
-        "temperature": 0,
+        **(sampling or {"temperature": 0}),
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -92,7 +106,7 @@ async def one_request(
 
 async def run_rung(
     url: str, model: str, concurrency: int, isl: int, osl: int, vocab: int, seed: int,
-    api_key: str | None, timeout: float,
+    api_key: str | None, timeout: float, sampling: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     import httpx
 
@@ -104,7 +118,7 @@ async def run_rung(
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(one_request(client, url, model, p, osl, api_key) for p in prompts)
+            *(one_request(client, url, model, p, osl, api_key, sampling) for p in prompts)
         )
         wall = time.perf_counter() - start
     ok = [r for r in results if r["ok"]]
@@ -123,11 +137,12 @@ async def run_rung(
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ladder = [int(c) for c in str(args.concurrency).split(",")]
+    sampling = sampling_fields(args.temperature, args.top_p, args.top_k)
     rungs = []
     for i, c in enumerate(ladder):
         rung = asyncio.run(
             run_rung(args.url.rstrip("/"), args.model, c, args.isl, args.osl, args.vocab,
-                     args.seed + i, args.api_key, args.timeout)
+                     args.seed + i, args.api_key, args.timeout, sampling)
         )  # fmt: skip
         rungs.append(rung)
         print(
@@ -139,7 +154,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     path = write_record(
         "serve", model_shape=args.shape, figures=rungs, peer_figures=peer, device=args.device,
         config={"url": args.url, "model": args.model, "isl": args.isl, "osl": args.osl,
-                "concurrency": ladder, "server": args.server_info},
+                "concurrency": ladder, "server": args.server_info, "sampling": sampling},
         out_dir=args.out_dir,
     )  # fmt: skip
     print(f"record: {path}")
@@ -155,6 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--device", default="auto", help="device the server runs on (record)")
