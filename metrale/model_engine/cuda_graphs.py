@@ -62,6 +62,15 @@ T = TypeVar("T")
 RECURRENT_DECODE_OPS = ("causal_conv1d_update", "mamba2_state_update", "gated_delta_update")
 
 
+#: Capture mode of every graph: "thread_local", so only this thread's own unsafe CUDA calls
+#: can invalidate its capture. Under torch's default ("global") any other thread of the
+#: process that allocates, syncs or queries an event meanwhile breaks it: data-parallel
+#: replicas are built (and capture) on parallel threads, and an engine thread of another
+#: engine in the same process keeps stepping (the GPU tier saw the host-tier test's capture
+#: fail after earlier modules' engines, and pass alone).
+CAPTURE_MODE = "thread_local"
+
+
 class GraphCapture:
     """One capture session (every graph runner uses it): graphs captured on a side stream
     into one memory pool; on leaving, the default stream waits for the side stream, the
@@ -94,7 +103,9 @@ class GraphCapture:
         for _ in range(2):
             body()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=self.stream, capture_error_mode=CAPTURE_MODE
+        ):
             out = body()
         return graph, out
 

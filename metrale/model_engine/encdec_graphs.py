@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from metrale.model_engine.cuda_graphs import CAPTURE_MODE
 from metrale.model_engine.sequence import DECODE_BATCH_LADDER
 from metrale.model_engine.traits import SequenceState
 
@@ -169,7 +170,7 @@ class EncDecStepGraphs:
         pool = torch.cuda.graph_pool_handle()
         for rows in reversed(self.rungs):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode=CAPTURE_MODE):
                 self._outputs[rows] = self._body(rows)
             self._graphs[rows] = graph
         torch.cuda.synchronize(self.device)
