@@ -22,7 +22,7 @@ Per setting and batch it prints each path's figures and the candidate path's exc
 greedy, and writes them (with the sampler's path counters, so a batch that fell back shows)
 to `--out`. The kernel/torch figures decide the full-row routing
 (`metrale.sampling.sampler.KERNEL_MIN_ROWS` and the full-sort rule). `--profile` prints
-torch.profiler tables of one-row calls instead.
+torch.profiler tables of calls of `--profile-batch` rows (default 1) instead.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="profile one call per setting")
     parser.add_argument("--busy-ms", type=float, default=3.0, help="GPU sleep before gpu_ms")
+    parser.add_argument("--profile-batch", type=int, default=1, help="rows of a profiled call")
     args = parser.parse_args()
     device = torch.device("cuda")
     ops = triton_kernel_ops()
@@ -118,16 +119,17 @@ def main() -> None:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        logits = torch.randn(1, VOCAB, generator=g, device=device)
+        nrows = args.profile_batch
+        logits = (torch.randn(nrows, VOCAB, generator=g, device=device) * 2.5).bfloat16().float()
         for name, params in SETTINGS.items():
             for path, sampler in samplers.items():
-                rows = [SamplingRow(params=params)]
+                rows = [SamplingRow(params=params) for _ in range(nrows)]
                 time_ms(lambda s=sampler, r=rows: s.sample(logits, r).to_host(), iters=3)
                 acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
                 with profile(activities=acts) as prof:
                     for _ in range(5):
                         sampler.sample(logits, rows).to_host()
-                print(f"== {name} {path} (5 calls, B=1)")
+                print(f"== {name} {path} (5 calls, B={nrows})")
                 print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12,
                                                 max_name_column_width=50))  # fmt: skip
     for name, params in SETTINGS.items():
