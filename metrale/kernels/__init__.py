@@ -55,6 +55,8 @@ class KernelOps:
     # The sampler's candidate draw: the draw on each row's top-k candidates, then the drawn
     # token's raw logprob and rank in one pass.
     candidate_sample: Callable = reference.candidate_sample
+    # A row's `width` largest logits, sorted (the candidate draw's cut; `torch.topk` on the CPU).
+    row_topk: Callable = reference.row_topk
     token_logprobs: Callable = reference.token_logprobs
     # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
     causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen

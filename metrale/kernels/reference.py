@@ -31,6 +31,7 @@ from metrale.kernels.sampling_reference import (  # noqa: F401
     argmax,
     candidate_sample,
     greedy_logprobs,
+    row_topk,
     token_logprobs,
     top_k_top_p_filter,
     top_k_top_p_sample,

@@ -199,3 +199,10 @@ def token_logprobs(
     ranks = (raw > chosen).sum(dim=-1) + 1
     packed = torch.stack([ids.double(), logprobs.double(), ranks.double(), ok.double()], dim=1)
     return ids, packed
+
+
+def row_topk(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` largest values of `x` `[N, V]` and their ids, descending (NaN
+    first): `torch.topk`. The CUDA form (`triton_row_topk`) may instead mark a row it could
+    not finish with NaN as its first value; callers treat a NaN first value as "not exact"."""
+    return x.topk(width, dim=-1, sorted=True)

@@ -6,7 +6,8 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`,
+  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`, `row_topk` in
+  `tests/gpu/test_sampler_kernels.py`,
   the FP8 projections in `tests/gpu/test_fp8_linear.py`, the recurrent-layer ops in
   `tests/gpu/test_ssm_kernels.py`, the MoE ops in `tests/gpu/test_moe_kernels.py`). An op not
   listed keeps its torch reference.
@@ -42,6 +43,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "token_logprobs": ("metrale.kernels.triton_sampling", "token_logprobs"),
     "candidate_sample": ("metrale.kernels.triton_candidates", "candidate_sample"),
+    "row_topk": ("metrale.kernels.triton_row_topk", "row_topk"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora_tiles", "lora_tiles_add"),
     "lora_plan": ("metrale.kernels.triton_lora_tiles", "lora_plan"),

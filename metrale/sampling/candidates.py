@@ -5,8 +5,8 @@ Owner: sampling (`Sampler.sample` decides when a batch takes it; see `eligible`)
 is the sampler's (`metrale.sampling.sampler`'s module docstring): temperature, top-k (every
 logit >= the k-th largest stays, ties included), softmax, min-p, top-p (float64 mass, ties
 ranked by token id), the inverse-CDF draw in token-id order with the row's uniform. Here each
-row is first cut to its `width` largest processed logits (`torch.topk`, one launch family on
-the device), and every later stage runs on that `[N, width]` tensor, in one launch on CUDA
+row is first cut to its `width` largest processed logits (`KernelOps.row_topk`: four Triton
+launches on CUDA, `torch.topk` elsewhere), and every later stage runs on that `[N, width]` tensor, in one launch on CUDA
 (`KernelOps.candidate_sample`: `kernels/triton_candidates.py`), by torch ops elsewhere
 (`kernels/reference.candidate_sample`):
 
@@ -23,7 +23,8 @@ last candidate is below the threshold (or the threshold is -inf: fewer than k fi
 all candidates), or when `width` is the whole vocabulary. Otherwise (more tokens tie at the
 k-th largest logit than the candidates hold; in float32 logits of a bf16 model that takes
 `width - k` ties, with `width >= 2k`) the row is *re-routed*, as is a row holding a NaN logit
-(`topk` ranks NaN first): its token comes from the full-row draw, so the result never depends
+(`topk` ranks NaN first), or a row the CUDA cut could not finish (it marks it NaN; see
+`kernels/triton_row_topk.py`): its token comes from the full-row draw, so the result never depends
 on the shortcut. Re-routed rows are counted (`Sampler.stats`) and reported
 (`SamplerOutput.rerouted_rows`).
 
@@ -139,7 +140,8 @@ def candidate_draw(
     row has that filter on (host knowledge; skipping a neutral filter changes nothing).
     The stages after `torch.topk` are `ops.candidate_sample` (one Triton launch on CUDA),
     else `reference.candidate_sample` (torch)."""
-    values, ids = x.topk(width, dim=-1, sorted=True)  # descending; NaN ranks first
+    # descending; NaN ranks first (and the CUDA cut marks a row it cannot finish with NaN)
+    values, ids = reference.row_topk(x, width) if ops is None else ops.row_topk(x, width)
     sample = reference.candidate_sample if ops is None else ops.candidate_sample
     return sample(values, ids, table, x.shape[1], has_top_p=has_top_p, has_min_p=has_min_p)
 

@@ -127,6 +127,10 @@ def _launch_everything() -> None:
     ks = torch.zeros(4, dtype=torch.int64)
     ts.top_k_top_p_sample(logits, ks, torch.ones(4), torch.rand(4, dtype=torch.float64))
     ts.top_k_top_p_filter(logits, ks, torch.ones(4))
+    from metrale.kernels import triton_row_topk
+
+    for width in (64, 128):
+        triton_row_topk.row_topk(logits, width)
     _launch_fp8()
     _launch_ssm()
     _launch_moe()

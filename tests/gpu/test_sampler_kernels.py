@@ -228,3 +228,34 @@ def test_candidate_kernel_matches_the_reference(width: int) -> None:
         assert got_ids[valid].tolist() == want_ids[valid].tolist()
         if width < vocab:
             assert want_rerouted[2] and want_rerouted[4]  # NaN; every logit tied
+
+
+@pytest.mark.parametrize("width", [16] if INTERPRET else [64, 128])
+def test_row_topk_matches_torch_topk(width: int) -> None:
+    """`row_topk` (chunk maxima, threshold, compaction, sort) against `torch.topk`: the same
+    values in the same order, ids that hold them, one id each; ties (bf16-valued logits), a
+    NaN row and a +inf row; a row mostly -inf overflows its buffer and is marked NaN."""
+    from metrale.kernels.triton_row_topk import row_topk, usable
+
+    vocab = 16_384 + 7 if INTERPRET else 151_936
+    rows = 6 if INTERPRET else 48
+    assert usable(vocab, width)
+    g = torch.Generator().manual_seed(41)
+    x = torch.randn(rows, vocab, generator=g) * 2.5
+    x[1::2] = x[1::2].bfloat16().float()  # ties, as a bf16 model's logits
+    x[2, 77] = float("nan")
+    x[3, 1234] = float("inf")
+    x[4] = float("-inf")  # buffer overflow: every value ties at the threshold
+    x[4, 10:13] = 1.0
+    x[5, : vocab // 2] = -0.0
+    values, ids = row_topk(x.to(DEVICE), width)
+    values, ids = values.cpu(), ids.cpu()
+    want, _ = x.topk(width, dim=-1, sorted=True)
+    for r in range(rows):
+        if r == 4:
+            assert torch.isnan(values[r, 0])
+            continue
+        assert torch.equal(values[r], want[r]) or torch.allclose(values[r], want[r], equal_nan=True)
+        assert len(set(ids[r].tolist())) == width
+        got = x[r, ids[r]]
+        assert torch.allclose(got, values[r], equal_nan=True)
