@@ -44,7 +44,6 @@ from metrale.engine.handle import (
     Submission,
     apply_control,
     post_by_loop,
-    settle_call,
     settle_future,
 )
 from metrale.engine.request import RequestOutput
@@ -211,7 +210,7 @@ class AsyncEngine(HandleBase[RequestStream]):
         elif isinstance(command, ControlCall):
             result, failure = apply_control(self.engine, command.method, command.args)
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                command.loop.call_soon_threadsafe(settle_call, command.done, result, failure)
+                command.loop.call_soon_threadsafe(settle_future, command.done, failure, result)
         elif isinstance(command, _Abort):
             self._abort(command.request_id, None)
         else:

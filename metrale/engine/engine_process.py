@@ -74,7 +74,7 @@ from metrale.engine.handle import (
     RequestStream,
     Submission,
     apply_control,
-    settle_call,
+    settle_future,
 )
 from metrale.engine.output_delta import Assembly, DeltaEncoder, OutputDelta, apply_delta
 from metrale.engine.request import RequestOutput
@@ -402,7 +402,9 @@ class EngineProcess(HandleBase[Assembly]):
                         call = self._controls.pop(call_id, None)
                     if call is not None:
                         with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                            call.loop.call_soon_threadsafe(settle_call, call.done, result, failure)
+                            call.loop.call_soon_threadsafe(
+                                settle_future, call.done, failure, result
+                            )
                 elif kind == "snapshot":
                     self._snapshot = message[1]
                 elif kind == "dead":
