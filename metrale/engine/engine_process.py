@@ -68,6 +68,7 @@ from typing import Any
 from metrale.config import EngineConfig
 from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
 from metrale.engine.handle import (
+    STALL_WAIT_S,
     AddArgs,
     ControlCall,
     HandleBase,
@@ -84,8 +85,6 @@ from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: How long the child waits before retrying when a step made no progress (all held back).
-_STALL_WAIT_S = 0.005
 #: Least time between two snapshots sent while the engine is busy.
 _SNAPSHOT_INTERVAL_S = 0.1
 #: How long `shutdown` waits for the child to exit before terminating it.
@@ -152,7 +151,7 @@ class _ChildLoop:
             if not engine.has_unfinished():
                 conn.poll(None)  # idle: sleep until a command arrives
             elif stalled:
-                conn.poll(_STALL_WAIT_S)
+                conn.poll(STALL_WAIT_S)
             while conn.poll(0):
                 if not self._apply(conn.recv()):
                     return

@@ -43,6 +43,10 @@ from metrale.sampling.params import SamplingParams
 from metrale.tokenizer.tokenizer import Tokenizer
 
 T = TypeVar("T")
+#: How long a transport's engine loop waits before stepping again when unfinished requests
+#: made no progress in a step (e.g. every waiting request is held back); bounds the spin
+#: rate of that rare case.
+STALL_WAIT_S = 0.005
 #: What a transport keeps per open request (the stream itself, or the stream and more).
 E = TypeVar("E")
 
