@@ -52,6 +52,7 @@ from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.bench.ttft import time_to_first_token
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_tiers import KvTiers, chain_keys
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
@@ -63,7 +64,7 @@ logger = logging.getLogger(__name__)
 def make_room(engine: Engine, tokens: int) -> None:
     """Evict cached blocks (into the tiers) until a `tokens`-token prompt's blocks are free."""
     model = engine.model
-    need = -(-(tokens + 1) // model.kv_block_size()) + 1
+    need = blocks_for(tokens + 1, model.kv_block_size()) + 1
     short = need - model.num_free_blocks()
     if short > 0:
         model.reclaim_prefix_blocks(short)
@@ -137,7 +138,7 @@ def tiers_part(args: argparse.Namespace, disk_dir: Path) -> dict[str, Any]:
     model_dir = prepare_model_dir(args.config_dir)
     n = args.prompt_len
     block_size = 16
-    blocks_per_prompt = -(-(n + 1) // block_size)
+    blocks_per_prompt = blocks_for(n + 1, block_size)
     base = dict(
         model=str(model_dir), device=args.device, dtype=args.dtype, load_format="dummy",
         max_num_batched_tokens=n + 16, max_model_len=n + 16, block_size=block_size,

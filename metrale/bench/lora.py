@@ -27,7 +27,15 @@ from typing import Any
 import torch
 
 from metrale.bench.flags import COMMITTED_CONFIG_HELP, add_engine_flags, add_flags, add_model_flags
-from metrale.bench.offline import _engine, _engine_info, _print_table, _sync, drain, vars_of
+from metrale.bench.offline import (
+    _engine,
+    _engine_info,
+    _print_table,
+    _sync,
+    decode_latency,
+    drain,
+    vars_of,
+)
 from metrale.bench.record import write_record
 from metrale.engine.engine import Engine
 from metrale.layers.lora import LORA_TARGETS
@@ -82,16 +90,7 @@ def _throughput(engine: Engine, args: argparse.Namespace, adapter_ids: list[int]
 
 
 def _decode_tok_s(engine: Engine, tokens: int, adapter_id: int, seed: int) -> float:
-    prompt = torch.randint(10, engine.vocab_size - 10, (64,),
-                           generator=torch.Generator().manual_seed(seed)).tolist()  # fmt: skip
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request(f"lora-lat-{seed}-{adapter_id}", prompt, params, adapter_id=adapter_id)
-    stamps: list[float] = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.outputs[0].token_ids:
-                stamps.append(time.perf_counter())
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    return decode_latency(engine, 64, tokens, seed, adapter_id)["tok_s"]
 
 
 def _free(engine: Engine) -> None:

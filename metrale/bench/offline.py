@@ -124,11 +124,15 @@ def drain(engine: Engine) -> int:
     return produced
 
 
-def decode_latency(engine: Engine, prompt_len: int, tokens: int, seed: int = 0) -> dict[str, float]:
+def decode_latency(
+    engine: Engine, prompt_len: int, tokens: int, seed: int = 0, adapter_id: int = 0
+) -> dict[str, float]:
+    """Batch-1 greedy decode of `tokens` tokens after a random `prompt_len`-token prompt
+    (through LoRA adapter `adapter_id`; 0: the base model): tok/s and step times."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(10, engine.vocab_size - 10, (prompt_len,), generator=gen).tolist()
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    engine.add_request(f"lat-{seed}", prompt, params)
+    engine.add_request(f"lat-{seed}-{adapter_id}", prompt, params, adapter_id=adapter_id)
     stamps: list[float] = []
     while engine.has_unfinished():
         for out in engine.step():

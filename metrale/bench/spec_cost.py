@@ -25,6 +25,7 @@ import torch
 
 from metrale.bench.flags import add_flags, add_model_flags
 from metrale.bench.record import write_record
+from metrale.cache.block_pool import blocks_for
 from metrale.config import EngineConfig
 from metrale.engine.engine import BUNDLED_MODEL_DIR, Engine
 from metrale.sampling.params import SamplingParams
@@ -240,7 +241,7 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
         return "none (eager)"
     runner = DecodeGraphRunner(
         model.module, model.main_kv_layers, device, max_batch,
-        -(-model.max_model_len // model.block_size), model.block_size,
+        blocks_for(model.max_model_len, model.block_size), model.block_size,
         (1, *query_lens), verify_max_batch=max_batch, head_hidden=model.mtp_enabled,
     )  # fmt: skip
     runner.capture()
@@ -252,7 +253,7 @@ def capture_verify_graphs(engine: Engine, query_lens: Sequence[int], max_batch: 
         for q in query_lens:
             head = MtpGraphRunner(
                 model.module, model.head_kv_layers, device, model.dtype, max_batch,
-                -(-model.max_model_len // model.block_size), model.block_size, q - 1,
+                blocks_for(model.max_model_len, model.block_size), model.block_size, q - 1,
             )  # fmt: skip
             head.capture()
             model.mtp_graphs[head.k] = head

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from metrale.bench.record import RECORDS_DIR, write_record
+from metrale.cache.block_pool import blocks_for
 from metrale.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _check_on(hf.parameters(), device, dtype, "the transformers peer")
     else:
         hf = None  # the float32 builder copy is not needed
-    blocks_per_beam = -(-(args.max_tokens + 2) // 16)
+    blocks_per_beam = blocks_for(args.max_tokens + 2, 16)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     kv_blocks = 2 * max(batch_sizes) * args.num_beams * blocks_per_beam + 64
     ours = Translator(

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from metrale.cache.block_pool import blocks_for
 from metrale.cache.kv_cache import PagedKVCache
 
 
@@ -101,14 +102,14 @@ class HostKvPool:
         """The per-layer gather plan of one forward whose sequence `b` attends to its first
         `seq_lens[b]` positions through `tables[b]` (entries < 0 are host blocks)."""
         bs = self.kv.block_size
-        width = max((-(-n // bs) for n in seq_lens), default=1)
+        width = max((blocks_for(n, bs) for n in seq_lens), default=1)
         scratch_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
         dev_src: list[int] = []
         dev_dst: list[int] = []
         runs: list[list[int]] = []  # [first host id, first scratch block, blocks]
         next_block = 1  # scratch block 0 stays the null block of padded table entries
         for b, (table, n) in enumerate(zip(tables, seq_lens, strict=True)):
-            used = table[: -(-n // bs)]
+            used = table[: blocks_for(n, bs)]
             for i, entry in enumerate(used):
                 scratch_tables[b, i] = next_block + i
                 if entry >= 0:

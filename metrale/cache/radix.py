@@ -103,16 +103,8 @@ class RadixPrefixCache:
 
     def match(self, tokens: Sequence[int], adapter_id: int) -> PrefixMatch:
         """The reusable prefix of `tokens`; takes no references and touches no LRU state."""
-        root = self.roots.get(adapter_id)
-        nodes: list[RadixNode] = []
-        bs = self.block_size
-        node = root
-        while node is not None and (len(nodes) + 1) * bs <= len(tokens):
-            start = len(nodes) * bs
-            node = node.children.get(tuple(tokens[start : start + bs]))
-            if node is not None:
-                nodes.append(node)
-        matched = len(nodes) * bs
+        nodes = self._path(tokens, adapter_id)
+        matched = len(nodes) * self.block_size
         if self.snapshots is not None:
             return self._match_hybrid(nodes, len(tokens))
         if matched == 0:
@@ -152,6 +144,8 @@ class RadixPrefixCache:
         return "cold"
 
     def _path(self, tokens: Sequence[int], adapter_id: int) -> list[RadixNode]:
+        """The nodes of `adapter_id`'s tree along `tokens`' whole blocks, as deep as they
+        match."""
         bs = self.block_size
         nodes: list[RadixNode] = []
         node = self.roots.get(adapter_id)

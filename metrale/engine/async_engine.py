@@ -37,6 +37,7 @@ from metrale.config import EngineConfig
 from metrale.engine.cpu_threads import apply_engine_threads
 from metrale.engine.engine import Engine
 from metrale.engine.handle import (
+    STALL_WAIT_S,
     ControlCall,
     EngineHandle,
     HandleBase,
@@ -44,7 +45,6 @@ from metrale.engine.handle import (
     Submission,
     apply_control,
     post_by_loop,
-    settle_call,
     settle_future,
 )
 from metrale.engine.request import RequestOutput
@@ -64,10 +64,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: How long the loop waits before retrying when unfinished requests made no progress in a step
-#: (e.g. every waiting request is held back); bounds the spin rate of that rare case.
-_STALL_WAIT_S = 0.005
 
 
 def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
@@ -182,7 +178,7 @@ class AsyncEngine(HandleBase[RequestStream]):
         while True:
             with self._cond:
                 if stalled and not self._inbox and not self._stop:
-                    self._cond.wait(_STALL_WAIT_S)
+                    self._cond.wait(STALL_WAIT_S)
                 while not self._inbox and not self._stop and not engine.has_unfinished():
                     self._cond.wait()
                 commands, self._inbox = self._inbox, []
@@ -211,7 +207,7 @@ class AsyncEngine(HandleBase[RequestStream]):
         elif isinstance(command, ControlCall):
             result, failure = apply_control(self.engine, command.method, command.args)
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                command.loop.call_soon_threadsafe(settle_call, command.done, result, failure)
+                command.loop.call_soon_threadsafe(settle_future, command.done, failure, result)
         elif isinstance(command, _Abort):
             self._abort(command.request_id, None)
         else:

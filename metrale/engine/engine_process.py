@@ -68,13 +68,14 @@ from typing import Any
 from metrale.config import EngineConfig
 from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
 from metrale.engine.handle import (
+    STALL_WAIT_S,
     AddArgs,
     ControlCall,
     HandleBase,
     RequestStream,
     Submission,
     apply_control,
-    settle_call,
+    settle_future,
 )
 from metrale.engine.output_delta import Assembly, DeltaEncoder, OutputDelta, apply_delta
 from metrale.engine.request import RequestOutput
@@ -84,8 +85,6 @@ from metrale.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: How long the child waits before retrying when a step made no progress (all held back).
-_STALL_WAIT_S = 0.005
 #: Least time between two snapshots sent while the engine is busy.
 _SNAPSHOT_INTERVAL_S = 0.1
 #: How long `shutdown` waits for the child to exit before terminating it.
@@ -152,7 +151,7 @@ class _ChildLoop:
             if not engine.has_unfinished():
                 conn.poll(None)  # idle: sleep until a command arrives
             elif stalled:
-                conn.poll(_STALL_WAIT_S)
+                conn.poll(STALL_WAIT_S)
             while conn.poll(0):
                 if not self._apply(conn.recv()):
                     return
@@ -402,7 +401,9 @@ class EngineProcess(HandleBase[Assembly]):
                         call = self._controls.pop(call_id, None)
                     if call is not None:
                         with contextlib.suppress(RuntimeError):  # the caller's loop is closed
-                            call.loop.call_soon_threadsafe(settle_call, call.done, result, failure)
+                            call.loop.call_soon_threadsafe(
+                                settle_future, call.done, failure, result
+                            )
                 elif kind == "snapshot":
                     self._snapshot = message[1]
                 elif kind == "dead":

@@ -20,7 +20,8 @@ Invariants:
   thread or process between steps and is answered like an add: its result or its error, or
   the handle's `EngineDeadError` when the engine dies first.
 - `AddArgs` holds the arguments of `Engine.add_request` the server sets, in the order of the
-  process wire's "add" tuple, and hands them to the engine unchanged.
+  process wire's "add" tuple, and hands them to the engine unchanged; its defaults are the
+  handle's (`HandleBase.add_request` passes its keywords through it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ from metrale.sampling.params import SamplingParams
 from metrale.tokenizer.tokenizer import Tokenizer
 
 T = TypeVar("T")
+#: How long a transport's engine loop waits before stepping again when unfinished requests
+#: made no progress in a step (e.g. every waiting request is held back); bounds the spin
+#: rate of that rare case.
+STALL_WAIT_S = 0.005
 #: What a transport keeps per open request (the stream itself, or the stream and more).
 E = TypeVar("E")
 
@@ -157,12 +162,15 @@ def post_by_loop(
             loop.call_soon_threadsafe(apply, group)
 
 
-def settle_future(future: asyncio.Future[None], error: BaseException | None) -> None:
-    """Resolve `future` (on its loop's thread) unless its waiter already gave up."""
+def settle_future(
+    future: asyncio.Future[Any], error: BaseException | None, result: Any = None
+) -> None:
+    """Resolve `future` (on its loop's thread) with `error`, else `result`, unless its waiter
+    already gave up: an add's acceptance and a control call's answer alike."""
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 
@@ -185,11 +193,12 @@ class AddArgs:
     request_id: str
     prompt: str | Sequence[int] | None
     params: SamplingParams
-    prompt_token_ids: Sequence[int] | None
-    timeout: float | None
-    adapter_id: int
-    speculative: bool
-    lookup_tenant: str | None
+    #: The keyword arguments, with `EngineHandle.add_request`'s names and defaults.
+    prompt_token_ids: Sequence[int] | None = None
+    timeout: float | None = None
+    adapter_id: int = 0
+    speculative: bool = True
+    lookup_tenant: str | None = DEFAULT_TENANT
     cache_namespace: str | None = None
     priority: int = 0
     session_id: str | None = None
@@ -204,17 +213,13 @@ class AddArgs:
     def from_wire(cls, message: tuple[Any, ...]) -> AddArgs:
         return cls(*message[1:])
 
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments (every field after `params`), by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)[3:]}
+
     def apply(self, engine: Any) -> None:
         """`engine.add_request` with these arguments (raises what it raises)."""
-        engine.add_request(
-            self.request_id, self.prompt, self.params,
-            prompt_token_ids=self.prompt_token_ids, timeout=self.timeout,
-            adapter_id=self.adapter_id, speculative=self.speculative,
-            lookup_tenant=self.lookup_tenant, cache_namespace=self.cache_namespace,
-            priority=self.priority,
-            session_id=self.session_id,
-            vision=self.vision,
-        )  # fmt: skip
+        engine.add_request(self.request_id, self.prompt, self.params, **self.options())
 
 
 #: Engine methods the server may run through `control`: the LoRA registry.
@@ -242,16 +247,6 @@ def apply_control(engine: Any, method: str, args: tuple[Any, ...]) -> tuple[Any,
         return getattr(engine, method)(*args), None
     except Exception as exc:  # MetraleError for bad input; anything else: a bug, reported
         return None, exc
-
-
-def settle_call(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    """Resolve a control call's future (on its loop's thread) unless its waiter gave up."""
-    if future.done():
-        return
-    if error is None:
-        future.set_result(result)
-    else:
-        future.set_exception(error)
 
 
 @dataclass
@@ -327,28 +322,18 @@ class HandleBase(ABC, Generic[E]):
         request_id: str,
         prompt: str | Sequence[int] | None,
         params: SamplingParams,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
-        adapter_id: int = 0,
-        speculative: bool = True,
-        lookup_tenant: str | None = DEFAULT_TENANT,
-        cache_namespace: str | None = None,
-        priority: int = 0,
-        session_id: str | None = None,
-        vision: Any = None,
+        **options: Any,
     ) -> RequestStream:
         """Queue a request; returns once the engine accepted it, or raises why it did not.
 
-        `speculative` and `lookup_tenant` are `Engine.add_request`'s: the per-request opt-out
-        of speculative decoding, and the cross-request draft lookup's partition."""
+        `options`: `EngineHandle.add_request`'s keywords (`AddArgs`' fields, where their
+        defaults live; an unknown one is a `TypeError` naming it). `speculative` and
+        `lookup_tenant` are `Engine.add_request`'s: the per-request opt-out of speculative
+        decoding, and the cross-request draft lookup's partition."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, self, loop)
         accepted: asyncio.Future[None] = loop.create_future()
-        add = AddArgs(
-            request_id, prompt, params, prompt_token_ids, timeout, adapter_id, speculative,
-            lookup_tenant, cache_namespace, priority, session_id, vision,
-        )  # fmt: skip
+        add = AddArgs(request_id, prompt, params, **options)
         self._enqueue_add(Submission(add, stream, accepted, loop))
         try:
             await accepted

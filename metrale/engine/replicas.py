@@ -41,7 +41,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from metrale.engine.engine import DEFAULT_TENANT
 from metrale.engine.handle import EngineHandle, RequestStream
 from metrale.engine.router import DEFAULT_LOAD_MARGIN, PrefixRouter, block_hashes
 from metrale.engine.snapshot import EngineInfo, EngineSnapshot
@@ -318,17 +317,14 @@ class ReplicatedEngine:
         params: SamplingParams,
         *,
         prompt_token_ids: Sequence[int] | None = None,
-        timeout: float | None = None,
         adapter_id: int = 0,
-        speculative: bool = True,
-        lookup_tenant: str | None = DEFAULT_TENANT,
         cache_namespace: str | None = None,
-        priority: int = 0,
-        session_id: str | None = None,
-        vision: Any = None,
+        **options: Any,
     ) -> RequestStream:
-        """The chosen replica's `add_request`; an add refused because that replica died is
-        tried on the next choice, until no replica is left."""
+        """The chosen replica's `add_request`: the keywords the route reads (the prompt's
+        ids, its adapter, its cache namespace) are named, the others (`options`) pass to the
+        replica unread, so their defaults live only there. An add refused because that
+        replica died is tried on the next choice, until no replica is left."""
         hashes = block_hashes(
             self._prompt_ids(prompt, prompt_token_ids), self.block_size,
             adapter_id=adapter_id, cache_namespace=cache_namespace,
@@ -340,9 +336,7 @@ class ReplicatedEngine:
             try:
                 return await replica.add_request(
                     request_id, prompt, params, prompt_token_ids=prompt_token_ids,
-                    timeout=timeout, adapter_id=adapter_id, speculative=speculative,
-                    lookup_tenant=lookup_tenant, cache_namespace=cache_namespace,
-                    priority=priority, session_id=session_id, vision=vision,
+                    adapter_id=adapter_id, cache_namespace=cache_namespace, **options,
                 )  # fmt: skip
             except EngineDeadError:
                 if replica.dead_error is None or self._available_count(tried | {index}) == 0:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from metrale.cache.block_pool import blocks_for
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.beam import (
@@ -154,7 +155,9 @@ def beam_search(
                 param="max_tokens",
             )
         reqs.append(BeamRequest(f"beam-{i}", ids, bp))
-    need = sum(bp.num_beams * -(-(len(r.prompt) + bp.max_tokens) // model.block_size) for r in reqs)
+    need = sum(
+        bp.num_beams * blocks_for(len(r.prompt) + bp.max_tokens, model.block_size) for r in reqs
+    )
     if model.num_free_blocks() < need:
         model.reclaim_prefix_blocks(need - model.num_free_blocks())
     backend = DecoderOnlyBeamBackend(model)

@@ -98,10 +98,15 @@ class CpuOps:
         cos, sin = cos_sin[:, 0], cos_sin[:, 1]
         return torch.stack((torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)), dim=1)
 
-    def _lean_rotary(self, q: torch.Tensor, k_cache: torch.Tensor, rotary_dim: int) -> bool:
+    def _lean_rotary(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rotary_dim: int
+    ) -> bool:
+        """Whether the lean rotary + KV write covers the call: float32 q and caches, the
+        whole head rotating, an even rotary width."""
         return (
             q.dtype == torch.float32
             and k_cache.dtype == torch.float32
+            and v_cache.dtype == torch.float32
             and rotary_dim == q.shape[-1]
             and rotary_dim % 2 == 0
         )
@@ -144,7 +149,7 @@ class CpuOps:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`reference.rotary_write_kv`."""
-        if not self._lean_rotary(q, k_cache, rotary_dim) or v_cache.dtype != q.dtype:
+        if not self._lean_rotary(q, k_cache, v_cache, rotary_dim):
             return reference.rotary_write_kv(
                 positions, q, k, v, cos_sin, rotary_dim, k_cache, v_cache, slot_mapping,
                 k_scale, v_scale,
@@ -176,8 +181,7 @@ class CpuOps:
         """`reference.qk_norm_rotary_write_kv`: q's and k's heads normalised together (the
         same per-head arithmetic), each with its weight, then rotated and written."""
         if (
-            not self._lean_rotary(q, k_cache, rotary_dim)
-            or v_cache.dtype != q.dtype
+            not self._lean_rotary(q, k_cache, v_cache, rotary_dim)
             or q_weight.dtype != torch.float32
             or k_weight.dtype != torch.float32
         ):

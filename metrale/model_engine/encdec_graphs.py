@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from metrale.cache.block_pool import blocks_for
 from metrale.model_engine.cuda_graphs import CAPTURE_MODE
 from metrale.model_engine.sequence import DECODE_BATCH_LADDER
 from metrale.model_engine.traits import SequenceState
@@ -106,7 +107,7 @@ class EncDecStepGraphs:
         self.kv_layers = kv_layers
         self.block_size = block_size
         self.device = device
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = blocks_for(max_model_len, block_size)
         self.max_model_len = max_model_len
         self.source_cap = source_cap
         self.rungs = sorted({1, *(r for r in DECODE_BATCH_LADDER if r <= max_rows)} | {max_rows})

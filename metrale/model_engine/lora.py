@@ -70,8 +70,6 @@ class LoraStats:
     promotions: int = 0
     evictions: int = 0
     disk_loads: int = 0
-    #: Sequences the last admission pass deferred for want of a slot.
-    waiting_for_slot: int = 0
 
 
 @dataclass

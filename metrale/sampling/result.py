@@ -72,6 +72,36 @@ class SampledBatch:
     _host: Tensor | None = None
     _copied: torch.cuda.Event | None = None
 
+    @classmethod
+    def from_kernel(
+        cls,
+        token_ids: Tensor,
+        packed: Tensor,
+        *,
+        samplable: Tensor | None = None,
+        emitted: Tensor | None = None,
+        rerouted: Tensor | None = None,
+    ) -> SampledBatch:
+        """A batch without top alternatives whose first four columns one kernel packed
+        (`KernelOps.greedy_logprobs`, `token_logprobs`: `[B, 4]` float64); `emitted` and
+        `rerouted`, when given, are appended to them in the packed order. `samplable`: the
+        device-side flag when the caller already derived it (else the packed column)."""
+        extra = [c.unsqueeze(1).to(packed.dtype) for c in (emitted, rerouted) if c is not None]
+        if extra:
+            packed = torch.cat([packed, *extra], dim=1)
+        return cls(
+            token_ids=token_ids,
+            logprobs=packed[:, 1],
+            ranks=packed[:, 2],
+            samplable=packed[:, 3] if samplable is None else samplable,
+            top_token_ids=None,
+            top_logprobs=None,
+            top_counts=[0] * packed.shape[0],
+            emitted=emitted,
+            packed=packed,
+            rerouted=rerouted,
+        )
+
     def _packed(self) -> Tensor:
         if self.packed is not None:  # the greedy kernel paths (verify's with its emitted column)
             return self.packed

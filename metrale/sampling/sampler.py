@@ -250,16 +250,7 @@ class Sampler:
             # (1: nothing beats the argmax of unprocessed logits) and samplable, packed.
             token_ids, packed = self._ops.greedy_logprobs(logits)
             self._count("greedy_kernel")
-            return SampledBatch(
-                token_ids=token_ids,
-                logprobs=packed[:, 1],
-                ranks=packed[:, 2],
-                samplable=packed[:, 3],
-                top_token_ids=None,
-                top_logprobs=None,
-                top_counts=[0] * batch,
-                packed=packed,
-            )
+            return SampledBatch.from_kernel(token_ids, packed)
         raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
         x = process_logits(raw, rows, pending_tokens)
 
@@ -388,18 +379,7 @@ class Sampler:
         self._count("candidates")
         if self._ops is not None and max_top == 0:
             token_ids, packed = self._ops.token_logprobs(raw, token_ids, samplable)
-            packed = torch.cat([packed, rerouted.to(torch.float64).unsqueeze(1)], dim=1)
-            batch = SampledBatch(
-                token_ids=token_ids,
-                logprobs=packed[:, 1],
-                ranks=packed[:, 2],
-                samplable=packed[:, 3],
-                top_token_ids=None,
-                top_logprobs=None,
-                top_counts=[0] * len(rows),
-                packed=packed,
-                rerouted=rerouted,
-            )
+            batch = SampledBatch.from_kernel(token_ids, packed, rerouted=rerouted)
         else:
             batch = _finish(raw, token_ids, samplable, top_counts, max_top)
             batch.rerouted = rerouted

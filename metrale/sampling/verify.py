@@ -241,17 +241,7 @@ def _verify_plain_greedy(
     samplable = packed[:, 3] > 0
     accepted = (draft_ids >= 0) & samplable & greedy_accepts(token_ids, draft_ids)
     emitted = _emitted(accepted, to_device(starts, torch.int64, device))
-    return SampledBatch(
-        token_ids=token_ids,
-        logprobs=packed[:, 1],
-        ranks=packed[:, 2],
-        samplable=samplable,
-        top_token_ids=None,
-        top_logprobs=None,
-        top_counts=[0] * len(draft_at),
-        packed=torch.cat([packed, emitted.unsqueeze(1).to(packed.dtype)], dim=1),
-        emitted=emitted,
-    )
+    return SampledBatch.from_kernel(token_ids, packed, samplable=samplable, emitted=emitted)
 
 
 def _emitted(accepted: Tensor, row_starts: Tensor) -> Tensor:

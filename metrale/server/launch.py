@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import inspect
 import logging
 import os
 import signal
@@ -41,7 +42,6 @@ from typing import Any
 
 from metrale.engine.router import DEFAULT_LOAD_MARGIN
 from metrale.errors import InvalidRequestError, MetraleError
-from metrale.sampling.params import MAX_LOGPROBS
 from metrale.server.serve_flags import (
     API_KEY_ENV,
     DEFAULT_HOST,
@@ -175,22 +175,18 @@ def serve(
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S,
     log_level: str = "INFO",
     engine_process: bool = True,
-    max_prompt_tokens: int | None = None,
-    prefix_cache_isolation: str = "none",
     restart_engine: bool = True,
-    tool_call_parser: str | None = None,
-    reasoning_parser: str | None = None,
     served_model_name: list[str] | None = None,
-    strict_request_fields: bool = False,
-    max_logprobs: int = MAX_LOGPROBS,
     uvicorn_log_level: str | None = None,
-    pooling: str = "last",
     src_lang: str | None = None,
     tgt_lang: str | None = None,
-    enable_lora_runtime_updates: bool = False,
     data_parallel_size: int = 1,
     data_parallel_load_margin: int = DEFAULT_LOAD_MARGIN,
+    **app_options: Any,
 ) -> int:
+    """Load `config`'s model and serve it until stopped. `app_options`: `create_app`'s
+    request policy keywords (prompt limits, parsers, strict fields, logprobs, pooling, the
+    LoRA endpoints), passed to it unread, so their defaults live there only."""
     import uvicorn
 
     from metrale.engine.async_engine import AsyncEngine, EngineHandle
@@ -200,6 +196,7 @@ def serve(
     from metrale.models.m2m100_config import is_encoder_decoder_dir
     from metrale.server.app import create_app
 
+    inspect.signature(create_app).bind(None, **app_options)  # a wrong name fails before loading
     model_dir = resolve_model_dir(config.model)
     if is_encoder_decoder_dir(model_dir):
         return _serve_translation(config, host, port, api_key, log_level, src_lang, tgt_lang)
@@ -228,19 +225,7 @@ def serve(
     logger.info("model loaded in %.1f s", time.perf_counter() - start)
 
     sock = _bind(host, port)
-    app = create_app(
-        engine,
-        api_key=api_key,
-        max_prompt_tokens=max_prompt_tokens,
-        prefix_cache_isolation=prefix_cache_isolation,
-        tool_call_parser=tool_call_parser,
-        reasoning_parser=reasoning_parser,
-        served_model_name=served_model_name,
-        strict_request_fields=strict_request_fields,
-        max_logprobs=max_logprobs,
-        pooling=pooling,
-        enable_lora_runtime_updates=enable_lora_runtime_updates,
-    )
+    app = create_app(engine, api_key=api_key, served_model_name=served_model_name, **app_options)
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(
