@@ -63,16 +63,23 @@ def _key(x):
 
 
 @triton.jit
+def _chunk_keys(row_ptr, chunk, V, CHUNK: tl.constexpr):
+    """The columns `[len(chunk), CHUNK]` of the chunks `chunk` of a row and their order keys
+    (`_KEY_MIN` past the row's end)."""
+    cols = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
+    inside = cols < V
+    x = tl.load(row_ptr + cols, mask=inside, other=0.0)
+    return cols, tl.where(inside, _key(x), _KEY_MIN)
+
+
+@triton.jit
 def _chunk_max_kernel(
     x_ptr, cmax_ptr, V, S, stride_x,
     CHUNK: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    cols = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-    inside = cols < V
-    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
-    keys = tl.where(inside, _key(x), _KEY_MIN)
+    _, keys = _chunk_keys(x_ptr + row * stride_x, chunk, V, CHUNK)
     tl.store(cmax_ptr + row * S + chunk, tl.max(keys, axis=1), mask=chunk < S)
 
 
@@ -96,10 +103,7 @@ def _compact_kernel(
     t = tl.load(thr_ptr + row)
     cmax = tl.load(cmax_ptr + row * S + chunk, mask=chunk < S, other=_KEY_MIN)
     if tl.max(cmax, axis=0) >= t:
-        cols = chunk[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]
-        inside = cols < V
-        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
-        keys = tl.where(inside, _key(x), _KEY_MIN)
+        cols, keys = _chunk_keys(x_ptr + row * stride_x, chunk, V, CHUNK)
         take = keys >= t
         flat_take = tl.reshape(take, [GROUP * CHUNK]).to(tl.int32)
         n = tl.sum(flat_take, axis=0)
