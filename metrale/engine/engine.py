@@ -99,6 +99,7 @@ from metrale.sampling.grammar import GrammarBackend, GrammarState
 from metrale.sampling.params import SamplingParams, derive_choice_seed
 from metrale.sampling.sampler import SampledBatch, Sampler
 from metrale.sampling.structured import GrammarSpec
+from metrale.sampling.warm import warm_sampler
 from metrale.scheduler.core import Scheduler, SchedulerConfig
 from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
@@ -190,6 +191,7 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             ),
         )
         self.sampler = Sampler(seed=config.seed, ops=model.sampling_ops())
+        warm_sampler(self.sampler, model.vocab_size(), model.device_name() or "cpu")
         self.requests: dict[str, RequestState] = {}
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | model.eos_token_ids()
