@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this tool")
+    p.add_argument("--torch-ops", action="store_true", help="the torch reference ops on CUDA")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -51,7 +52,7 @@ def main() -> None:
         t = Translator(
             model_dir, device=args.device, dtype=args.dtype, block_size=16,
             num_kv_blocks=2 * args.batch * args.beams * blocks + 64,
-            max_model_len=args.max_tokens + 2,
+            max_model_len=args.max_tokens + 2, torch_ops=args.torch_ops,
         )  # fmt: skip
         cuda = args.device == "cuda"
 
@@ -117,6 +118,8 @@ def main() -> None:
         report = {
             "shape": shape, "batch": args.batch, "beams": args.beams,
             "max_tokens": args.max_tokens, "dtype": args.dtype, "graphs": cuda and not args.no_graphs,
+            "kernels": {k: t.model.module.ops.implementations.get(k, "torch")
+                        for k in ("linear", "write_kv", "paged_attention")},
             "batch_wall_ms": [round(w * 1e3, 2) for w in walls], "decoder_steps": steps,
             "ms_per_step": round(wall * 1e3 / max(1, steps), 3),
             "cuda_self_ms_profiled_batch": round(cuda_ms, 2),
@@ -128,8 +131,9 @@ def main() -> None:
         if args.out:
             out = Path(args.out)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "profile_translate.json").write_text(json.dumps(report, indent=1))
-            (out / "profile_translate.txt").write_text(text)
+            tag = "_torch_ops" if args.torch_ops else ""
+            (out / f"profile_translate{tag}.json").write_text(json.dumps(report, indent=1))
+            (out / f"profile_translate{tag}.txt").write_text(text)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

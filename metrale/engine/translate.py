@@ -35,6 +35,7 @@ from typing import Any
 from metrale.cache.block_pool import blocks_for
 from metrale.engine.request import CompletionOutput, RequestOutput
 from metrale.errors import InvalidRequestError
+from metrale.kernels import kernels_for
 from metrale.model_engine.beam import (
     BeamOutput,
     BeamParams,
@@ -195,10 +196,13 @@ class Translator:
         tgt_lang: str | None = None,
         step_graphs: bool = False,
         kv_cache_dtype: str = "auto",
+        torch_ops: bool = False,
     ) -> None:
         """`step_graphs`: decoder steps through `EncDecStepGraphs` (CUDA graphs over the
         batch ladder on a GPU; on the CPU the same static body, eagerly). `kv_cache_dtype`:
-        only "auto" (float8 KV is refused for this model)."""
+        only "auto" (float8 KV is refused for this model). `torch_ops`: the torch reference
+        ops even on CUDA (a comparison for the benchmarks; the default takes the Triton
+        projections and paged attention there)."""
         self.model_dir = str(model_dir)
         #: `tokenizer.json` (NLLB), or M2M100's sentencepiece files.
         self.tokenizer: Tokenizer | SentencePieceVocab = (
@@ -216,6 +220,7 @@ class Translator:
             num_blocks=num_kv_blocks,
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
+            ops=kernels_for(dev, use_triton=False) if torch_ops else None,
         )
         if step_graphs:
             self.model.enable_step_graphs()

@@ -15,9 +15,11 @@ Invariants:
   `free_sequence` drops exactly the sequence's block references and its `CrossKv` reference.
 - Rows of one forward are grouped by request (contiguous, as the beam driver orders them);
   the groups' rows attend their sources in one attention call per layer (`CrossBatch`).
-- On CUDA the model runs the torch reference ops (cuBLAS, SDPA, the padded-gather paged
-  decode attention; no Triton kernels yet, logged at load); a decoder step reads nothing
-  back from the device, the beam driver reads it once per step.
+- On CUDA the LM head, the decoder's KV writes and its paged self-attention are the
+  `KernelOps` of the device (Triton; `ENCDEC_OPS`, logged at load); the layers' projections
+  (cuBLAS), layer norms, activations, the encoder's attention and the cross-attention (SDPA)
+  are torch. A decoder step reads nothing back from the device, the beam driver reads it once
+  per step.
 - With `enable_step_graphs` a forward that fits runs through `EncDecStepGraphs` (CUDA graphs
   on a GPU), the others eagerly (counted there); each `CrossKv` counts the sequences holding
   it (`beam_start` 1, a fork +1, `free_sequence` -1) and gives its source slot back at 0.
@@ -45,6 +47,9 @@ from metrale.models.m2m100 import CrossKv, M2M100ForConditionalGeneration
 from metrale.models.m2m100_config import M2M100Config
 
 logger = logging.getLogger(__name__)
+
+#: The `KernelOps` entries the M2M100 model calls (reported at load).
+ENCDEC_OPS = ("linear", "write_kv", "paged_attention")
 
 #: Sources encoded together at most (one padded encoder pass).
 ENCODER_BATCH = 64
@@ -344,12 +349,9 @@ def load_encoder_decoder(
         )
     dev = torch.device(device)
     cfg = M2M100Config.from_dir(model_dir)
-    ops = ops or kernels_for(dev, use_triton=False)
-    if dev.type == "cuda":
-        logger.warning(
-            "the M2M100 model runs its torch reference ops on CUDA (no Triton kernels for "
-            "encoder-decoder models yet; decoder step graphs: Translator(step_graphs=True))"
-        )
+    ops = ops or kernels_for(dev)
+    used = {name: ops.implementations.get(name, "torch") for name in ENCDEC_OPS}
+    logger.info("M2M100 kernels on %s: %s (the rest: torch)", dev, used)
     module = M2M100ForConditionalGeneration(cfg, ops, max_model_len)
     module.load_checkpoint(model_dir)
     module.to(device=dev, dtype=dtype).eval().requires_grad_(False)
