@@ -26,7 +26,8 @@ Method:
   (`lora_reference.lora_gather_add`; max abs error reported).
 - The summary gives, per rows and form, the layer's four ops summed and that times
   `--layers` (plus the plan for `grouped`): the LoRA cost of one decode step.
-- Whole groups (`--group-rows`, default 1,2: the GEMV's rows), each a base projection with
+- Whole groups (`--group-rows`, default 1,2,4: the GEMV's rows, and one count where the base
+  projection is cuBLAS, `triton_linear.EPILOGUE_MAX_ROWS`'s question), each a base projection with
   its deltas, timed the same way over `--base-copies` copies of the base weights (so W
   streams from HBM, as in a decode step): `base` (the projection alone: `linear`, or
   `silu_mul_linear` for down), `group/split` (what the graphs ran before: the projection,
@@ -368,7 +369,7 @@ def main() -> int:
         "--fused-max-rows", type=int, default=8, help="time the fused form up to these rows"
     )
     parser.add_argument(
-        "--group-rows", default="1,2", help="rows of the whole-group timing ('' skips it)"
+        "--group-rows", default="1,2,4", help="rows of the whole-group timing ('' skips it)"
     )
     parser.add_argument(
         "--base-copies", type=int, default=4, help="copies of each group's base weights"

@@ -10,8 +10,8 @@ Invariants:
 - `pdl=True` launches the GEMV as a programmatic dependent (see `triton_attention_common`);
   cuBLAS calls ignore it.
 - `lora_linear` (`KernelOps.lora_linear`) is a projection plus one LoRA group's deltas
-  (`lora_reference.lora_linear`). Where the GEMV runs the projection and
-  `triton_lora.FEW_ROWS_FORM` is "epilogue", it is two launches: the LoRA shrink
+  (`lora_reference.lora_linear`). Up to `EPILOGUE_MAX_ROWS` rows (the GEMV's, by default)
+  with `triton_lora.FEW_ROWS_FORM` "epilogue", it is two launches: the LoRA shrink
   (`triton_lora_epilogue.lora_shrink`), then the GEMV adding each row's delta as it stores
   (`gemv(..., lora=)`; `gemv_silu_mul` for the down projection, `act=True`); else the
   projection, then `triton_lora.lora_gather_add` (form "auto").
@@ -33,6 +33,11 @@ from metrale.kernels.triton_norm import silu_and_mul
 #: Most rows sent to the GEMV kernel (measured on the H200: at 4 rows cuBLAS was faster for
 #: qkv and gate_up, 0.80x and 0.74x).
 GEMV_MAX_ROWS = min(2, MAX_M)
+#: Most rows `lora_linear` runs in the epilogue form (the GEMV with the expand in its stores)
+#: when `FEW_ROWS_FORM` is "epilogue"; more rows take cuBLAS and the gather op. The GEMV's
+#: rows by default; `tools/bench_lora_kernels.py --group-rows` times the epilogue form
+#: against cuBLAS + the split pair beyond them.
+EPILOGUE_MAX_ROWS = GEMV_MAX_ROWS
 
 
 def _gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -79,12 +84,13 @@ def lora_linear(
     output column (`a`, `b_t`, `token_slots`, `scales`, `widths` as `lora_gather_add`).
     `form`: "epilogue" (the shrink, then the GEMV with the delta in its stores; at most
     `MAX_M` rows), a `lora_gather_add` form ("split", "fused", "sync": the projection, then
-    that op), or "auto": "epilogue" where the GEMV runs the projection and `FEW_ROWS_FORM` is
+    that op), or "auto": "epilogue" up to `EPILOGUE_MAX_ROWS` rows when `FEW_ROWS_FORM` is
     "epilogue", else the projection and `lora_gather_add`'s "auto". `sync`: that op's
     counters."""
     if form == "auto":
-        gemv_rows = _gemv_fits(x, weight) and x.dtype == b_t.dtype
-        form = "epilogue" if gemv_rows and triton_lora.FEW_ROWS_FORM == "epilogue" else "auto"
+        rows = x.shape[0] if x.dim() == 2 else 0
+        fits = 0 < rows <= EPILOGUE_MAX_ROWS and x.dtype == weight.dtype == b_t.dtype
+        form = "epilogue" if fits and triton_lora.FEW_ROWS_FORM == "epilogue" else "auto"
     if form == "epilogue":
         if x.dtype != b_t.dtype:
             raise TypeError(f"lora_linear: x {x.dtype} and the LoRA stacks {b_t.dtype} differ")

@@ -67,8 +67,8 @@ def _group(
 
 
 def _slots(rows: int) -> torch.Tensor:
-    """Adapters and base rows mixed: row 0 adapted, then slots 1, -1, 2, 0, -1, 1, ..."""
-    pattern = [0, 1, -1, 2, 0, -1, 1]
+    """Adapters and base rows mixed: row 0 adapted, then -1, 1, 2, -1, 0, 1."""
+    pattern = [0, -1, 1, 2, -1, 0, 1]
     return torch.tensor(pattern[:rows], dtype=torch.int64, device=DEVICE)
 
 
@@ -99,13 +99,17 @@ def test_gemv_with_lora_epilogue_equals_gemv_plus_reference(
     got = run(x, w, bias, config=cfg, lora=lora)
 
     inp = reference.silu_and_mul(x) if act else x
-    want = plain.float()
+    want = plain.float().clone()  # (a float32 plain would be the same tensor)
     f32 = [t.float() for t in (inp, a, b_t)]
     lora_reference.lora_gather_add(want, f32[0], f32[1], f32[2], token_slots, scales, widths)
     torch.testing.assert_close(got, want.to(dtype), **_tol(dtype))
     base = token_slots < 0
     assert torch.equal(got[base], plain[base])
     assert not torch.equal(got[~base], plain[~base])
+    if rows <= 2:  # every row of the base model (a decode graph's replay without adapters)
+        none = torch.full_like(token_slots, -1)
+        lora = lora_shrink(x, a, b_t, none, scales, widths, act=act)
+        assert torch.equal(run(x, w, bias, config=cfg, lora=lora), plain)
 
 
 @pytest.mark.parametrize("act", [False, True])
