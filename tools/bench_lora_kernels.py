@@ -26,6 +26,16 @@ Method:
   (`lora_reference.lora_gather_add`; max abs error reported).
 - The summary gives, per rows and form, the layer's four ops summed and that times
   `--layers` (plus the plan for `grouped`): the LoRA cost of one decode step.
+- Whole groups (`--group-rows`, default 1,2,4: the GEMV's rows, and one count where the base
+  projection is cuBLAS, `triton_linear.EPILOGUE_MAX_ROWS`'s question), each a base projection with
+  its deltas, timed the same way over `--base-copies` copies of the base weights (so W
+  streams from HBM, as in a decode step): `base` (the projection alone: `linear`, or
+  `silu_mul_linear` for down), `group/split` (what the graphs ran before: the projection,
+  then the split shrink and expand; down: SiLU-and-mul materialised, its projection, the
+  split pair) and `group/epilogue` (`lora_linear`'s epilogue form: the shrink, then the
+  GEMV adding the expand as it stores; down: the shrink of silu(gate) * up, then
+  `gemv_silu_mul` with the epilogue). Checked against the float32 reference first. Its
+  summary gives each form's layer and step time and its LoRA overhead over `base`.
 """
 
 from __future__ import annotations
@@ -235,6 +245,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(
                 f"rows {rows:>3} {form + mark:<14} layer {layer_us:8.2f} us  step {step_us:9.1f} us"
             )
+    group_results, group_summary = _bench_groups(args, shapes, all_stacks, device, dtype, pdl)
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
         "dtype": str(dtype),
@@ -251,7 +262,97 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "plan_us": plan_us,
         "ops": results,
         "summary": summary,
+        "groups": group_results,
+        "group_summary": group_summary,
     }
+
+
+def _group_forms(
+    weights: list[torch.Tensor], stacks: list[tuple[torch.Tensor, torch.Tensor]],
+    scales: torch.Tensor, widths: tuple[int, ...], act: bool, x: torch.Tensor,
+    token_slots: torch.Tensor, pdl: bool,
+) -> dict[str, Callable[[int], torch.Tensor]]:  # fmt: skip
+    """One group's forms as `fn(layer)`: `base`, `group/split`, `group/epilogue`."""
+    from metrale.kernels import triton_linear, triton_lora, triton_norm
+
+    def base(i: int) -> torch.Tensor:
+        w = weights[i % len(weights)]
+        if act:
+            return triton_linear.silu_mul_linear(x, w, None, pdl=pdl)
+        return triton_linear.linear(x, w, None, pdl=pdl)
+
+    def split(i: int) -> torch.Tensor:
+        w, (a, b_t) = weights[i % len(weights)], stacks[i]
+        inp = triton_norm.silu_and_mul(x) if act else x
+        y = triton_linear.linear(inp, w, None, pdl=pdl)
+        triton_lora.lora_gather_add(
+            y, inp, a, b_t, token_slots, scales, widths, pdl=pdl, form="split"
+        )
+        return y
+
+    def epilogue(i: int) -> torch.Tensor:
+        w, (a, b_t) = weights[i % len(weights)], stacks[i]
+        return triton_linear.lora_linear(
+            x, w, None, a, b_t, token_slots, scales, widths, act=act, pdl=pdl, form="epilogue"
+        )
+
+    return {"base": base, "group/split": split, "group/epilogue": epilogue}
+
+
+def _bench_groups(
+    args: argparse.Namespace, shapes: dict[str, tuple[int, tuple[int, ...]]],
+    all_stacks: dict[str, list[tuple[torch.Tensor, torch.Tensor]]], device: torch.device,
+    dtype: torch.dtype, pdl: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
+    """Whole groups (a base projection and its deltas) per form; see the module docstring."""
+    from metrale.kernels import reference
+
+    cuda = device.type == "cuda"
+    layers, adapters = args.layers, args.adapters
+    rows_list = [int(r) for r in args.group_rows.split(",") if r]
+    results: list[dict[str, Any]] = []
+    if not rows_list:
+        return results, []
+    print(f"\n{'group':<8} {'rows':>4} {'form':<15} {'us/group':>9} {'max err':>9}", flush=True)
+    for name, (fan_in, widths) in shapes.items():
+        act = name == "down"
+        weights = [
+            torch.randn(sum(widths), fan_in, device=device).to(dtype) * 0.02
+            for _ in range(args.base_copies)
+        ]
+        stacks = all_stacks[name]
+        scales = torch.full((adapters, len(widths)), 2.0, device=device)
+        for rows in rows_list:
+            token_slots = (torch.arange(rows) % adapters).to(device)
+            x = torch.randn(rows, (2 if act else 1) * fan_in, device=device).to(dtype)
+
+            forms = _group_forms(weights, stacks, scales, widths, act, x, token_slots, pdl)
+            inp = reference.silu_and_mul(x.float()) if act else x.float()
+            ref = inp @ weights[0].float().T
+            a0, b0 = stacks[0]
+            lora_reference.lora_gather_add(
+                ref, inp, a0.float(), b0.float(), token_slots, scales, widths
+            )
+            for form, fn in forms.items():
+                err = float("nan") if form == "base" else float((fn(0).float() - ref).abs().max())
+                us = _timed(fn, layers, cuda)
+                results.append({"group": name, "rows": rows, "form": form, "us": us,
+                                "max_err": err})  # fmt: skip
+                print(f"{name:<8} {rows:>4} {form:<15} {us:>9.2f} {err:>9.2e}", flush=True)
+    summary: list[dict[str, Any]] = []
+    print(f"\nwhole groups per layer (4) and per decode step ({layers} layers)")
+    for rows in rows_list:
+        layer_us = {
+            form: sum(r["us"] for r in results if r["rows"] == rows and r["form"] == form)
+            for form in ("base", "group/split", "group/epilogue")
+        }
+        for form, us in layer_us.items():
+            over = us - layer_us["base"]
+            summary.append({"rows": rows, "form": form, "layer_us": us, "step_us": us * layers,
+                            "lora_layer_us": over, "lora_step_us": over * layers})  # fmt: skip
+            print(f"rows {rows:>3} {form:<15} layer {us:8.2f} us  step {us * layers:9.1f} us  "
+                  f"LoRA over base: layer {over:7.2f} us, step {over * layers:8.1f} us")  # fmt: skip
+    return results, summary
 
 
 def main() -> int:
@@ -266,6 +367,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--fused-max-rows", type=int, default=8, help="time the fused form up to these rows"
+    )
+    parser.add_argument(
+        "--group-rows", default="1,2,4", help="rows of the whole-group timing ('' skips it)"
+    )
+    parser.add_argument(
+        "--base-copies", type=int, default=4, help="copies of each group's base weights"
     )
     parser.add_argument("--no-pdl", action="store_true", help="launch without PDL")
     parser.add_argument("--no-sync", action="store_true", help="skip the sync form")

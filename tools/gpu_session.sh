@@ -205,12 +205,12 @@ print(peer)" >"$OUT/serve_hybrid_peer.log" 2>&1
     ;;
   lorakernels)
     stamp "multi-LoRA kernels: tests, then us per group op by form (qwen3-8b shapes, rank 16)"
-    timeout 300 python3 -m pytest tests/gpu/test_lora_kernels.py -q -p no:cacheprovider \
-      >"$OUT/lorakernels-tests.log" 2>&1
+    timeout 300 python3 -m pytest tests/gpu/test_lora_kernels.py tests/gpu/test_lora_epilogue.py \
+      tests/gpu/test_gemv.py -q -p no:cacheprovider >"$OUT/lorakernels-tests.log" 2>&1
     echo "tests rc=$?"; tail -3 "$OUT/lorakernels-tests.log"
-    timeout 300 python3 tools/bench_lora_kernels.py --out "$OUT/lora_kernels.json" \
+    timeout 400 python3 tools/bench_lora_kernels.py --out "$OUT/lora_kernels.json" \
       >"$OUT/lora_kernels.log" 2>&1
-    echo "rc=$?"; tail -14 "$OUT/lora_kernels.log"
+    echo "rc=$?"; tail -8 "$OUT/lora_kernels.log"
     ;;
   kerneltests)
     stamp kernel tests

@@ -72,6 +72,9 @@ class KernelOps:
     lora_gather_add: Callable = lora_reference.lora_gather_add
     lora_tiles_add: Callable = lora_reference.lora_tiles_add
     lora_plan: Callable = lora_reference.lora_plan
+    # A base projection plus one LoRA group's deltas (few rows on CUDA: the expand folded
+    # into the GEMV's stores, `triton_lora_epilogue`).
+    lora_linear: Callable = lora_reference.lora_linear
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 

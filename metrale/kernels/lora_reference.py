@@ -12,11 +12,15 @@ Invariants:
   count that depends only on the shapes (`lora_plan_max_tiles`), so its Triton form can be
   captured in a CUDA graph.
 - `x @ A.T` is kept in float32 and scaled, then rounded to the weights' dtype before `@ B`.
+- `lora_linear` is the base projection, then `lora_gather_add` on its output (peft's order:
+  base, then delta); with `act`, both read `reference.silu_and_mul` of the gate/up rows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from metrale.kernels import reference
 
 
 def lora_gather_add(
@@ -47,6 +51,30 @@ def lora_gather_add(
         delta = torch.bmm(xa.to(b_t.dtype).unsqueeze(1), cols).squeeze(1)
         y[:, start : start + width] += delta.to(y.dtype)
         start += width
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b_t: torch.Tensor,
+    token_slots: torch.Tensor,
+    scales: torch.Tensor,
+    widths: tuple[int, ...],
+    *,
+    act: bool = False,
+    sync: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A base projection with the LoRA deltas of the one group whose targets cover all its
+    output columns: `y = linear(x, weight, bias)`, then `lora_gather_add(y, x, ...)`; with
+    `act` (a down projection) x is the gate/up rows and both read `silu_and_mul(x)`. What
+    the CUDA op (`triton_linear.lora_linear`) does in two launches at few rows: the shrink,
+    then the GEMV adding each row's delta as it stores. `sync`: unused here."""
+    inp = reference.silu_and_mul(x) if act else x
+    y = reference.linear(inp, weight, bias)
+    lora_gather_add(y, inp, a, b_t, token_slots, scales, widths)
+    return y
 
 
 #: Most token rows of one tile of `lora_tiles_add` (the Triton kernel's row tile; the routing

@@ -20,6 +20,11 @@ Invariants:
   count, and the only allocations are the output and the split-K workspace.
 - Inputs are never written; x and W must share a dtype (bf16, fp16 or fp32), W must be
   row-major contiguous along K.
+- `lora=` (a `triton_lora_epilogue.LoraEpilogue`, from the LoRA shrink of the same x) adds
+  each row's multi-LoRA delta to the columns it stores (in the reduce kernel when K is
+  split): the base rounded to x's dtype, plus the delta, rounded again, as the two-kernel
+  form computes it. Its code is behind the `LORA` constexpr: without it both kernels
+  compile to the same machine code as before it existed (sm_90 SASS compared).
 
 Config heuristic (`default_config`, for H100/H200-class parts; only shapes, dtype, alignment and
 the SM count go in):
@@ -58,6 +63,14 @@ from metrale.kernels.triton_attention_common import (
     gdc_wait,
     multiprocessor_count,
     pdl_options,
+)
+from metrale.kernels.triton_lora_epilogue import (
+    LoraEpilogue,
+    epilogue_args,
+    lora_add_delta,
+    lora_load_b,
+    lora_load_bs,
+    lora_store_rows,
 )
 
 #: Most rows of x one call takes (each row is a separate accumulator in every program).
@@ -354,6 +367,16 @@ def _gemv_kernel(
     stride_split,
     k_per_split,
     half,
+    part_ptr,
+    lb_ptr,
+    slots_ptr,
+    scales_ptr,
+    R,
+    n1,
+    n2,
+    stride_bs,
+    stride_br,
+    stride_ss,
     M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -363,6 +386,12 @@ def _gemv_kernel(
     PARTIAL: tl.constexpr,
     ACT: tl.constexpr,
     PDL: tl.constexpr = False,
+    LORA: tl.constexpr = False,
+    T: tl.constexpr = 1,
+    SPLITS: tl.constexpr = 1,
+    SPLITS_P2: tl.constexpr = 1,
+    BLOCK_R: tl.constexpr = 16,
+    BLOCK_TR: tl.constexpr = 16,
 ):
     """Grid `(cdiv(N, BLOCK_N), split_k)`: rows `[pid_n * BLOCK_N, +BLOCK_N)` of W over the
     K range `[pid_k * k_per_split, +k_per_split)` (`k_per_split` a multiple of BLOCK_K).
@@ -376,7 +405,13 @@ def _gemv_kernel(
 
     PDL (programmatic dependent launch): the first W tile is loaded, then the program waits
     for the previous kernel before its first x load, and lets the next kernel launch once its
-    loads are done."""
+    loads are done.
+
+    LORA (unsplit only; a split GEMV's reduce kernel adds it): each stored row gets its
+    LoRA delta (`triton_lora_epilogue.lora_store_rows`: the shrink's partials at `part_ptr`,
+    B at `lb_ptr`, the rows' slots and the scales; `R`, `n1`, `n2` and the strides: the
+    group's rank, target bounds and B / scales strides). Each row's B tile is loaded first,
+    before the PDL wait (B and the slots are no kernel's output), the partials at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -392,13 +427,24 @@ def _gemv_kernel(
     else:
         x_offs = offs_k
     x_ptrs = x_ptr + k_lo + x_offs
+    if LORA and not PARTIAL:
+        bv0, bv1, bv2, bv3, bv4, bv5, bv6, bv7 = lora_load_bs(
+            lb_ptr, slots_ptr, offs_n, n_mask, R, stride_bs, stride_br, M, BLOCK_R
+        )
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
         w_ptrs, x_ptrs, x_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half, M, BLOCK_N, BLOCK_K,
         STAGES, EVEN_K, ACT, X2D, False, 1, PDL,
     )  # fmt: skip
     out_ptr += pid_k.to(tl.int64) * stride_split
-    _store_rows(out_ptr, b_ptr, b_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, offs_n,
-                n_mask, stride_om, M, HAS_BIAS, PARTIAL, False)  # fmt: skip
+    if LORA and not PARTIAL:
+        lora_store_rows(
+            out_ptr, b_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, bv0, bv1, bv2, bv3,
+            bv4, bv5, bv6, bv7, offs_n, n_mask, stride_om, part_ptr, slots_ptr, scales_ptr, R,
+            n1, n2, stride_ss, M, HAS_BIAS, T, SPLITS, SPLITS_P2, BLOCK_R, BLOCK_TR, BLOCK_N,
+        )  # fmt: skip
+    else:
+        _store_rows(out_ptr, b_ptr, b_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                    offs_n, n_mask, stride_om, M, HAS_BIAS, PARTIAL, False)  # fmt: skip
 
 
 @triton.jit
@@ -410,11 +456,28 @@ def _split_reduce_kernel(
     stride_split,
     stride_wm,
     stride_om,
+    part_ptr,
+    lb_ptr,
+    slots_ptr,
+    scales_ptr,
+    R,
+    n1,
+    n2,
+    stride_bs,
+    stride_br,
+    stride_ss,
     SPLIT_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    LORA: tl.constexpr = False,
+    T: tl.constexpr = 1,
+    SPLITS: tl.constexpr = 1,
+    SPLITS_P2: tl.constexpr = 1,
+    BLOCK_R: tl.constexpr = 16,
+    BLOCK_TR: tl.constexpr = 16,
 ):
-    """Grid `(cdiv(N, BLOCK), M)`: out[m] = sum over splits (in order) + bias, rounded once."""
+    """Grid `(cdiv(N, BLOCK), M)`: out[m] = sum over splits (in order) + bias, rounded once
+    (LORA: then row m's LoRA delta added, as `_gemv_kernel`'s epilogue)."""
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -424,7 +487,15 @@ def _split_reduce_kernel(
         acc += tl.load(ptrs + s * stride_split, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if LORA:
+        bv = lora_load_b(lb_ptr, slots_ptr, m, offs, mask, R, stride_bs, stride_br, BLOCK_R)
+        out = lora_add_delta(
+            acc, out_ptr.dtype.element_ty, bv, part_ptr, slots_ptr, scales_ptr, m, offs, R, n1,
+            n2, stride_ss, T, SPLITS, SPLITS_P2, BLOCK_R, BLOCK_TR, BLOCK,
+        )  # fmt: skip
+        tl.store(out_ptr + m * stride_om + offs, out, mask=mask)
+    else:
+        tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # -------------------------------------------------------------------------------------------
@@ -448,6 +519,7 @@ def _launch(
     act: bool,
     config: GemvConfig | None,
     pdl: bool = False,
+    lora: LoraEpilogue | None = None,
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
@@ -465,6 +537,8 @@ def _launch(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
+    if lora is not None and k == 0:
+        raise ValueError("gemv: a LoRA epilogue needs K > 0")
     if k == 0:
         out.zero_()
         if bias is not None:
@@ -480,6 +554,7 @@ def _launch(
     partial = split > 1
     dest = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if partial else out
     grid = (triton.cdiv(n, cfg.block_n), split)
+    lora_args = epilogue_args(lora, m, n, out)  # checked; placeholders without an epilogue
     _gemv_kernel[grid](
         x,
         weight,
@@ -493,6 +568,7 @@ def _launch(
         m * n,
         k_per_split,
         k,
+        **(epilogue_args(None, m, n, out) if partial else lora_args),
         M=m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -507,7 +583,8 @@ def _launch(
         **pdl_options(pdl and not partial),
     )
     if partial:
-        block = min(1024, triton.next_power_of_2(n))
+        # a LoRA epilogue holds a [rank, BLOCK] tile of B: 256 columns keep it at 32 a thread
+        block = min(1024 if lora is None else 256, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
             dest,
             bias if bias is not None else out,
@@ -516,6 +593,7 @@ def _launch(
             m * n,
             n,
             n,
+            **lora_args,
             SPLIT_K=split,
             HAS_BIAS=bias is not None,
             BLOCK=block,
@@ -531,11 +609,13 @@ def gemv(
     *,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    lora: LoraEpilogue | None = None,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` for `x [M, K]` (1 <= M <= 8) and `weight [N, K]`, float32
     accumulation, result `[M, N]` in x's dtype. `config` overrides `default_config`; `pdl`
-    launches it as a programmatic dependent of the previous kernel (sm_90+)."""
-    return _launch(x, weight, bias, x.shape[-1], False, config, pdl)
+    launches it as a programmatic dependent of the previous kernel (sm_90+); `lora` (from
+    `triton_lora_epilogue.lora_shrink` of this x) adds each row's LoRA delta as it stores."""
+    return _launch(x, weight, bias, x.shape[-1], False, config, pdl, lora)
 
 
 def gemv_silu_mul(
@@ -545,9 +625,11 @@ def gemv_silu_mul(
     *,
     config: GemvConfig | None = None,
     pdl: bool = False,
+    lora: LoraEpilogue | None = None,
 ) -> torch.Tensor:
     """`gemv(silu_and_mul(gate_up), weight, bias)` for `gate_up [M, 2I]` (gate then up) and
-    `weight [N, I]`, the activation computed while loading x (never written to memory)."""
+    `weight [N, I]`, the activation computed while loading x (never written to memory);
+    `lora` from `lora_shrink(gate_up, ..., act=True)`."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gemv_silu_mul: odd gate/up width {gate_up.shape[-1]}")
-    return _launch(gate_up, weight, bias, gate_up.shape[-1] // 2, True, config, pdl)
+    return _launch(gate_up, weight, bias, gate_up.shape[-1] // 2, True, config, pdl, lora)

@@ -6,7 +6,12 @@ through its slot). The tiled form and the device plan that groups rows by slot a
 Owner: kernels. `lora_gather_add` is the CUDA entry of the `KernelOps` op of the same name.
 
 Forms of `lora_gather_add` (chosen by row count, `form="auto"`):
-- split (every row count by default: `FEW_ROWS_FORM`, measured fastest on the H200): a split-K shrink (`x @ A[slot, j].T` for every
+- epilogue (`FEW_ROWS_FORM`, the default: not a form of this op but of the projection it
+  follows, `triton_linear.lora_linear`): where the base projection runs the GEMV, the
+  split form's shrink launches first and the GEMV adds the expand as it stores
+  (`triton_lora_epilogue`), one launch fewer per group. This op alone then runs split.
+- split (every row count without the epilogue; measured fastest of this op's forms on the
+  H200): a split-K shrink (`x @ A[slot, j].T` for every
   target j, float32 partial sums per K split) and an expand that sums the splits, scales by
   target and adds `xa_j @ B[slot, :, cols_j]` into each target's columns. The shrink's
   reduction over the input features is spread over `splits` programs per row instead of one
@@ -65,12 +70,14 @@ FUSED_MAX_ROWS = 2
 FUSED_PROGRAMS = 16
 #: The form "auto" runs up to `FUSED_MAX_ROWS` rows: "sync" where it can run (the caller's
 #: counters `sync=`, CUDA, rows x `SYNC_PROGRAMS` within the SM count), else "fused";
-#: "fused" here: always fused; "split": the two-kernel form at every row count. "split":
-#: measured on the H200 (Qwen3-8B shapes, rank 16, one row, us per layer of four group ops:
-#: split 22.5, sync 33.3, fused/32 104.6, fused/16 127.9; record
-#: `bench/records/20261202T011500-lora-kernels-qwen3-8b.json`), the one-launch forms stay
-#: opt-in.
-FEW_ROWS_FORM = "split"
+#: "fused" here: always fused; "split": the two-kernel form at every row count. Of these,
+#: "split" measured fastest on the H200 (Qwen3-8B shapes, rank 16, one row, us per layer of
+#: four group ops: split 22.5, sync 33.3, fused/32 104.6, fused/16 127.9; record
+#: `bench/records/20261202T011500-lora-kernels-qwen3-8b.json`). "epilogue": "split" here,
+#: and `triton_linear.lora_linear` folds the expand into the base GEMV wherever the GEMV
+#: runs the projection (`tools/bench_lora_kernels.py` times whole groups, "group/epilogue"
+#: against "group/split").
+FEW_ROWS_FORM = "epilogue"
 #: Programs per row of the "sync" form (each a K split of the shrink, then a column block).
 SYNC_PROGRAMS = 32
 #: Polls of the "sync" form's barrier before a program gives up waiting (and flags it in
@@ -207,7 +214,7 @@ def lora_gather_add(
     shrink, then expands its share of the columns), "sync" (one kernel: `SYNC_PROGRAMS` per
     row, each a K split of the shrink, a grid barrier on the counters `sync`, then a column
     block of the expand; CUDA only), "auto" (`FEW_ROWS_FORM` up to `FUSED_MAX_ROWS` rows,
-    else split). With `pdl` the kernels launch as programmatic dependents (the decode graph's
+    split for "epilogue", which only `triton_linear.lora_linear` can run; else split). With `pdl` the kernels launch as programmatic dependents (the decode graph's
     chain, `PDL_OPS`). `sync`: int32 `[4]` zeros on the device, left zero by every call;
     calls sharing it must be stream-ordered."""
     tokens = x.shape[0]
@@ -216,7 +223,7 @@ def lora_gather_add(
     if form not in ("auto", "split", "fused", "sync"):
         raise ValueError(f"lora_gather_add: form {form!r} is not auto, split, fused or sync")
     if form == "auto" and tokens <= FUSED_MAX_ROWS:
-        form = FEW_ROWS_FORM
+        form = "split" if FEW_ROWS_FORM == "epilogue" else FEW_ROWS_FORM
         if form == "sync" and not _sync_fits(x, sync):
             form = "fused"
     if form == "sync":

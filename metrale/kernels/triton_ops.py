@@ -6,8 +6,9 @@ Owner: kernels.
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
   each computing the same function as the `reference` entry of the same name and tested
-  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`, `row_topk` in
-  `tests/gpu/test_sampler_kernels.py`,
+  against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`
+  and, `lora_linear`, `tests/gpu/test_lora_epilogue.py`; `row_topk` in
+  `tests/gpu/test_sampler_kernels.py`;
   the FP8 projections in `tests/gpu/test_fp8_linear.py`, the recurrent-layer ops in
   `tests/gpu/test_ssm_kernels.py`, the MoE ops in `tests/gpu/test_moe_kernels.py`). An op not
   listed keeps its torch reference.
@@ -47,6 +48,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),
     "lora_tiles_add": ("metrale.kernels.triton_lora_tiles", "lora_tiles_add"),
     "lora_plan": ("metrale.kernels.triton_lora_tiles", "lora_plan"),
+    "lora_linear": ("metrale.kernels.triton_linear", "lora_linear"),
     "causal_conv1d_update": ("metrale.kernels.triton_ssm", "causal_conv1d_update"),
     "mamba2_state_update": ("metrale.kernels.triton_ssm", "mamba2_state_update"),
     "gated_delta_update": ("metrale.kernels.triton_ssm", "gated_delta_update"),
@@ -64,7 +66,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
      "silu_mul_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
-     "lora_gather_add", "lora_tiles_add", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
+     "lora_gather_add", "lora_tiles_add", "lora_linear", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 
 

@@ -18,8 +18,9 @@ Invariants:
   `nn.Linear` through `ops.linear`, an `Fp8Linear` (FP8 weights) through `ops.linear_fp8`.
 - `GatedMLP` and `PagedSelfAttention` carry `lora` (a `metrale.layers.lora.LoraLayer`, None
   unless the model serves adapters); when a forward routes rows to adapters, each base
-  projection's output gets those rows' LoRA deltas before it is used (the down projection is
-  then run unfused, on the materialised SiLU-and-mul).
+  projection's output gets those rows' LoRA deltas before it is used, through
+  `LoraLayer.project` (on CUDA at few rows one op per projection, the deltas added in the
+  GEMV's stores; else the down projection runs unfused, on the materialised SiLU-and-mul).
 """
 
 from __future__ import annotations
@@ -140,15 +141,11 @@ class GatedMLP(nn.Module):
         lora = self.lora
         if lora is None or not lora.active():
             return project_silu_mul(ops, down, project(ops, gate_up, x))
-        h = project(ops, gate_up, x)
-        inter = h.shape[-1] // 2
-        lora.add(x, h, [("gate_proj", 0, inter), ("up_proj", inter, inter)])
+        inter = gate_up.out_features // 2
+        h = lora.project(ops, gate_up, x, [("gate_proj", 0, inter), ("up_proj", inter, inter)])
         if not lora.adapts("down_proj"):
             return project_silu_mul(ops, down, h)
-        act = ops.silu_and_mul(h)
-        out = project(ops, down, act)
-        lora.add(act, out, [("down_proj", 0, out.shape[-1])])
-        return out
+        return lora.project(ops, down, h, [("down_proj", 0, down.out_features)], act=True)
 
 
 class AttentionProjections(nn.Module):
@@ -193,13 +190,15 @@ class PagedSelfAttention(AttentionProjections):
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = project(self.ops, self.qkv_proj, x)
         lora = self.lora if self.lora is not None and self.lora.active() else None
         if lora is not None:
             q_n, kv_n = self.q_size, self.kv_size
-            lora.add(
-                x, qkv, [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)]
-            )
+            qkv = lora.project(
+                self.ops, self.qkv_proj, x,
+                [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)],
+            )  # fmt: skip
+        else:
+            qkv = project(self.ops, self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -210,10 +209,11 @@ class PagedSelfAttention(AttentionProjections):
             q, k_cache, v_cache, meta, self.scale, self.sliding_window, **kv_scale_kwargs(kv)
         )
         flat = out.reshape(tokens, self.q_size)
-        y = project(self.ops, self.o_proj, flat)
         if lora is not None:
-            lora.add(flat, y, [("o_proj", 0, y.shape[-1])])
-        return y
+            return lora.project(
+                self.ops, self.o_proj, flat, [("o_proj", 0, self.o_proj.out_features)]
+            )
+        return project(self.ops, self.o_proj, flat)
 
     def _prepare_q_and_write_kv(
         self,

@@ -25,7 +25,10 @@ Invariants:
   device (`LoraSlots.plan`: `order` and `tiles`, kept on the batch for every later layer;
   captured with the graph, no host read) and every group runs the tiled op through `order`,
   reading each adapter once per tile of its rows (SGMV-like); fewer rows keep the gather
-  op (`triton_lora.lora_gather_add`: one launch per group for one or two rows).
+  op (`triton_lora.lora_gather_add`), or, with a linear op (`KernelOps.lora_linear` on
+  CUDA) and a group covering the whole output of a float (not FP8) projection, the layers'
+  `LoraLayer.project` runs projection and deltas as one op (at the GEMV's rows: the shrink,
+  then the GEMV adding the expand as it stores, `triton_lora_epilogue`).
 - A slot's stack rows are zero past its rank and for targets it does not adapt (the gather
   op reads all `max_rank` rows of every target).
 - The delta of a row using slot s on a target is `(x @ A_s.T) @ B_s.T * scale_s`, added to the
@@ -40,8 +43,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import nn
 
-from metrale.kernels import lora_reference
+from metrale.kernels import KernelOps, lora_reference
+from metrale.layers.fp8_linear import project as base_project
 
 #: The projections an adapter may target, in transformers' names.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -161,6 +166,7 @@ class LoraSlots:
         tiles_op: Callable[..., None] | None = None,
         plan_op: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
         plan_min_rows: int = PLAN_MIN_ROWS,
+        linear_op: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         """`shapes`: (layer, target) -> (in features, out features) of each adaptable
         projection; `gather_op`: the device routing's op (`KernelOps.lora_gather_add`);
@@ -168,7 +174,9 @@ class LoraSlots:
         one launch pair per group whatever the slots present, instead of the segment op's
         GEMM pairs per slot (see `route`); `plan_op`: with `tiles_op`
         (`KernelOps.lora_plan` on CUDA), device routing of at least `plan_min_rows` token
-        rows groups them by slot on the device and runs the tiled op (see `plan`)."""
+        rows groups them by slot on the device and runs the tiled op (see `plan`);
+        `linear_op` (`KernelOps.lora_linear` on CUDA): device routing below the plan runs
+        each float projection with its group's deltas through it (`LoraLayer.project`)."""
         if plan_op is not None and tiles_op is None:
             raise ValueError("a LoRA plan op needs the tiled op to run its tiles")
         self.gather_op = gather_op
@@ -178,6 +186,10 @@ class LoraSlots:
         #: Forwards whose device routing was grouped by slot (`plan`): a metric of which op
         #: the decode graphs run (counted at capture, or per eager run).
         self.planned = 0
+        self.linear_op = linear_op
+        #: Projections run with their deltas by `linear_op` (counted at capture, or per eager
+        #: run): where the few-row forms fold the expand into the base GEMV.
+        self.linear_calls = 0
         #: On CUDA, the gather op's barrier counters (int32 zeros, left zero by every call;
         #: the decode graphs' calls are stream-ordered): its one-launch "sync" form needs them.
         self.sync = (
@@ -304,6 +316,50 @@ class LoraLayer:
             return True
         return any(ranks[slot] for slot, _ in batch.groups)
 
+    def _group_at(self, present: list[tuple[str, int, int]]) -> tuple[LoraGroup, int]:
+        """The group whose targets `present` names, side by side in its order, and the first
+        column; an error for any other layout (a wrong add otherwise)."""
+        group = self.slots.groups.get((self.layer_idx, present[0][0]))
+        start = present[0][1]
+        layout = tuple((name, width) for name, _, width in present)
+        contiguous = all(
+            col == start + sum(w for _, _, w in present[:i])
+            for i, (_, col, _) in enumerate(present)
+        )
+        if group is None or layout != tuple(zip(group.targets, group.widths)) or not contiguous:
+            raise ValueError(
+                f"layer {self.layer_idx}: LoRA targets {layout} at columns "
+                f"{[c for _, c, _ in present]} are not one group's layout"
+            )
+        return group, start
+
+    def project(
+        self, ops: KernelOps, proj: nn.Module, x: torch.Tensor,
+        targets: list[tuple[str, int, int]], act: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """`proj`'s output for `x` (with `act`, for `ops.silu_and_mul(x)`: a down
+        projection) with the current forward's deltas of `targets` added (see `add`). Under
+        device routing below the plan, with a linear op, for an `nn.Linear` whose output the
+        targets' group covers: one `linear_op` call (on CUDA at few rows the expand runs in
+        the GEMV's stores); otherwise the projection, then `add`."""
+        slots, batch = self.slots, self.slots.batch
+        present = [t for t in targets if (self.layer_idx, t[0]) in slots.shapes]
+        if batch is not None and batch.groups is None and present:
+            slots.plan(batch)
+            if slots.linear_op is not None and batch.tiles is None and isinstance(proj, nn.Linear):
+                group, start = self._group_at(present)
+                if start == 0 and sum(group.widths) == proj.out_features:
+                    slots.linear_calls += 1
+                    counters = {} if slots.sync is None else {"sync": slots.sync}
+                    return slots.linear_op(
+                        x, proj.weight, proj.bias, group.a, group.b_t, batch.token_slots,
+                        group.scales, group.widths, act=act, **counters,
+                    )  # fmt: skip
+        inp = ops.silu_and_mul(x) if act else x
+        y = base_project(ops, proj, inp)
+        self.add(inp, y, targets)
+        return y
+
     def add(self, x: torch.Tensor, y: torch.Tensor, targets: list[tuple[str, int, int]]) -> None:
         """Add the deltas of `targets` — (name, first column, column count) of `y`, the
         (possibly fused) base output computed from `x` — for the current forward's rows.
@@ -316,18 +372,7 @@ class LoraLayer:
             return
         if batch.groups is None:
             slots.plan(batch)
-            group = slots.groups.get((self.layer_idx, present[0][0]))
-            start = present[0][1]
-            layout = tuple((name, width) for name, _, width in present)
-            contiguous = all(
-                col == start + sum(w for _, _, w in present[:i])
-                for i, (_, col, _) in enumerate(present)
-            )
-            if group is None or layout != tuple(zip(group.targets, group.widths)) or not contiguous:
-                raise ValueError(
-                    f"layer {self.layer_idx}: LoRA targets {layout} at columns "
-                    f"{[c for _, c, _ in present]} are not one group's layout"
-                )
+            group, start = self._group_at(present)
             out = y[:, start : start + sum(group.widths)]
             if batch.tiles is not None and slots.tiles_op is not None:
                 ordered = {} if batch.order is None else {"order": batch.order}

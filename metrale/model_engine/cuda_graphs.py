@@ -28,8 +28,9 @@ Invariants:
   (stream order makes the buffer hold it when the replay runs) and the padding rows' null
   columns already cover the step's Q.
 - A fed replay's input ids are gathered on the device from the previous step's token ids.
-- With LoRA (`lora`), every graph runs the adapters' gather op on every adapted projection,
-  reading each token row's slot from `lora_token_slots` (padding and base rows: -1, no
+- With LoRA (`lora`), every graph runs the adapters' op on every adapted projection (the
+  gather op, the tiled op over the device plan, or at the GEMV's rows `lora_linear`, the
+  expand folded into the projection: `layers/lora.py`), reading each token row's slot from `lora_token_slots` (padding and base rows: -1, no
   delta); without it, a replay whose rows select a slot is refused, never run as the base.
 - Hybrid models (`ssm_layers`): the recurrent layers read each sequence's SSM pool slot from
   the persistent `ssm_slots` buffer (a graph input, staged with the other inputs); padding

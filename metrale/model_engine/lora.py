@@ -250,18 +250,21 @@ class LoraAdapters:
         gather = ops.implementations.get("lora_gather_add", "torch")
         tiled = ops.implementations.get("lora_tiles_add", "torch").startswith("triton")
         planned = tiled and ops.implementations.get("lora_plan", "torch").startswith("triton")
+        folded = ops.implementations.get("lora_linear", "torch").startswith("triton")
         slots = LoraSlots(
             shapes, max_loras, max_lora_rank, dtype, device, gather_op=ops.lora_gather_add,
             tiles_op=ops.lora_tiles_add if tiled else None,
             plan_op=ops.lora_plan if planned else None,
+            linear_op=ops.lora_linear if folded else None,
         )  # fmt: skip
         attach_slots(module, slots)
         self.lora = LoraManager(slots, max_cpu_loras, dtype)
         logger.info(
             "LoRA: %d device slots of rank <= %d over %d projections (%.1f MiB), host cache "
-            "of %d adapters; decode-graph op: %s%s; eager forwards: %s",
+            "of %d adapters; decode-graph op: %s%s%s; eager forwards: %s",
             max_loras, max_lora_rank, len(shapes), slots.nbytes() / 2**20, max_cpu_loras,
             gather, f", rows grouped by slot from {slots.plan_min_rows} rows" if planned else "",
+            ", below that each projection with its deltas in one op (lora_linear)" if folded else "",
             "tiled (triton)" if tiled else "segment GEMMs per slot (torch)",
         )  # fmt: skip
 

@@ -135,6 +135,36 @@ def _launch_everything() -> None:
     _launch_ssm()
     _launch_moe()
     _launch_lora()
+    _launch_gemv_lora()
+
+
+def _launch_gemv_lora() -> None:
+    """The GEMV at Qwen3-8B's four group shapes (bf16, one and two rows, PDL) plain and with
+    the LoRA epilogue (rank 16 over 8 slots) after its shrink (of silu(gate) * up for down),
+    and a split-K GEMV whose reduce kernel adds the epilogue."""
+    from metrale.kernels import triton_gemv as tg
+    from metrale.kernels.triton_lora_epilogue import lora_shrink
+
+    bf, slots, rank = torch.bfloat16, 8, 16
+    groups = (
+        (4096, (4096, 1024, 1024), False),
+        (4096, (4096,), False),
+        (4096, (12288, 12288), False),
+        (12288, (4096,), True),
+    )
+    for fan_in, widths, act in groups:
+        w = torch.empty(sum(widths), fan_in, dtype=bf)
+        a = torch.randn(slots, len(widths), rank, fan_in, dtype=bf)
+        b_t = torch.randn(slots, rank, sum(widths), dtype=bf)
+        scales = torch.ones(slots, len(widths))
+        run = tg.gemv_silu_mul if act else tg.gemv
+        for m in (1, 2):
+            x = torch.randn(m, (2 if act else 1) * fan_in, dtype=bf)
+            token_slots = torch.zeros(m, dtype=torch.int64)
+            run(x, w, None, pdl=True)
+            lora = lora_shrink(x, a, b_t, token_slots, scales, widths, act=act, pdl=True)
+            run(x, w, None, pdl=True, lora=lora)
+        run(x, w, None, config=tg.GemvConfig(split_k=4), lora=lora)
 
 
 def _launch_lora() -> None:

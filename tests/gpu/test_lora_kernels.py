@@ -200,7 +200,9 @@ def test_triton_plan_equals_reference(token_slots: list[int]) -> None:
 def test_lora_decode_graphs_give_each_row_its_adapter(routing: str) -> None:
     """`grouped`: the graphs group the rows by slot on the device (`LoraSlots.plan`, forced
     from one row on) and run the tiled op; `gather`: the per-row gather op (split form, five
-    rows); `few`: two rows, the gather op's few-rows form (`triton_lora.FEW_ROWS_FORM`)."""
+    rows, cuBLAS projections); `few`: two rows, the GEMV's rows: each projection and its
+    deltas in one op (`KernelOps.lora_linear`, the few-rows form `triton_lora.FEW_ROWS_FORM`:
+    by default the expand in the GEMV's stores)."""
     grouped = routing == "grouped"
     variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
     base = build(variant)
@@ -221,6 +223,7 @@ def test_lora_decode_graphs_give_each_row_its_adapter(routing: str) -> None:
         model.lora.slots.gather_op = ops.lora_gather_add
         model.lora.slots.tiles_op = ops.lora_tiles_add
         model.lora.slots.plan_op = ops.lora_plan
+        model.lora.slots.linear_op = ops.lora_linear
     assert model.lora.slots.tiles_op is not None  # the prefill runs the tiled kernels
     assert model.lora.slots.plan_op is not None
     model.lora.slots.plan_min_rows = 1 if grouped else 10**9
@@ -242,3 +245,4 @@ def test_lora_decode_graphs_give_each_row_its_adapter(routing: str) -> None:
     assert model.lora_eager_forwards == 0
     assert model.eager_forwards - eager_before == 1, "only the prefill should run eagerly"
     assert (model.lora.slots.planned > 0) == grouped
+    assert (model.lora.slots.linear_calls > 0) == (not grouped)

@@ -197,3 +197,58 @@ def test_device_routing_groups_many_rows_by_slot_and_equals_the_segment_op() -> 
     assert few.tiles is None and slots.planned == 1 and gathers == [1]
     with pytest.raises(ValueError, match="plan op needs the tiled op"):
         LoraSlots(shapes, 3, 8, torch.float64, cpu, plan_op=lora_reference.lora_plan)
+
+
+def test_project_runs_the_linear_op_below_the_plan_and_equals_project_then_add() -> None:
+    """`LoraLayer.project` under device routing below the plan, with a linear op (reference
+    ops, counted): one call per float projection whose output the group covers (the q/k/v
+    group, and the down projection with `act`), the same values as the projection then
+    `add`; an FP8 projection, eager (segment) routing and planned rows take the old path."""
+    from metrale.kernels import KernelOps
+    from metrale.layers.fp8_linear import Fp8Linear
+
+    g = torch.Generator().manual_seed(13)
+    cpu, f64 = torch.device("cpu"), torch.float64
+    shapes = {
+        (0, "q_proj"): (16, 12), (0, "k_proj"): (16, 4), (0, "v_proj"): (16, 4),
+        (0, "down_proj"): (10, 16),
+    }  # fmt: skip
+    calls: list[bool] = []
+
+    def counting_linear(*args: object, act: bool = False, **kw: object) -> torch.Tensor:
+        calls.append(act)
+        return lora_reference.lora_linear(*args, act=act, **kw)  # type: ignore[arg-type]
+
+    slots = LoraSlots(
+        shapes, 2, 8, f64, cpu, tiles_op=lora_reference.lora_tiles_add,
+        plan_op=lora_reference.lora_plan, plan_min_rows=4, linear_op=counting_linear,
+    )  # fmt: skip
+    for slot, rank in ((0, 8), (1, 3)):
+        slots.write_slot(slot, {
+            key: (torch.randn(rank, fan_in, generator=g, dtype=f64),
+                  torch.randn(out, rank, generator=g, dtype=f64), 0.5 + slot)
+            for key, (fan_in, out) in shapes.items()
+        })  # fmt: skip
+    ops = KernelOps()
+    qkv, down = torch.nn.Linear(16, 20).double(), torch.nn.Linear(10, 16).double()
+    targets = [("q_proj", 0, 12), ("k_proj", 12, 4), ("v_proj", 16, 4)]
+    x, h = torch.randn(3, 16, generator=g, dtype=f64), torch.randn(3, 20, generator=g, dtype=f64)
+    batch = LoraBatch.build([1, -1, 0], [1, 1, 1], cpu)
+    assert batch is not None
+    layer = slots.layer(0)
+    out = {}
+    for name, routed in (("segment", batch), ("device", LoraBatch(batch.token_slots, None))):
+        slots.batch = routed
+        out[name] = (
+            layer.project(ops, qkv, x, targets),
+            layer.project(ops, down, h, [("down_proj", 0, 16)], act=True),
+        )
+    for got, want in zip(out["device"], out["segment"], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == [False, True] and slots.linear_calls == 2
+    fp8 = Fp8Linear(16, 20, None, None, ops, cpu)
+    slots.batch = LoraBatch(batch.token_slots, None)
+    layer.project(ops, fp8, x, targets)  # an FP8 base: projection, then add
+    slots.batch = LoraBatch(torch.tensor([0, 1, 0, -1]), None)  # planned: the tiled op
+    layer.project(ops, qkv, torch.cat([x, x[:1]]), targets)
+    assert slots.planned == 1 and calls == [False, True]
