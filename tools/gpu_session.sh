@@ -32,7 +32,8 @@
 #        fp8kernels (the FP8 GEMV / GEMM alone against bf16 on qwen3-8b shapes, for tuning)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
 #        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check;
-#        SAMPLED=1 adds the sampled ladder (t 0.8, top-p 0.95, top-k 50) and a second greedy one)
+#        SAMPLED=1 adds the sampled ladder (t 0.8, top-p 0.95, top-k 50) and a second greedy one;
+#        SAMPLED_MODES="sampled" runs the sampled ladder alone)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -369,7 +370,7 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
     if [ "${SAMPLED:-0}" = 1 ]; then
       # issue 23: the sampled ladder (t 0.8, top-p 0.95, top-k 50) on the same server,
       # interleaved with a second greedy ladder so drift shows
-      for mode in sampled greedy2 sampled2; do
+      for mode in ${SAMPLED_MODES:-sampled greedy2 sampled2}; do
         stamp "serve qwen3-8b, $mode ladder"
         sargs=""; case $mode in sampled*) sargs="--temperature 0.8 --top-p 0.95 --top-k 50";; esac
         mkdir -p "$OUT/serve-$mode"
