@@ -10,9 +10,9 @@ Invariants:
 - The rows are seeded, so no unseeded uniform is drawn (the sampler's random stream is as
   if the warm-up never ran), and the sampler's path counters are restored afterwards, so
   metrics count only real batches.
-- Paths: greedy (one row), the candidate draw at the two common widths (top-k <= 32 and
-  <= 64) with top-p and min-p on, and the full-row kernel (top-p alone), each at 1 and
-  `rows` rows.
+- Paths: greedy, the candidate draw at the two common widths (top-k <= 32 and <= 64) with
+  each combination of top-p and min-p, and the full-row paths (top-p, top-p with min-p,
+  temperature alone), each at 1 and `rows` rows.
 """
 
 from __future__ import annotations
@@ -27,12 +27,21 @@ from metrale.sampling.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
 
-#: The settings each warm-up batch takes (the common widths and filters of chat clients).
+#: The settings each warm-up batch takes: every specialisation the sampled paths compile for
+#: the common chat-client settings (the candidate kernel's width 64 / 128 with and without
+#: top-p and min-p, the full-row kernel's filters). The first ladder of the H200 run missed
+#: (top-k 50, top-p 0.95, no min-p) and its first request still paid 0.8 s of compilation.
 _SETTINGS = (
     SamplingParams(temperature=0.0),
-    SamplingParams(seed=1, temperature=0.8, top_k=20, top_p=0.95),
-    SamplingParams(seed=2, temperature=0.8, top_k=50, top_p=0.95, min_p=0.05),
+    *(
+        SamplingParams(seed=1, temperature=0.8, top_k=k, top_p=p, min_p=m)
+        for k in (20, 50)
+        for p in (1.0, 0.95)
+        for m in (0.0, 0.05)
+    ),
     SamplingParams(seed=3, temperature=0.7, top_p=0.9),
+    SamplingParams(seed=4, temperature=0.7, top_p=0.9, min_p=0.05),
+    SamplingParams(seed=5, temperature=0.7),
 )
 
 
