@@ -46,11 +46,21 @@ _SETTINGS = (
 
 
 def warm_sampler(sampler: Sampler, vocab: int, device: str, rows: int = 8) -> float:
-    """Run one batch per setting of `_SETTINGS` at 1 and `rows` rows on `device` (a torch
-    device name); returns the seconds (0 and nothing run off CUDA)."""
+    """Run `warm_batches` on `device` (a torch device name) when it is CUDA; returns the
+    seconds (0 and nothing run elsewhere)."""
     if not device.startswith("cuda"):
         return 0.0
     start = time.perf_counter()
+    warm_batches(sampler, vocab, device, rows)
+    seconds = time.perf_counter() - start
+    logger.info("sampler kernels compiled in %.1fs (%d settings at 1 and %d rows)",
+                seconds, len(_SETTINGS), rows)  # fmt: skip
+    return seconds
+
+
+def warm_batches(sampler: Sampler, vocab: int, device: str, rows: int) -> None:
+    """One batch per setting of `_SETTINGS` at 1 and `rows` rows, read back; the sampler's
+    counters are left as they were and no unseeded uniform is drawn."""
     counters = dict(sampler.stats)
     gen = torch.Generator(device=device).manual_seed(0)
     for n in sorted({1, rows}):
@@ -59,7 +69,3 @@ def warm_sampler(sampler: Sampler, vocab: int, device: str, rows: int = 8) -> fl
             sampler.sample(logits, [SamplingRow(params=params) for _ in range(n)]).to_host()
     sampler.stats.clear()
     sampler.stats.update(counters)
-    seconds = time.perf_counter() - start
-    logger.info("sampler kernels compiled in %.1fs (%d settings at 1 and %d rows)",
-                seconds, len(_SETTINGS), rows)  # fmt: skip
-    return seconds
