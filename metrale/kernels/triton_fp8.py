@@ -36,7 +36,7 @@ import triton.language as tl
 
 from metrale.kernels.reference import fp8_block_supported as block_supported
 from metrale.kernels.triton_attention_common import pdl_options
-from metrale.kernels.triton_gemv import _store_rows, _stream_tiles
+from metrale.kernels.triton_gemv_tiles import _store_rows, _stream_tiles
 from metrale.kernels.triton_norm import silu_and_mul
 
 #: Most rows sent to the FP8 GEMV (its register budget allows 8; with the weight stream

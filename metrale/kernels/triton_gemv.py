@@ -26,44 +26,29 @@ Invariants:
   form computes it. Its code is behind the `LORA` constexpr: without it both kernels
   compile to the same machine code as before it existed (sm_90 SASS compared).
 
-Config heuristic (`default_config`, for H100/H200-class parts; only shapes, dtype, alignment and
-the SM count go in):
-- a tile row is 1 KiB of W: `BLOCK_K` = 512 elements for bf16/fp16, 256 for fp32, capped at
-  K's next power of two; `BLOCK_N` = 16 rows when M == 1, else 8; 4 warps. Every thread then
-  holds at most 128 float32 accumulator values (`M * BLOCK_N * BLOCK_K / 128 <= 128`);
-- when M > 4, or when the loads cannot vectorise (K, a row stride or a base address not a
-  multiple of 16 elements / bytes: scalar loads need more registers for addresses), the tile
-  is halved to 8 rows of 512 B. With that, every M and dtype compiles for sm_90 without
-  spills for aligned rows, and with at most two spilled scalars for unaligned ones (checked
-  with ptxas);
-- a 3-stage cp.async pipeline at M == 1 (two W tiles in flight per program, 34 KiB of shared
-  memory), 4 stages for M > 1, so bandwidth does not hinge on how many programs fit on an SM;
-- no split-K by default (measured on the H200: each split shape ran faster unsplit; the
-  `split_k=0` config still picks the split described by `_split_for`, for the benchmark).
-  Qwen3-8B bf16 at M == 1: qkv 384 programs, o_proj 256, gate_up 1536, down 256, lm_head
-  9496; at M == 1 the projections reach 80-109% of the H200's copy bandwidth (cuBLAS 63-100%).
-`candidate_configs` lists the variations `tools/bench_gemv.py` times on the device.
+The launch configuration (`GemvConfig`, the `default_config` heuristic and the
+`candidate_configs` the benchmark times) is in `triton_gemv_config`, re-exported here.
 
-The device helpers that stream W and apply it to the rows (`_stream_tiles`, `_apply_tile`,
-`_store_rows`) also serve `triton_fp8`'s GEMV, whose K-column block scales (`_load_sx`,
-BLOCK_SCALE) and row scales (ROW_SCALE) are constexpr branches this GEMV compiles out.
+The device helpers that stream W and apply it to the rows (`_stream_tiles`, `_store_rows`)
+are in `triton_gemv_tiles`, shared with `triton_fp8`'s GEMV.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import (
-    gdc_launch_dependents,
-    gdc_wait,
-    multiprocessor_count,
-    pdl_options,
+from metrale.kernels.triton_attention_common import multiprocessor_count, pdl_options
+from metrale.kernels.triton_gemv_config import (  # noqa: F401 (re-exported)
+    MAX_M,
+    GemvConfig,
+    _resolve,
+    _split_for,
+    candidate_configs,
+    default_config,
 )
+from metrale.kernels.triton_gemv_tiles import _store_rows, _stream_tiles
 from metrale.kernels.triton_lora_epilogue import (
     LoraEpilogue,
     epilogue_args,
@@ -73,284 +58,9 @@ from metrale.kernels.triton_lora_epilogue import (
     lora_store_rows,
 )
 
-#: Most rows of x one call takes (each row is a separate accumulator in every program).
-MAX_M = 8
-#: Float32 accumulator values one thread may hold (`M * BLOCK_N * BLOCK_K / threads`).
-_ACC_BUDGET = 128
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters of one GEMV (`block_n`, `block_k` powers of two). `split_k=0` means
-    "the heuristic's split for these blocks"; `num_stages=1` is a plain loop, more stages a
-    software pipeline through shared memory. At launch `block_k` is capped at K's next power
-    of two and `split_k` at K's number of tiles."""
-
-    block_n: int = 16
-    block_k: int = 512
-    split_k: int = 0
-    num_warps: int = 4
-    num_stages: int = 3
-
-    def describe(self) -> str:
-        return (
-            f"n{self.block_n}_k{self.block_k}_s{self.split_k}_w{self.num_warps}_st{self.num_stages}"
-        )
-
-    def fits(self, m: int) -> bool:
-        """Whether M rows of accumulators stay within the per-thread register budget."""
-        return m * self.block_n * self.block_k <= _ACC_BUDGET * 32 * self.num_warps
-
-
-def _split_for(n: int, k: int, block_n: int, block_k: int, sms: int) -> int:
-    tiles = triton.cdiv(n, block_n)
-    k_tiles = triton.cdiv(k, block_k)
-    split = 1
-    while tiles * split < 2 * sms and k_tiles >= 4 * (2 * split):
-        split *= 2
-    return split
-
-
-def _resolve(config: GemvConfig, n: int, k: int, dtype: torch.dtype, sms: int) -> GemvConfig:
-    """`config` made concrete for one shape: `block_k` capped (but at least one 16-byte
-    vector per thread of a warp), `split_k` chosen if 0 and capped at K's tiles."""
-    block_k = max(16 // dtype.itemsize, min(config.block_k, triton.next_power_of_2(max(k, 1))))
-    split = config.split_k or _split_for(n, k, config.block_n, block_k, sms)
-    split = max(1, min(split, triton.cdiv(k, block_k)))
-    return replace(config, block_k=block_k, split_k=split)
-
-
-@functools.lru_cache(maxsize=1024)
-def default_config(
-    m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132, aligned: bool = True
-) -> GemvConfig:
-    """The heuristic described in the module docstring, resolved for the shape. `aligned`:
-    whether the loads vectorise (see `_aligned`)."""
-    row_bytes = 1024 if m <= 4 and aligned else 512
-    block_n = 16 if m == 1 and aligned else 8
-    # No split-K: on the H200 every split shape ran slower unsplit-faster (o_proj 11.96 ->
-    # 10.45 us, down 27.12 -> 25.35 us at M = 1; bench/records/*-gemv-*.json), the second
-    # (reduce) kernel costing more than the extra programs gained. M = 2 pipelines 4 stages.
-    stages = 4 if m > 1 else 3
-    config = GemvConfig(block_n, row_bytes // dtype.itemsize, split_k=1, num_stages=stages)
-    return _resolve(config, n, k, dtype, sms)
-
-
-def candidate_configs(
-    m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132
-) -> list[GemvConfig]:
-    """`default_config` first, then variations of it worth timing on a new device (stages,
-    tile height/width, warps, split), resolved for the shape, deduplicated, and only those
-    within the register budget for M."""
-    base = default_config(m, n, k, dtype, sms)
-    free = replace(base, split_k=0)
-    raw = [
-        base,
-        replace(base, num_stages=1),
-        replace(base, num_stages=2),
-        replace(base, num_stages=4),
-        replace(free, block_n=base.block_n * 2),
-        replace(free, block_n=max(1, base.block_n // 2)),
-        replace(free, block_n=base.block_n * 2, num_warps=8),
-        replace(free, block_n=max(1, base.block_n // 2), block_k=base.block_k * 2),
-        replace(base, split_k=1),
-        replace(base, split_k=2 * base.split_k),
-    ]
-    out: list[GemvConfig] = []
-    for config in raw:
-        resolved = _resolve(config, n, k, dtype, sms)
-        if resolved.fits(m) and resolved not in out:
-            out.append(resolved)
-    return out
-
-
 # -------------------------------------------------------------------------------------------
 # Kernels
 # -------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _load_x(ptrs, mask, half, EVEN_K: tl.constexpr, ACT: tl.constexpr):
-    """x at `ptrs` as float32; with ACT, `silu(gate) * up` of the gate/up row (gate at `ptrs`,
-    up `half` elements later), rounded to the input dtype after each step as the reference."""
-    if EVEN_K:
-        a = tl.load(ptrs, eviction_policy="evict_last")
-    else:
-        a = tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_last")
-    if ACT:
-        if EVEN_K:
-            u = tl.load(ptrs + half, eviction_policy="evict_last")
-        else:
-            u = tl.load(ptrs + half, mask=mask, other=0.0, eviction_policy="evict_last")
-        g = a.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(a.dtype).to(tl.float32)
-        out = (act * u.to(tl.float32)).to(a.dtype).to(tl.float32)
-    else:
-        out = a.to(tl.float32)
-    return out
-
-
-@triton.jit
-def _fma_row(acc, w, ptrs, mask, half, sx, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-             X2D: tl.constexpr, BLOCK_SCALE: tl.constexpr):  # fmt: skip
-    """`acc + w * x` for one row of x: `[BLOCK_N, BLOCK_K]` elementwise, no reduction (x
-    times the tile's K-column scales `sx` with BLOCK_SCALE: `triton_fp8`'s block scales)."""
-    x = _load_x(ptrs, mask, half, EVEN_K, ACT)
-    if BLOCK_SCALE:
-        x = x * sx
-    if X2D:
-        out = acc + w * x
-    else:
-        out = acc + w * x[None, :]
-    return out
-
-
-@triton.jit
-def _zero_accs(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The 8 row accumulators (`[BLOCK_N, BLOCK_K]` float32 zeros; rows past M stay unused)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    return acc, acc, acc, acc, acc, acc, acc, acc
-
-
-@triton.jit
-def _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K: tl.constexpr):
-    """The `[BLOCK_N, BLOCK_K]` W tile at K offset `k`, as float32 (streamed: evict-first)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-    else:
-        k_mask = (k + offs_k) < k_hi
-        w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy="evict_first")
-    return w.to(tl.float32)
-
-
-@triton.jit
-def _apply_tile(
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, x_mask, stride_xm, half, sx,
-    M: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr,
-    BLOCK_SCALE: tl.constexpr,
-):  # fmt: skip
-    """One W tile applied to each of the M rows of x (accumulators past M untouched)."""
-    acc0 = _fma_row(acc0, w, x_ptrs, x_mask, half, sx, EVEN_K, ACT, X2D, BLOCK_SCALE)
-    if M > 1:
-        acc1 = _fma_row(acc1, w, x_ptrs + stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 2:
-        acc2 = _fma_row(acc2, w, x_ptrs + 2 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 3:
-        acc3 = _fma_row(acc3, w, x_ptrs + 3 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 4:
-        acc4 = _fma_row(acc4, w, x_ptrs + 4 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 5:
-        acc5 = _fma_row(acc5, w, x_ptrs + 5 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 6:
-        acc6 = _fma_row(acc6, w, x_ptrs + 6 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    if M > 7:
-        acc7 = _fma_row(acc7, w, x_ptrs + 7 * stride_xm, x_mask, half, sx, EVEN_K, ACT, X2D,
-                        BLOCK_SCALE)  # fmt: skip
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
-
-
-@triton.jit
-def _store_row(out_ptr, b_ptr, s_ptr, acc, row, offs_n, n_mask, stride_om,
-               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, ROW_SCALE: tl.constexpr):  # fmt: skip
-    """Reduce `acc` over K and store it as row `row` of the output (ROW_SCALE: times the
-    output rows' scales at `s_ptr`, `triton_fp8`'s row scales; PARTIAL: float32, into this
-    split's slice of the workspace, bias left to the reduction)."""
-    y = tl.sum(acc, axis=1)
-    if ROW_SCALE:
-        y = y * tl.load(s_ptr + offs_n, mask=n_mask, other=0.0)
-    if PARTIAL:
-        tl.store(out_ptr + row * stride_om + offs_n, y, mask=n_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
-def _store_rows(
-    out_ptr, b_ptr, s_ptr, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, offs_n, n_mask,
-    stride_om, M: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-    ROW_SCALE: tl.constexpr,
-):  # fmt: skip
-    """`_store_row` of each of the M rows."""
-    _store_row(out_ptr, b_ptr, s_ptr, acc0, 0, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-               ROW_SCALE)  # fmt: skip
-    if M > 1:
-        _store_row(out_ptr, b_ptr, s_ptr, acc1, 1, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 2:
-        _store_row(out_ptr, b_ptr, s_ptr, acc2, 2, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 3:
-        _store_row(out_ptr, b_ptr, s_ptr, acc3, 3, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 4:
-        _store_row(out_ptr, b_ptr, s_ptr, acc4, 4, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 5:
-        _store_row(out_ptr, b_ptr, s_ptr, acc5, 5, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 6:
-        _store_row(out_ptr, b_ptr, s_ptr, acc6, 6, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-    if M > 7:
-        _store_row(out_ptr, b_ptr, s_ptr, acc7, 7, offs_n, n_mask, stride_om, HAS_BIAS, PARTIAL,
-                   ROW_SCALE)  # fmt: skip
-
-
-@triton.jit
-def _load_sx(s_row_ptr, k, offs_k, K, BLOCK_K: tl.constexpr, BI: tl.constexpr,
-             BLOCK_SCALE: tl.constexpr):  # fmt: skip
-    """The block scales of the tile's K columns (`[BLOCK_K]`; 1.0 without block scales)."""
-    if BLOCK_SCALE:
-        kk = k + offs_k
-        sx = tl.load(s_row_ptr + kk // BI, mask=kk < K, other=0.0, eviction_policy="evict_last")
-    else:
-        sx = tl.full([BLOCK_K], 1.0, tl.float32)
-    return sx
-
-
-@triton.jit
-def _stream_tiles(
-    w_ptrs, x_ptrs, s_row_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half,
-    M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-    BI: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """The W tiles of K range `[k_lo, k_hi)` (and, BLOCK_SCALE, their K-column scales from
-    `s_row_ptr`) applied to the M rows of x: the 8 row accumulators. The first tile is peeled
-    off the loop and loaded before waiting on the previous kernel (PDL): W does not depend on
-    it, so its latency hides behind that kernel's tail; once the loads are done the next
-    kernel may launch."""
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _zero_accs(BLOCK_N, BLOCK_K)
-    w = _load_w(w_ptrs, k_lo, offs_k, k_hi, EVEN_K)
-    sx = _load_sx(s_row_ptr, k_lo, offs_k, k_hi, BLOCK_K, BI, BLOCK_SCALE)
-    if PDL:
-        gdc_wait()
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k_lo + x_offs) < k_hi,
-        stride_xm, half, sx, M, EVEN_K, ACT, X2D, BLOCK_SCALE,
-    )  # fmt: skip
-    w_ptrs += BLOCK_K
-    x_ptrs += BLOCK_K
-    for k in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=STAGES):
-        w = _load_w(w_ptrs, k, offs_k, k_hi, EVEN_K)
-        sx = _load_sx(s_row_ptr, k, offs_k, k_hi, BLOCK_K, BI, BLOCK_SCALE)
-        acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _apply_tile(
-            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, w, x_ptrs, (k + x_offs) < k_hi,
-            stride_xm, half, sx, M, EVEN_K, ACT, X2D, BLOCK_SCALE,
-        )  # fmt: skip
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if PDL:
-        gdc_launch_dependents()
-    return acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7
 
 
 @triton.jit

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
+from metrale.kernels.triton_gemv_tiles import _load_x
 from metrale.kernels.triton_lora import _K_PER_SPLIT, _MAX_SPLITS, _Geometry, _geometry
 
 
@@ -52,21 +53,6 @@ class LoraEpilogue(NamedTuple):
 
 
 @triton.jit
-def _load_act(ptrs, mask, half, ACT: tl.constexpr):
-    """x at `ptrs` as float32; with ACT, `silu(gate) * up` (gate at `ptrs`, up `half` later),
-    rounded to the input dtype after each step, as `triton_gemv._load_x`."""
-    a = tl.load(ptrs, mask=mask, other=0.0)
-    if ACT:
-        u = tl.load(ptrs + half, mask=mask, other=0.0)
-        g = a.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(a.dtype).to(tl.float32)
-        out = (act * u.to(tl.float32)).to(a.dtype).to(tl.float32)
-    else:
-        out = a.to(tl.float32)
-    return out
-
-
-@triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, part_ptr,
     K, R, k_per_split, half, stride_x, stride_as, stride_at, stride_ar,
@@ -75,7 +61,8 @@ def _lora_shrink_kernel(
 ):  # fmt: skip
     """Grid `(rows, SPLITS)`: `part[t, sp, j * BLOCK_R + r] = sum over split sp's K range of
     A[slot_t, j, r, k] * x[t, k]` (zeros for base rows, whose A is never read); the loop of
-    `triton_lora._lora_shrink`, with the activation computed while loading x under ACT."""
+    `triton_lora._lora_shrink`, with the activation computed while loading x under ACT
+    (`triton_gemv_tiles._load_x`, as the GEMV computes it)."""
     t = tl.program_id(0)
     sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -91,12 +78,12 @@ def _lora_shrink_kernel(
     av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
     pdl_enter(PDL)  # x is the chain's: only after the wait
     x_row = x_ptr + t * stride_x
-    xv = _load_act(x_row + k, k_mask, half, ACT)
+    xv = _load_x(x_row + k, k_mask, half, False, ACT)
     acc = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xt = _load_act(x_row + k, k_mask, half, ACT)
+        xt = _load_x(x_row + k, k_mask, half, False, ACT)
         at = tl.load(
             rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
@@ -212,7 +199,7 @@ def _lora_store_row(
     SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """`triton_gemv._store_row` (unsplit) with row `row`'s LoRA delta added."""
+    """`triton_gemv_tiles._store_row` (unsplit) with row `row`'s LoRA delta added."""
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -231,7 +218,7 @@ def lora_store_rows(
     SPLITS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """`triton_gemv._store_rows` (unsplit, no row scales) with each row's LoRA delta (B
+    """`triton_gemv_tiles._store_rows` (unsplit, no row scales) with each row's LoRA delta (B
     tiles `bv0..` from `lora_load_bs`)."""
     _lora_store_row(out_ptr, b_ptr, acc0, bv0, 0, offs_n, n_mask, stride_om, part_ptr,
                     slots_ptr, scales_ptr, R, n1, n2, stride_ss, HAS_BIAS, T, SPLITS, SPLITS_P2,
