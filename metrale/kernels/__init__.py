@@ -132,15 +132,7 @@ def kernels_for(
         lean: dict[str, Callable] = {}
         projections = cpu_linear.make(cpu_linear.mode_from_env())
         if projections is not None:
-            name = (
-                "+".join(
-                    p
-                    for p, on in (("gemv", projections.gemv), ("onednn", projections.onednn))
-                    if on
-                )
-                or "torch"
-            )
-            impls.update(linear=name, silu_mul_linear=name)
+            impls.update(linear=projections.name, silu_mul_linear=projections.name)
             lean["linear"] = projections.linear
             lean["silu_mul_linear"] = projections.silu_mul_linear
             lean["counters"] = projections.counters

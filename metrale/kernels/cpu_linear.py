@@ -8,13 +8,16 @@ with `make`), and `CpuLinear.counters` their calls by path. The environment pick
 `METRALE_CPU_LINEAR` (`MODES`): `auto` (default: the C kernel for float32 batches of at most
 `cpu_gemv.MAX_ROWS` rows over weights of at least `MIN_ELEMENTS`, oneDNN for the rest of
 those weights), `gemv` (the C kernel for every float32 few-row batch, whatever the weight's
-size: the tests force it on tiny models so), `onednn` (no C kernel) or `torch` (`F.linear`).
+size: the tests force it on tiny models so), `packed` (`auto`, with oneDNN reading weights it
+reordered into its own blocked layout, kept beside the dense ones: opt-in, since it holds a
+second copy of every such weight), `onednn` (no C kernel) or `torch` (`F.linear`).
 
 Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, MKL's float32 GEMV reads
 weights at ~12 GB/s, oneDNN at ~15-20 GB/s, the C kernel at ~25-30 GB/s on one thread (what a
 plain `tensor.sum()` reads), and a one-stream decode step of a model beyond the last-level cache
 is bound by those reads; above a few rows oneDNN's blocked GEMM, which reuses each weight
-across rows, is the faster (`tools/bench_cpu_gemv.py`, bench/records/*-cpu-gemv-*).
+across rows, is the faster (`tools/bench_cpu_gemv.py`, bench/records/*-cpu-gemv-*), and faster
+again from its blocked layout (16 rows: ~10 against ~15 ms for the small model's step).
 
 Invariants:
 - The same function as `reference.linear` in float32 arithmetic (no reduced precision): the
@@ -22,6 +25,10 @@ Invariants:
 - A weight below `MIN_ELEMENTS` (in `auto` mode), any dtype but float32/bfloat16, a dtype
   mismatch, an empty batch, a 1-D input or a non-contiguous weight runs `F.linear` (stated
   here, counted as `torch`). bfloat16 never takes the C kernel (oneDNN's bf16 path is fast).
+- `packed` mode: a weight is reordered on its first call above the few-row bound and the copy
+  is kept while the weight lives and is unchanged (weakly keyed with its version counter; an
+  inference-mode weight, which has no version counter, is not packed and runs the dense path).
+  Reordering changes the layout oneDNN reads, not the arithmetic it does (float32 still).
 - If the C kernel cannot be built (`cpu_gemv.GemvUnavailable`), `make` logs why once and the
   few-row batches it would have taken run oneDNN (or `F.linear`), each counted as
   `gemv_unavailable` besides its path: never silent.
@@ -32,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +54,10 @@ _DTYPES = (torch.float32, torch.bfloat16)
 #: spends on them (oneDNN's crossover, measured by hand here, lies between 65K and 131K).
 MIN_ELEMENTS = 131072
 #: `METRALE_CPU_LINEAR` values.
-MODES = ("auto", "gemv", "onednn", "torch")
+MODES = ("auto", "gemv", "packed", "onednn", "torch")
+#: The batch size oneDNN's weight reorder is told to expect in `packed` mode (a decode step of
+#: many sequences; prefill chunks use the same packed weights).
+PACK_BATCH = 16
 
 
 def available() -> bool:
@@ -71,13 +82,29 @@ class CpuLinear:
         onednn: bool,
         gemv_min_elements: int = MIN_ELEMENTS,
         gemv_wanted: bool = True,
+        packed: bool = False,
     ) -> None:
         self.gemv = gemv
+        #: id(weight) -> (a weak reference to it, its version, oneDNN's reordered copy), in
+        #: `packed` mode (None otherwise); an entry leaves with its weight.
+        self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] | None = (
+            {} if packed and onednn else None
+        )
         self.onednn = onednn
         self.gemv_min_elements = gemv_min_elements
         #: Few-row batches count as `gemv_unavailable` when the kernel was wanted but is None.
         self._gemv_missing = gemv_wanted and gemv is None
         self.counts = {"gemv": 0, "onednn": 0, "torch": 0, "gemv_unavailable": 0}
+        if self._packs is not None:
+            self.counts["onednn_packed"] = 0
+
+    @property
+    def name(self) -> str:
+        """The paths in words, for `KernelOps.implementations`: "gemv+onednn", "onednn", ..."""
+        paths = [p for p, on in (("gemv", self.gemv), ("onednn", self.onednn)) if on]
+        if self._packs is not None:
+            paths[-1] += "-packed"
+        return "+".join(paths) or "torch"
 
     def counters(self) -> dict[str, int]:
         """Calls by path, as `cpu_projection_<path>` (the model's forward counters)."""
@@ -118,9 +145,30 @@ class CpuLinear:
             return F.linear(x, weight, bias)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        counts["onednn"] += 1
+        if self._packs is not None and not weight.is_inference():
+            counts["onednn_packed"] += 1
+            weight = self._packed(weight)
+        else:
+            counts["onednn"] += 1
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.reshape(*lead, weight.shape[0])
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        packs = self._packs
+        assert packs is not None
+        key = id(weight)
+        kept = packs.get(key)
+        if kept is not None and kept[0]() is weight and kept[1] == weight._version:
+            return kept[2]
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+
+        def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            entry = packs.get(key)
+            if entry is not None and entry[0] is ref:
+                del packs[key]
+
+        packs[key] = (weakref.ref(weight, forget), weight._version, reordered)
+        return reordered
 
     def silu_mul_linear(
         self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -139,7 +187,7 @@ def make(mode: str) -> CpuLinear | None:
     if not onednn:
         logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
     gemv = None
-    if mode in ("auto", "gemv"):
+    if mode in ("auto", "gemv", "packed"):
         start = time.perf_counter()
         try:
             gemv = cpu_gemv.load_gemv()
@@ -160,7 +208,13 @@ def make(mode: str) -> CpuLinear | None:
             )  # fmt: skip
     elif onednn:
         logger.info("kernels: CPU projections by oneDNN (METRALE_CPU_LINEAR=onednn)")
+    if mode == "packed" and onednn:
+        logger.info(
+            "kernels: oneDNN reads reordered copies of the weights above %d rows "
+            "(METRALE_CPU_LINEAR=packed: a second copy of each weight of >= %d elements)",
+            cpu_gemv.MAX_ROWS, MIN_ELEMENTS,
+        )  # fmt: skip
     return CpuLinear(
         gemv, onednn, gemv_min_elements=0 if mode == "gemv" else MIN_ELEMENTS,
-        gemv_wanted=mode in ("auto", "gemv"),
+        gemv_wanted=mode in ("auto", "gemv", "packed"), packed=mode == "packed",
     )  # fmt: skip

@@ -182,3 +182,28 @@ def test_build_is_cached_by_source_compiler_and_cpu(tmp_path: Path) -> None:
     stamp = first.stat().st_mtime_ns
     assert cpu_gemv.build(tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_packed_mode_reorders_each_weight_once_and_follows_changes(
+    gemv: cpu_gemv.CpuGemv,
+) -> None:
+    proj = cpu_linear.CpuLinear(gemv, onednn=True, packed=True)
+    assert proj.name == "gemv+onednn-packed"
+    g = torch.Generator().manual_seed(11)
+    w = torch.nn.Parameter(torch.randn(640, 256, generator=g), requires_grad=False)
+    b = torch.randn(640, generator=g)
+    x = torch.randn(9, 256, generator=g)
+    torch.testing.assert_close(proj.linear(x, w, b), F.linear(x, w, b), **_F32)
+    assert proj._packs is not None and len(proj._packs) == 1
+    first = next(iter(proj._packs.values()))[2]
+    proj.linear(x, w, b)
+    assert next(iter(proj._packs.values()))[2] is first  # kept, not reordered again
+    with torch.no_grad():
+        w.mul_(2)  # changed in place: the next call reorders the new values
+    torch.testing.assert_close(proj.linear(x, w, b), F.linear(x, w, b), **_F32)
+    assert next(iter(proj._packs.values()))[2] is not first
+    assert proj.counts["onednn_packed"] == 3 and proj.counts["onednn"] == 0
+    torch.testing.assert_close(proj.linear(x[:2], w), F.linear(x[:2], w), **_F32)
+    assert proj.counts["gemv"] == 1  # few rows still take the C kernel
+    del w
+    assert not proj._packs  # the copy leaves with its weight
