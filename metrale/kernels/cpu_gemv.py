@@ -16,9 +16,11 @@ Invariants:
   fused multiply-adds, 32 partial sums per output combined in one fixed order, so a row's
   result depends neither on the other rows of the call nor on the thread count. It differs
   from MKL's by float32 summation order only (~1e-6 relative).
-- The shared object is cached under `cache_dir()` by a digest of the source, the compiler's
-  version, the flags and the CPU's flags (`-march=native` code only runs where it was built);
-  it is written to a temporary name and renamed, so concurrent processes never load half a file.
+- The shared object is cached under `cache_dir()` (or, when that cannot be written, a
+  per-user directory under the system's temporary directory) by a digest of the source, the
+  compiler's version, the flags and the CPU's flags (`-march=native` code only runs where it
+  was built); it is written to a temporary name and renamed, so concurrent processes never
+  load half a file.
 - A failed build raises `GemvUnavailable` naming the command and its error; the caller logs it
   and counts the projections that run oneDNN instead (never silent).
 - Threads: the kernel runs in torch's own OpenMP runtime (the one `libgomp.so.1` torch loaded)
@@ -58,6 +60,10 @@ def cache_dir() -> Path:
     return Path(base) / "metrale" / "cpu_kernels"
 
 
+def _temporary_cache() -> Path:
+    return Path(tempfile.gettempdir()) / f"metrale-cpu-kernels-{os.getuid()}"
+
+
 def _cpu_flags() -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -92,16 +98,24 @@ def build(directory: Path | None = None) -> Path:
     for part in (source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
-    directory = directory or cache_dir()
-    target = directory / f"cpu_gemv-{digest.hexdigest()[:20]}.so"
-    if target.exists():
-        return target
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cpu_gemv-", suffix=".so", dir=directory)
-    except OSError as exc:
-        raise GemvUnavailable(f"cannot write the kernel cache {directory}: {exc}") from exc
-    os.close(fd)
+    name = f"cpu_gemv-{digest.hexdigest()[:20]}.so"
+    # An unwritable default cache (a read-only home) falls back to the temporary directory.
+    places = [directory] if directory else [cache_dir(), _temporary_cache()]
+    for place in places:
+        if (place / name).exists():
+            return place / name
+    for place in places:
+        try:
+            place.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".cpu_gemv-", suffix=".so", dir=place)
+        except OSError as exc:
+            error = exc
+            continue
+        os.close(fd)
+        target = place / name
+        break
+    else:
+        raise GemvUnavailable(f"cannot write the kernel cache {places[-1]}: {error}")
     cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -8,16 +8,17 @@ with `make`), and `CpuLinear.counters` their calls by path. The environment pick
 `METRALE_CPU_LINEAR` (`MODES`): `auto` (default: the C kernel for float32 batches of at most
 `cpu_gemv.MAX_ROWS` rows over weights of at least `MIN_ELEMENTS`, oneDNN for the rest of
 those weights), `gemv` (the C kernel for every float32 few-row batch, whatever the weight's
-size: the tests force it on tiny models so), `packed` (`auto`, with oneDNN reading weights it
-reordered into its own blocked layout, kept beside the dense ones: opt-in, since it holds a
-second copy of every such weight), `onednn` (no C kernel) or `torch` (`F.linear`).
+size: the tests force it on tiny models so), `packed` (`auto` with the C kernel up to
+`PACKED_GEMV_MAX_ROWS` rows, and above them oneDNN reading weights it reordered into its own
+blocked layout, kept beside the dense ones: opt-in, since it holds a second copy of every such
+weight), `onednn` (no C kernel) or `torch` (`F.linear`).
 
 Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, MKL's float32 GEMV reads
 weights at ~12 GB/s, oneDNN at ~15-20 GB/s, the C kernel at ~25-30 GB/s on one thread (what a
 plain `tensor.sum()` reads), and a one-stream decode step of a model beyond the last-level cache
 is bound by those reads; above a few rows oneDNN's blocked GEMM, which reuses each weight
 across rows, is the faster (`tools/bench_cpu_gemv.py`, bench/records/*-cpu-gemv-*), and faster
-again from its blocked layout (16 rows: ~10 against ~15 ms for the small model's step).
+again from its blocked layout (16 rows: 7.5 against 10.9 ms for the small model's step).
 
 Invariants:
 - The same function as `reference.linear` in float32 arithmetic (no reduced precision): the
@@ -58,6 +59,11 @@ MODES = ("auto", "gemv", "packed", "onednn", "torch")
 #: The batch size oneDNN's weight reorder is told to expect in `packed` mode (a decode step of
 #: many sequences; prefill chunks use the same packed weights).
 PACK_BATCH = 16
+#: In `packed` mode the C kernel takes batches of at most this many rows: from 3 rows oneDNN's
+#: reordered weights are the faster (the small model's step, one thread: 2 rows 3.85 ms C
+#: kernel against 4.23 packed, 3 rows 4.53 against 4.11, 4 rows 5.55 against 4.55; dense
+#: oneDNN 7.4-8.2; bench/records/20261202T042114-cpu-gemv-* and …T042125…).
+PACKED_GEMV_MAX_ROWS = 2
 
 
 def available() -> bool:
@@ -85,6 +91,8 @@ class CpuLinear:
         packed: bool = False,
     ) -> None:
         self.gemv = gemv
+        #: Batches of at most this many rows take the C kernel.
+        self.gemv_max_rows = PACKED_GEMV_MAX_ROWS if packed and onednn else cpu_gemv.MAX_ROWS
         #: id(weight) -> (a weak reference to it, its version, oneDNN's reordered copy), in
         #: `packed` mode (None otherwise); an entry leaves with its weight.
         self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] | None = (
@@ -129,7 +137,7 @@ class CpuLinear:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if (
-            flat.shape[0] <= cpu_gemv.MAX_ROWS
+            flat.shape[0] <= self.gemv_max_rows
             and x.dtype == torch.float32
             and size >= self.gemv_min_elements
         ):
@@ -187,6 +195,7 @@ def make(mode: str) -> CpuLinear | None:
     if not onednn:
         logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
     gemv = None
+    rows = PACKED_GEMV_MAX_ROWS if mode == "packed" and onednn else cpu_gemv.MAX_ROWS
     if mode in ("auto", "gemv", "packed"):
         start = time.perf_counter()
         try:
@@ -196,12 +205,12 @@ def make(mode: str) -> CpuLinear | None:
                 "kernels: the CPU few-row projection kernel is unavailable (%s); batches of "
                 "<= %d rows run %s instead (slower), counted as "
                 "metrale_cpu_projections{path=\"gemv_unavailable\"}",
-                exc, cpu_gemv.MAX_ROWS, "oneDNN" if onednn else "F.linear",
+                exc, rows, "oneDNN" if onednn else "F.linear",
             )  # fmt: skip
         else:
             logger.info(
                 "kernels: CPU projections of <= %d float32 rows by the C GEMV (%s, %.2f s)%s; "
-                "more rows by %s", cpu_gemv.MAX_ROWS, gemv.path.name,
+                "more rows by %s", rows, gemv.path.name,
                 time.perf_counter() - start,
                 "" if mode == "gemv" else f" for weights of >= {MIN_ELEMENTS} elements",
                 "oneDNN" if onednn else "F.linear",
@@ -212,7 +221,7 @@ def make(mode: str) -> CpuLinear | None:
         logger.info(
             "kernels: oneDNN reads reordered copies of the weights above %d rows "
             "(METRALE_CPU_LINEAR=packed: a second copy of each weight of >= %d elements)",
-            cpu_gemv.MAX_ROWS, MIN_ELEMENTS,
+            rows, MIN_ELEMENTS,
         )  # fmt: skip
     return CpuLinear(
         gemv, onednn, gemv_min_elements=0 if mode == "gemv" else MIN_ELEMENTS,

@@ -12,6 +12,8 @@ error), a kernel that cannot be built is logged and its batches counted as `gemv
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -204,6 +206,23 @@ def test_packed_mode_reorders_each_weight_once_and_follows_changes(
     assert next(iter(proj._packs.values()))[2] is not first
     assert proj.counts["onednn_packed"] == 3 and proj.counts["onednn"] == 0
     torch.testing.assert_close(proj.linear(x[:2], w), F.linear(x[:2], w), **_F32)
-    assert proj.counts["gemv"] == 1  # few rows still take the C kernel
+    assert proj.counts["gemv"] == 1  # up to PACKED_GEMV_MAX_ROWS rows still take the C kernel
+    proj.linear(x[:3], w)
+    assert proj.counts["gemv"] == 1 and proj.counts["onednn_packed"] == 4
     del w
     assert not proj._packs  # the copy leaves with its weight
+
+
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("METRALE_KERNEL_CACHE", str(blocker / "cache"))  # cannot be made
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    try:
+        built = cpu_gemv.build()
+    except cpu_gemv.GemvUnavailable as exc:  # pragma: no cover - depends on the machine
+        pytest.skip(f"no C compiler here: {exc}")
+    assert built.parent == tmp_path / "tmp" / f"metrale-cpu-kernels-{os.getuid()}"
+    assert cpu_gemv.build() == built  # found there the next time
