@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ def main() -> None:
             "client": "peers_cpu/run.py (streaming /v1/completions, token-id prompts, greedy, "
             "ignore_eos)",
             "metrale": "metrale serve DIR (float32, CPU; engine threads by its policy)",
+            "metrale_args": os.environ.get("METRALE_ARGS", ""),
+            "metrale_cpu_linear": os.environ.get("METRALE_CPU_LINEAR", "auto"),
             "peers": "llama-server (f32 GGUF, -t 2) and vLLM-CPU (float32), started by run.py",
             "busy_core": args.busy == "1",
         },

@@ -68,6 +68,9 @@ class EngineSnapshot:
     #: The sampler's path counters (`Sampler.stats`: batches by path, re-routed rows,
     #: full-row batches by reason).
     sampler: dict[str, int] = field(default_factory=dict)
+    #: The CPU projections' calls by path (`gemv`, `onednn`, `torch`, and `gemv_unavailable`
+    #: for few-row batches the C kernel would have run; `kernels.cpu_linear`); empty off the CPU.
+    cpu_projections: dict[str, int] = field(default_factory=dict)
 
 
 class SnapshotTaker:
@@ -104,6 +107,11 @@ class SnapshotTaker:
             sampler=dict(engine.sampler.stats),
             num_speculative_tokens=engine.speculation.k,
             lora=engine.lora_stats(),
+            cpu_projections={
+                k.removeprefix("cpu_projection_"): v
+                for k, v in counters.items()
+                if k.startswith("cpu_projection_")
+            },
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:

@@ -1,5 +1,5 @@
-"""Hot ops chosen by device: the torch references on the CPU (projections through oneDNN,
-`cpu_linear`; norms, rotary + KV write and decode attention in `cpu_ops`' lean forms), Triton kernels on CUDA where a kernel exists and pays.
+"""Hot ops chosen by device: the torch references on the CPU (projections by our few-row C GEMV
+and oneDNN, `cpu_linear`; norms, rotary + KV write and decode attention in `cpu_ops`' lean forms), Triton kernels on CUDA where a kernel exists and pays.
 
 Owner: kernels. Layers receive a `KernelOps` at construction and call through it; nothing
 here is global or mutable after selection.
@@ -23,6 +23,10 @@ from metrale.errors import InvalidRequestError
 from metrale.kernels import lora_reference, reference, ssm_reference
 
 logger = logging.getLogger(__name__)
+
+
+def _no_counters() -> dict[str, int]:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class KernelOps:
     # A base projection plus one LoRA group's deltas (few rows on CUDA: the expand folded
     # into the GEMV's stores, `triton_lora_epilogue`).
     lora_linear: Callable = lora_reference.lora_linear
+    #: The ops' own counters (`{name: count}`, merged into the model's forward counters): the
+    #: CPU projections' calls by path (`cpu_linear.CpuLinear.counters`); empty elsewhere.
+    counters: Callable[[], dict[str, int]] = _no_counters
     #: op name -> "torch" | "triton" | "triton+pdl", for logs, metrics and benchmark records.
     implementations: dict[str, str] = field(default_factory=dict)
 
@@ -98,7 +105,7 @@ def kernels_for(
             )
         from metrale.kernels import invariant
 
-        names = [f.name for f in fields(KernelOps) if f.name != "implementations"]
+        names = [f.name for f in fields(KernelOps) if f.name not in ("implementations", "counters")]
         impls = dict.fromkeys(names, "torch")
         impls.update(linear="invariant", silu_mul_linear="invariant", paged_attention="invariant")
         logger.info("kernels: batch-invariant projections and attention (CPU)")
@@ -122,21 +129,18 @@ def kernels_for(
             ops = triton_kernel_ops(pdl=pdl)
             logger.info("kernels: %s", ops.implementations)
             return ops
-    names = [f.name for f in fields(KernelOps) if f.name != "implementations"]
+    names = [f.name for f in fields(KernelOps) if f.name not in ("implementations", "counters")]
     impls = dict.fromkeys(names, "torch")
     if device.type == "cpu":
         from metrale.kernels import cpu_linear
 
         lean: dict[str, Callable] = {}
-        if os.environ.get("METRALE_CPU_LINEAR", "onednn") == "torch":
-            logger.info("kernels: CPU projections by F.linear (METRALE_CPU_LINEAR=torch)")
-        elif not cpu_linear.available():
-            logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
-        else:
-            impls.update(linear="onednn", silu_mul_linear="onednn")
-            logger.info("kernels: CPU projections by oneDNN (float32/bfloat16; others F.linear)")
-            lean["linear"] = cpu_linear.linear
-            lean["silu_mul_linear"] = cpu_linear.silu_mul_linear
+        projections = cpu_linear.make(cpu_linear.mode_from_env())
+        if projections is not None:
+            impls.update(linear=projections.name, silu_mul_linear=projections.name)
+            lean["linear"] = projections.linear
+            lean["silu_mul_linear"] = projections.silu_mul_linear
+            lean["counters"] = projections.counters
         if os.environ.get("METRALE_CPU_OPS", "lean") == "torch":
             logger.info("kernels: CPU norms, rotary and decode attention by the references "
                         "(METRALE_CPU_OPS=torch)")  # fmt: skip

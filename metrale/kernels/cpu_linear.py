@@ -1,34 +1,69 @@
-"""Projections on the CPU through oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise`
-over the dense weights as they are), instead of `F.linear`'s MKL GEMM.
+"""Projections on the CPU: batches of a few rows (decode) by our C GEMV (`cpu_gemv`), larger ones
+through oneDNN's inner product (`torch.ops.mkldnn._linear_pointwise` over the dense weights as
+they are), instead of `F.linear`'s MKL GEMM.
 
-Owner: kernels. `linear` and `silu_mul_linear` are the CPU entries of `KernelOps.linear` and
-`KernelOps.silu_mul_linear` (`kernels_for` on a CPU device), unless the environment sets
-`METRALE_CPU_LINEAR=torch` or this torch build lacks the op (then the torch reference, logged).
+Owner: kernels. `CpuLinear.linear` and `CpuLinear.silu_mul_linear` are the CPU entries of
+`KernelOps.linear` and `KernelOps.silu_mul_linear` (`kernels_for` on a CPU device builds one
+with `make`), and `CpuLinear.counters` their calls by path. The environment picks the mode,
+`METRALE_CPU_LINEAR` (`MODES`): `auto` (default: the C kernel for float32 batches of at most
+`cpu_gemv.MAX_ROWS` rows over weights of at least `MIN_ELEMENTS`, oneDNN for the rest of
+those weights), `gemv` (the C kernel for every float32 few-row batch, whatever the weight's
+size: the tests force it on tiny models so), `packed` (`auto` with the C kernel up to
+`PACKED_GEMV_MAX_ROWS` rows, and above them oneDNN reading weights it reordered into its own
+blocked layout, kept beside the dense ones: opt-in, since it holds a second copy of every such
+weight), `onednn` (no C kernel) or `torch` (`F.linear`).
 
-Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, oneDNN reads the weights
-about twice as fast as MKL's float32 GEMV, at one row and at 16-256 rows alike
-(`tools/bench_cpu_gemv.py`, bench/records/20261201T214331-cpu-gemv-*). Decode on the CPU is
-bound by those weight reads.
+Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, MKL's float32 GEMV reads
+weights at ~12 GB/s, oneDNN at ~15-20 GB/s, the C kernel at ~25-30 GB/s on one thread (what a
+plain `tensor.sum()` reads), and a one-stream decode step of a model beyond the last-level cache
+is bound by those reads; above a few rows oneDNN's blocked GEMM, which reuses each weight
+across rows, is the faster (`tools/bench_cpu_gemv.py`, bench/records/*-cpu-gemv-*), and faster
+again from its blocked layout (16 rows: 7.5 against 10.9 ms for the small model's step).
 
 Invariants:
 - The same function as `reference.linear` in float32 arithmetic (no reduced precision): the
   results differ from MKL's only by float32 summation order (~1e-6 relative).
-- Float32 and bfloat16 weights of at least `MIN_ELEMENTS` only; any other dtype, a smaller
-  weight (where MKL's call is cheaper), an empty batch, or a non-contiguous weight runs
-  `F.linear` (stated here and in the selection log, not a silent path).
+- A weight below `MIN_ELEMENTS` (in `auto` mode), any dtype but float32/bfloat16, a dtype
+  mismatch, an empty batch, a 1-D input or a non-contiguous weight runs `F.linear` (stated
+  here, counted as `torch`). bfloat16 never takes the C kernel (oneDNN's bf16 path is fast).
+- `packed` mode: a weight is reordered on its first call above the few-row bound and the copy
+  is kept while the weight lives and is unchanged (weakly keyed with its version counter; an
+  inference-mode weight, which has no version counter, is not packed and runs the dense path).
+  Reordering changes the layout oneDNN reads, not the arithmetic it does (float32 still).
+- If the C kernel cannot be built (`cpu_gemv.GemvUnavailable`), `make` logs why once and the
+  few-row batches it would have taken run oneDNN (or `F.linear`), each counted as
+  `gemv_unavailable` besides its path: never silent.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+import weakref
+
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels import reference
+from metrale.kernels import cpu_gemv, reference
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.float32, torch.bfloat16)
-#: Weights smaller than this (elements) run `F.linear`: oneDNN's ~15 us per call is more than
-#: MKL spends on them (the crossover, measured by hand here, lies between 65K and 131K).
+#: Weights smaller than this (elements) run `F.linear` in `auto` mode: oneDNN's ~15 us per
+#: call, and the C kernel's ~3 us of call overhead (ctypes, the output), are more than MKL
+#: spends on them (oneDNN's crossover, measured by hand here, lies between 65K and 131K).
 MIN_ELEMENTS = 131072
+#: `METRALE_CPU_LINEAR` values.
+MODES = ("auto", "gemv", "packed", "onednn", "torch")
+#: The batch size oneDNN's weight reorder is told to expect in `packed` mode (a decode step of
+#: many sequences; prefill chunks use the same packed weights).
+PACK_BATCH = 16
+#: In `packed` mode the C kernel takes batches of at most this many rows: from 3 rows oneDNN's
+#: reordered weights are the faster (the small model's step, one thread: 2 rows 3.85 ms C
+#: kernel against 4.23 packed, 3 rows 4.53 against 4.11, 4 rows 5.55 against 4.55; dense
+#: oneDNN 7.4-8.2; bench/records/20261202T042114-cpu-gemv-* and …T042125…).
+PACKED_GEMV_MAX_ROWS = 2
 
 
 def available() -> bool:
@@ -36,28 +71,159 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ weight.T + bias` by oneDNN (see the module docstring for when it is `F.linear`)."""
-    if (
-        x.dtype not in _DTYPES
-        or x.numel() == 0
-        or x.dim() < 2
-        or weight.numel() < MIN_ELEMENTS
-        or not weight.is_contiguous()
-    ):
-        return F.linear(x, weight, bias)
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        return F.linear(x, weight, bias)
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
-    return out.reshape(*lead, weight.shape[0])
+def mode_from_env() -> str:
+    """`METRALE_CPU_LINEAR` (default `auto`); an unknown value is an error naming it."""
+    mode = os.environ.get("METRALE_CPU_LINEAR", "auto")
+    if mode not in MODES:
+        raise ValueError(f"METRALE_CPU_LINEAR={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
 
 
-def silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`linear(silu_and_mul(gate_up), weight, bias)`: a gated MLP's down projection."""
-    return linear(reference.silu_and_mul(gate_up), weight, bias)
+class CpuLinear:
+    """The CPU projections of one `KernelOps` (see the module docstring)."""
+
+    def __init__(
+        self,
+        gemv: cpu_gemv.CpuGemv | None,
+        onednn: bool,
+        gemv_min_elements: int = MIN_ELEMENTS,
+        gemv_wanted: bool = True,
+        packed: bool = False,
+    ) -> None:
+        self.gemv = gemv
+        #: Batches of at most this many rows take the C kernel.
+        self.gemv_max_rows = PACKED_GEMV_MAX_ROWS if packed and onednn else cpu_gemv.MAX_ROWS
+        #: id(weight) -> (a weak reference to it, its version, oneDNN's reordered copy), in
+        #: `packed` mode (None otherwise); an entry leaves with its weight.
+        self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] | None = (
+            {} if packed and onednn else None
+        )
+        self.onednn = onednn
+        self.gemv_min_elements = gemv_min_elements
+        #: Few-row batches count as `gemv_unavailable` when the kernel was wanted but is None.
+        self._gemv_missing = gemv_wanted and gemv is None
+        self.counts = {"gemv": 0, "onednn": 0, "torch": 0, "gemv_unavailable": 0}
+        if self._packs is not None:
+            self.counts["onednn_packed"] = 0
+
+    @property
+    def name(self) -> str:
+        """The paths in words, for `KernelOps.implementations`: "gemv+onednn", "onednn", ..."""
+        paths = [p for p, on in (("gemv", self.gemv), ("onednn", self.onednn)) if on]
+        if self._packs is not None:
+            paths[-1] += "-packed"
+        return "+".join(paths) or "torch"
+
+    def counters(self) -> dict[str, int]:
+        """Calls by path, as `cpu_projection_<path>` (the model's forward counters)."""
+        return {f"cpu_projection_{k}": v for k, v in self.counts.items()}
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x @ weight.T + bias` (see the module docstring for which path runs it)."""
+        counts = self.counts
+        if (
+            x.dtype not in _DTYPES
+            or x.numel() == 0
+            or x.dim() < 2
+            or weight.dtype != x.dtype
+            or (bias is not None and bias.dtype != x.dtype)
+            or not weight.is_contiguous()
+        ):
+            counts["torch"] += 1
+            return F.linear(x, weight, bias)
+        size = weight.numel()
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        if (
+            flat.shape[0] <= self.gemv_max_rows
+            and x.dtype == torch.float32
+            and size >= self.gemv_min_elements
+        ):
+            if self.gemv is not None and (bias is None or bias.is_contiguous()):
+                if flat.stride(-1) != 1:
+                    flat = flat.contiguous()
+                counts["gemv"] += 1
+                return self.gemv(flat, weight, bias).reshape(*lead, weight.shape[0])
+            if self._gemv_missing:
+                counts["gemv_unavailable"] += 1
+        if not self.onednn or size < MIN_ELEMENTS:
+            counts["torch"] += 1
+            return F.linear(x, weight, bias)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        if self._packs is not None and not weight.is_inference():
+            counts["onednn_packed"] += 1
+            weight = self._packed(weight)
+        else:
+            counts["onednn"] += 1
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
+        return out.reshape(*lead, weight.shape[0])
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor:
+        packs = self._packs
+        assert packs is not None
+        key = id(weight)
+        kept = packs.get(key)
+        if kept is not None and kept[0]() is weight and kept[1] == weight._version:
+            return kept[2]
+        reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+
+        def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            entry = packs.get(key)
+            if entry is not None and entry[0] is ref:
+                del packs[key]
+
+        packs[key] = (weakref.ref(weight, forget), weight._version, reordered)
+        return reordered
+
+    def silu_mul_linear(
+        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`linear(silu_and_mul(gate_up), weight, bias)`: a gated MLP's down projection."""
+        return self.linear(reference.silu_and_mul(gate_up), weight, bias)
+
+
+def make(mode: str) -> CpuLinear | None:
+    """The `CpuLinear` for a mode (`MODES`), or None for `torch` (the references); logs what
+    it chose, and why the C kernel is missing when it is."""
+    if mode == "torch":
+        logger.info("kernels: CPU projections by F.linear (METRALE_CPU_LINEAR=torch)")
+        return None
+    onednn = available()
+    if not onednn:
+        logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
+    gemv = None
+    rows = PACKED_GEMV_MAX_ROWS if mode == "packed" and onednn else cpu_gemv.MAX_ROWS
+    if mode in ("auto", "gemv", "packed"):
+        start = time.perf_counter()
+        try:
+            gemv = cpu_gemv.load_gemv()
+        except cpu_gemv.GemvUnavailable as exc:
+            logger.warning(
+                "kernels: the CPU few-row projection kernel is unavailable (%s); batches of "
+                "<= %d rows run %s instead (slower), counted as "
+                "metrale_cpu_projections{path=\"gemv_unavailable\"}",
+                exc, rows, "oneDNN" if onednn else "F.linear",
+            )  # fmt: skip
+        else:
+            logger.info(
+                "kernels: CPU projections of <= %d float32 rows by the C GEMV (%s, %.2f s)%s; "
+                "more rows by %s", rows, gemv.path.name,
+                time.perf_counter() - start,
+                "" if mode == "gemv" else f" for weights of >= {MIN_ELEMENTS} elements",
+                "oneDNN" if onednn else "F.linear",
+            )  # fmt: skip
+    elif onednn:
+        logger.info("kernels: CPU projections by oneDNN (METRALE_CPU_LINEAR=onednn)")
+    if mode == "packed" and onednn:
+        logger.info(
+            "kernels: oneDNN reads reordered copies of the weights above %d rows "
+            "(METRALE_CPU_LINEAR=packed: a second copy of each weight of >= %d elements)",
+            rows, MIN_ELEMENTS,
+        )  # fmt: skip
+    return CpuLinear(
+        gemv, onednn, gemv_min_elements=0 if mode == "gemv" else MIN_ELEMENTS,
+        gemv_wanted=mode in ("auto", "gemv", "packed"), packed=mode == "packed",
+    )  # fmt: skip

@@ -73,7 +73,7 @@ PDL_OPS = frozenset(
 def triton_kernel_ops(pdl: bool = False) -> KernelOps:
     """`KernelOps` with every registered Triton kernel bound, references elsewhere; with
     `pdl`, the `PDL_OPS` launch as programmatic dependents (reported as "triton+pdl")."""
-    names = {f.name for f in fields(KernelOps)} - {"implementations"}
+    names = {f.name for f in fields(KernelOps)} - {"implementations", "counters"}
     chosen = {}
     for name, (module, function) in TRITON_OPS.items():
         if name in names:

@@ -97,7 +97,8 @@ class ModelLifecycle(ABC):
 
     def forward_counters(self) -> dict[str, int]:
         """Forwards replayed from a CUDA graph (`graph_forwards`) and run eagerly
-        (`eager_forwards`), for metrics; empty when the model does not count them."""
+        (`eager_forwards`), and on the CPU the projections' calls by path
+        (`cpu_projection_<path>`), for metrics; empty when the model does not count them."""
         return {}
 
     def cache_only_blocks(self) -> int:

@@ -223,6 +223,8 @@ class TransformerModel(
         if self.mtp_enabled:
             counters["mtp_graphed_proposes"] = self.mtp_proposes["graphed"]
             counters["mtp_eager_proposes"] = self.mtp_proposes["eager"]
+        if self.kernel_ops is not None:  # the CPU projections' calls by path
+            counters.update(self.kernel_ops.counters())
         return counters
 
     # ------------------------------------------------------------------ SSM slots

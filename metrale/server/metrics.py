@@ -225,6 +225,14 @@ class _EngineCollector(Collector):
             "metrale_forwards", "model forwards, by path (graph replay or eager)", "path",
             {"graph": snap.graph_forwards, "eager": snap.eager_forwards},
         )  # fmt: skip
+        if snap.cpu_projections:
+            yield by_label(
+                "metrale_cpu_projections",
+                "CPU projection calls by path: gemv (few-row C kernel), onednn, torch "
+                "(F.linear: small weights, other dtypes); gemv_unavailable counts few-row "
+                "calls another path ran because the C kernel could not be built",
+                "path", snap.cpu_projections,
+            )  # fmt: skip
         yield from snapshot_metrics(snap.prefix_cache)
         yield from spec_metrics(snap)
         yield from lora_metrics(snap)

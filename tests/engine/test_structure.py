@@ -47,5 +47,8 @@ def test_check_prompt_validates_without_queueing() -> None:
     model = engine.model
     assert model.max_context_len() == engine.max_model_len == 64
     assert model.device_name() == "cpu" and model.dtype_name() == "float32"
-    assert set(model.forward_counters()) == {"graph_forwards", "eager_forwards"}
+    assert set(model.forward_counters()) == {
+        "graph_forwards", "eager_forwards", "cpu_projection_gemv", "cpu_projection_onednn",
+        "cpu_projection_torch", "cpu_projection_gemv_unavailable",
+    }  # fmt: skip
     assert model.cache_only_blocks() == 0

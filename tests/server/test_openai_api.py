@@ -528,6 +528,9 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     assert ("metrale_sampler_batches_total", (("path", "candidates"),)) in after
     assert ("metrale_sampler_rerouted_rows_total", ()) in after
     assert metric(after, "metrale_forwards_total", path="graph") == 0
+    # The tiny model's weights are under the C GEMV's size bound: MKL runs its projections.
+    assert moved("metrale_cpu_projections_total", path="torch") >= 5
+    assert metric(after, "metrale_cpu_projections_total", path="gemv_unavailable") == 0
     for series, labels in (
         ("metrale_prefix_cache_evicted_blocks_total", ()),
         ("metrale_prefix_cache_bypassed_lookups_total", ()),
