@@ -488,10 +488,8 @@ def _top_flat(scores: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tens
     """The `keep` best of each request's `[k, vocab]` scores as flat `beam * vocab + token`
     indices, best first: transformers' `topk` over the flattened `[R, k * vocab]` row, taken
     in two stages (each beam's own `keep` best, then the best `keep` of those `k * keep`),
-    which hold the same set, since a continuation among the request's best `keep` is among
-    its beam's. On a GPU the first stage runs `R * k` short rows in parallel instead of `R`
-    long ones (the NLLB-600M step at 32 x 4 beams spent ~0.9 ms a step in the one-stage
-    `topk`, `tools/profile_translate_gpu.py`)."""
+    which hold the same set: a continuation among the request's best `keep` is among its
+    beam's. (On the H200, NLLB-600M at 32 x 4 beams, it costs what the one stage did.)"""
     r_count, k, vocab = scores.shape
     if k == 1 or vocab <= keep:
         return torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
