@@ -341,7 +341,7 @@ class BeamSearchDriver:
             proc.masked_fill_(dead_t[:, :, None], float("-inf"))
 
         scores = proc + g.running[:, :, None]
-        topk_scores, topk_idx = _top_flat(scores, keep)
+        topk_scores, topk_idx = torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
         # (a broadcast compare: `torch.isin` sorts, and its CUDA unique reads the device)
         tok = topk_idx % vocab
         if len(self.eos) == 1:
@@ -482,18 +482,3 @@ class BeamSearchDriver:
             reason = "stop" if toks and toks[-1] in self.eos else "length"
             hyps.append(BeamHypothesis(toks[nf:], float(scores[i]), reason))
         return BeamOutput(st.req.request_id, hyps, list(st.req.source or st.req.prompt), st.steps)
-
-
-def _top_flat(scores: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `keep` best of each request's `[k, vocab]` scores as flat `beam * vocab + token`
-    indices, best first: transformers' `topk` over the flattened `[R, k * vocab]` row, taken
-    in two stages (each beam's own `keep` best, then the best `keep` of those `k * keep`),
-    which hold the same set: a continuation among the request's best `keep` is among its
-    beam's. (On the H200, NLLB-600M at 32 x 4 beams, it costs what the one stage did.)"""
-    r_count, k, vocab = scores.shape
-    if k == 1 or vocab <= keep:
-        return torch.topk(scores.view(r_count, k * vocab), k=keep, dim=1)
-    beam_scores, beam_tokens = torch.topk(scores, k=keep, dim=2)
-    top_scores, pos = torch.topk(beam_scores.view(r_count, k * keep), k=keep, dim=1)
-    tokens = beam_tokens.view(r_count, k * keep).gather(1, pos)
-    return top_scores, torch.div(pos, keep, rounding_mode="floor") * vocab + tokens
