@@ -67,13 +67,16 @@ for part in $PARTS; do
     ;;
   alltestsp)
     stamp "every gpu-marked test, four pytest processes side by side (tiny models, small KV pools)"
+    # Balanced on the H200 of 2026-12-02 (seconds alone, four side by side): kernels+gemv 344;
+    # spec+engine+decode runner 95 and MoE ~300; FP8 linear 163 + FP8 KV 43 and the LoRA
+    # kernels ~80; the rest ~380. Each group stays under ALLTESTS_TIMEOUT (560 s).
     G1="tests/gpu/test_kernels.py tests/gpu/test_gemv.py"
-    G2="tests/gpu/test_spec_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_decode_runner.py"
-    G3="tests/gpu/test_fp8_linear.py tests/gpu/test_fp8_kv.py tests/gpu/test_moe_kernels.py"
+    G2="tests/gpu/test_spec_gpu.py tests/gpu/test_engine_gpu.py tests/gpu/test_decode_runner.py tests/gpu/test_moe_kernels.py"
+    G3="tests/gpu/test_fp8_linear.py tests/gpu/test_fp8_kv.py tests/gpu/test_lora_kernels.py tests/gpu/test_lora_epilogue.py"
     # the fourth: every other gpu test module, and the two CUDA sampler modules of tests/unit
     G4="$(ls tests/gpu/test_*.py | grep -v -e test_kernels.py -e test_gemv.py -e test_spec_gpu.py \
       -e test_engine_gpu.py -e test_decode_runner.py -e test_fp8_linear.py -e test_fp8_kv.py \
-      -e test_moe_kernels.py | tr '\n' ' ')"
+      -e test_moe_kernels.py -e test_lora_kernels.py -e test_lora_epilogue.py | tr '\n' ' ')"
     G4="$G4 tests/unit/test_sampling_sampler.py tests/unit/test_sampling_cuda.py"
     i=0
     for g in "$G1" "$G2" "$G3" "$G4"; do
