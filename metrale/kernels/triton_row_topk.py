@@ -26,8 +26,8 @@ Invariants:
   finished in the buffer: its first value is set to NaN and its other entries are not
   meaningful. Callers must treat such a row as not exact (the candidate draw re-routes a
   NaN row to its full-row draw, so its token never depends on this shortcut).
-- `V >= width * MIN_CHUNKS_PER_WIDTH` (enough chunks for a tight threshold) is the caller's
-  to ensure (`usable`); otherwise use `torch.topk`.
+- The kernels run only where the row has at least `MIN_CHUNKS_PER_WIDTH * width` chunks (a
+  tight threshold) and `width <= BUF` (`usable`); `row_topk` takes `torch.topk` otherwise.
 """
 
 from __future__ import annotations
