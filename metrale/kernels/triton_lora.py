@@ -59,6 +59,7 @@ from metrale.kernels.triton_attention_common import (
     pdl_enter,
     pdl_options,
 )
+from metrale.kernels.triton_gemv_tiles import _load_x
 
 #: Input features per shrink program (a multiple of the K tile), and the most splits per row.
 _K_PER_SPLIT = 256
@@ -129,10 +130,15 @@ def _geometry(
 @triton.jit
 def _lora_shrink(
     x_ptr, a_ptr, slots_ptr, part_ptr,
-    K, R, k_per_split, stride_x, stride_as, stride_at, stride_ar,
+    K, R, k_per_split, half, stride_x, stride_as, stride_at, stride_ar,
     T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    """Grid `(rows, SPLITS)`: `part[t, sp, j * BLOCK_R + r] = sum over split sp's K range of
+    A[slot_t, j, r, k] * x[t, k]` (zeros for base rows, whose A is never read). With ACT, x
+    is `silu(gate) * up` of a gate/up row (up `half` elements after gate), computed while
+    loading as the GEMV computes it (`triton_gemv_tiles._load_x`): the epilogue form's
+    down-projection shrink (`triton_lora_epilogue.lora_shrink`)."""
     t = tl.program_id(0)
     sp = tl.program_id(1)
     slot = tl.load(slots_ptr + t)
@@ -148,13 +154,14 @@ def _lora_shrink(
     k = k_start + tl.arange(0, BLOCK_K)
     k_mask = (k < K) & ((k * 0 + slot) >= 0)
     av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    pdl_enter(PDL)
-    xv = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+    pdl_enter(PDL)  # x is the chain's: only after the wait
+    x_row = x_ptr + t * stride_x
+    xv = _load_x(x_row + k, k_mask, half, False, ACT)
     acc = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
     for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
         k = k_start + k0 + tl.arange(0, BLOCK_K)
         k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xt = tl.load(x_ptr + t * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
+        xt = _load_x(x_row + k, k_mask, half, False, ACT)
         at = tl.load(
             rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
         ).to(tl.float32)
@@ -239,10 +246,10 @@ def lora_gather_add(
     g = _geometry("lora_gather_add", y, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
     part = torch.empty(tokens, g.splits, g.block_tr, dtype=torch.float32, device=x.device)
     _lora_shrink[(tokens, g.splits)](
-        x, a, token_slots, part, g.fan_in, g.rank, g.k_per_split, x.stride(0), a.stride(0),
+        x, a, token_slots, part, g.fan_in, g.rank, g.k_per_split, 0, x.stride(0), a.stride(0),
         a.stride(1), a.stride(2),
         T=g.targets, SPLITS=g.splits, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr, BLOCK_K=g.block_k,
-        PDL=pdl, **pdl_options(pdl),
+        ACT=False, PDL=pdl, **pdl_options(pdl),
     )  # fmt: skip
     block_n = 128
     _lora_expand[(tokens, triton.cdiv(g.fan_out, block_n))](

@@ -35,9 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
-from metrale.kernels.triton_attention_common import pdl_enter, pdl_options
-from metrale.kernels.triton_gemv_tiles import _load_x
-from metrale.kernels.triton_lora import _K_PER_SPLIT, _MAX_SPLITS, _Geometry, _geometry
+from metrale.kernels.triton_attention_common import pdl_options
+from metrale.kernels.triton_lora import (
+    _K_PER_SPLIT,
+    _MAX_SPLITS,
+    _Geometry,
+    _geometry,
+    _lora_shrink,
+)
 
 
 class LoraEpilogue(NamedTuple):
@@ -50,45 +55,6 @@ class LoraEpilogue(NamedTuple):
     token_slots: torch.Tensor
     scales: torch.Tensor
     geometry: _Geometry
-
-
-@triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a_ptr, slots_ptr, part_ptr,
-    K, R, k_per_split, half, stride_x, stride_as, stride_at, stride_ar,
-    T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TR: tl.constexpr,
-    BLOCK_K: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Grid `(rows, SPLITS)`: `part[t, sp, j * BLOCK_R + r] = sum over split sp's K range of
-    A[slot_t, j, r, k] * x[t, k]` (zeros for base rows, whose A is never read); the loop of
-    `triton_lora._lora_shrink`, with the activation computed while loading x under ACT
-    (`triton_gemv_tiles._load_x`, as the GEMV computes it)."""
-    t = tl.program_id(0)
-    sp = tl.program_id(1)
-    slot = tl.load(slots_ptr + t)
-    s = tl.maximum(slot, 0).to(tl.int64)
-    jr = tl.arange(0, BLOCK_TR)
-    j = jr // BLOCK_R
-    r = jr % BLOCK_R
-    row_mask = (j < T) & (r < R) & ((jr * 0 + slot) >= 0)  # base rows (slot -1) read nothing
-    rows = a_ptr + s * stride_as + j.to(tl.int64) * stride_at + r.to(tl.int64) * stride_ar
-    k_start = sp * k_per_split
-    k = k_start + tl.arange(0, BLOCK_K)
-    k_mask = (k < K) & ((k * 0 + slot) >= 0)
-    av = tl.load(rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-    pdl_enter(PDL)  # x is the chain's: only after the wait
-    x_row = x_ptr + t * stride_x
-    xv = _load_x(x_row + k, k_mask, half, False, ACT)
-    acc = tl.sum(av.to(tl.float32) * xv[None, :], axis=1)
-    for k0 in range(BLOCK_K, k_per_split, BLOCK_K):
-        k = k_start + k0 + tl.arange(0, BLOCK_K)
-        k_mask = (k < K) & ((k * 0 + slot) >= 0)
-        xt = _load_x(x_row + k, k_mask, half, False, ACT)
-        at = tl.load(
-            rows[:, None] + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-        ).to(tl.float32)
-        acc += tl.sum(at * xt[None, :], axis=1)
-    tl.store(part_ptr + (t * SPLITS + sp) * BLOCK_TR + jr, acc)
 
 
 def lora_shrink(
@@ -114,7 +80,7 @@ def lora_shrink(
     y_like = b_t[0]  # `_geometry` reads the output width and its row stride from a 2-D y
     g = _geometry("lora_shrink", y_like, x, a, b_t, widths, None, _K_PER_SPLIT, _MAX_SPLITS)
     part = torch.empty(x.shape[0], g.splits, g.block_tr, dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(x.shape[0], g.splits)](
+    _lora_shrink[(x.shape[0], g.splits)](
         x, a, token_slots, part, g.fan_in, g.rank, g.k_per_split, fan_in, x.stride(0),
         a.stride(0), a.stride(1), a.stride(2),
         T=g.targets, SPLITS=g.splits, BLOCK_R=g.block_r, BLOCK_TR=g.block_tr, BLOCK_K=g.block_k,
