@@ -25,7 +25,7 @@ against the expert count), so a captured graph always replays the path it captur
   the activation fused and one for down, each block reading its expert's weights once.
 
 Softmax routing (`moe_softmax_topk`: softmax, top-k, renormalisation, cast) is one kernel,
-one program per token row. `moe_softmax_experts` (routing + experts from the router logits)
+one program per token row (`triton_moe_routing`, re-exported here). `moe_softmax_experts` (routing + experts from the router logits)
 fuses it into the GEMV's gate/up kernel: each program recomputes its token's top-k from the
 logits row, and the programs of column 0 store the expert ids and weights the down and
 combine kernels read.
@@ -63,6 +63,7 @@ from metrale.kernels.triton_attention_common import (
     pdl_enter,
     pdl_options,
 )
+from metrale.kernels.triton_moe_routing import _route_row, moe_softmax_topk
 
 #: Most assignments (`tokens * top_k`) the gathered GEMV takes; above it (or above the expert
 #: count, where assignments start to share experts and a GEMV would read an expert once per
@@ -305,55 +306,6 @@ def _combine_kernel(
 
 
 # -------------------------------------------------------------------------------------------
-# Softmax routing
-# -------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _route_row(
-    logits_ptr, t, E, stride_l,
-    TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-):  # fmt: skip
-    """Softmax of row `t` of the router logits (float32), its top k by repeated argmax (ties
-    to the lower id; descending, as `torch.topk`), renormalised if RENORM: `(ids [BLOCK_K],
-    weights [BLOCK_K] float32)`, slots past TOPK unused."""
-    offs = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + t.to(tl.int64) * stride_l + offs, mask=offs < E,
-                other=float("-inf")).to(tl.float32)  # fmt: skip
-    p = tl.exp(x - tl.max(x, axis=0))
-    probs = p / tl.sum(p, axis=0)
-    probs = tl.where(offs < E, probs, -1.0)
-    slots = tl.arange(0, BLOCK_K)
-    chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
-    chosen = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(probs, axis=0)
-        idx = tl.min(tl.where(probs == best, offs, BLOCK_E), axis=0)
-        chosen_ids = tl.where(slots == j, idx.to(tl.int64), chosen_ids)
-        chosen = tl.where(slots == j, best, chosen)
-        probs = tl.where(offs == idx, -2.0, probs)
-    if RENORM:
-        chosen = chosen / tl.sum(chosen, axis=0)
-    return chosen_ids, chosen
-
-
-@triton.jit
-def _softmax_topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, E, stride_l,
-    TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORM: tl.constexpr,
-    PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Grid `(T,)`: `_route_row` of each token row, stored as `ids` / `weights [T, TOPK]`."""
-    pdl_enter(PDL)
-    t = tl.program_id(0)
-    chosen_ids, chosen = _route_row(logits_ptr, t, E, stride_l, TOPK, BLOCK_E, BLOCK_K, RENORM)
-    slots = tl.arange(0, BLOCK_K)
-    out = t.to(tl.int64) * TOPK + slots
-    tl.store(ids_ptr + out, chosen_ids, mask=slots < TOPK)
-    tl.store(weights_ptr + out, chosen.to(weights_ptr.dtype.element_ty), mask=slots < TOPK)
-
-
-# -------------------------------------------------------------------------------------------
 # Launchers
 # -------------------------------------------------------------------------------------------
 
@@ -593,27 +545,3 @@ def _run_grouped(
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, IEEE=ieee, PDL=pdl,
         num_warps=4, num_stages=3, **pdl_options(pdl),
     )  # fmt: skip
-
-
-def moe_softmax_topk(
-    logits: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype, *,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`ssm_reference.moe_softmax_topk` in one launch (the reference's softmax, top-k,
-    sum, divide and cast are five); `pdl`: as a programmatic dependent."""
-    if logits.dim() != 2 or not 1 <= top_k <= logits.shape[1]:
-        raise ValueError(f"moe_softmax_topk: top_k {top_k} of router logits {tuple(logits.shape)}")
-    tokens, experts = logits.shape
-    ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
-    weights = torch.empty((tokens, top_k), dtype=out_dtype, device=logits.device)
-    if tokens == 0:
-        return ids, weights
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    block_e = triton.next_power_of_2(experts)
-    _softmax_topk_kernel[(tokens,)](
-        logits, ids, weights, experts, logits.stride(0),
-        TOPK=top_k, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), RENORM=renormalize,
-        PDL=pdl, num_warps=1 if block_e <= 256 else 4, **pdl_options(pdl),
-    )  # fmt: skip
-    return ids, weights

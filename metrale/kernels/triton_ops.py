@@ -55,7 +55,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "causal_conv1d_varlen": ("metrale.kernels.triton_ssm_prefill", "causal_conv1d_varlen"),
     "mamba2_chunk_scan_varlen": ("metrale.kernels.triton_ssm_prefill", "mamba2_chunk_scan_varlen"),
     "gated_delta_chunk_varlen": ("metrale.kernels.triton_ssm_prefill", "gated_delta_chunk_varlen"),
-    "moe_softmax_topk": ("metrale.kernels.triton_moe", "moe_softmax_topk"),
+    "moe_softmax_topk": ("metrale.kernels.triton_moe_routing", "moe_softmax_topk"),
     "moe_experts": ("metrale.kernels.triton_moe", "moe_experts"),
     "moe_softmax_experts": ("metrale.kernels.triton_moe", "moe_softmax_experts"),
 }
