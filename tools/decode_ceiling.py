@@ -4,7 +4,8 @@ step's wall time into the forward + sampler (GPU time by CUDA events) and the ho
 Under async scheduling (the default) a step's host work overlaps the previous step's GPU time.
 
 Usage (on a GPU machine, from the repository root):
-    PYTHONPATH=. python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128
+    PYTHONPATH=. python3 tools/decode_ceiling.py bench/configs/qwen3-8b --concurrency 128 \
+        [--temperature 0.8 --top-p 0.95 --top-k 50] [--profile]
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile", action="store_true", help="cProfile 50 steady decode steps")
     parser.add_argument("--no-async-scheduling", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (default 0: greedy)")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
     args = parser.parse_args()
     c = args.concurrency
     engine = Engine(
@@ -42,7 +47,15 @@ def main() -> None:
     for i in range(c):
         prompt = torch.randint(10, engine.vocab_size - 10, (args.isl,), generator=gen).tolist()
         engine.add_request(
-            f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=args.osl, ignore_eos=True)
+            f"r{i}",
+            prompt,
+            SamplingParams(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                max_tokens=args.osl,
+                ignore_eos=True,
+            ),
         )
     model_forward = engine._launch
     sampler = engine.sampler
@@ -118,6 +131,7 @@ def main() -> None:
     wall = sum(step_ms) / 1000
     result = {
         "concurrency": c,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k},
         "decode_tok_s": tokens / wall if wall else 0.0,
         "step_ms_median": statistics.median(step_ms),
         "launch_gpu_ms_median": statistics.median(gpu),

@@ -226,15 +226,42 @@ def step_cost(
     return result
 
 
+def _profiler(enabled: bool) -> Any:
+    """A `cProfile.Profile` when `enabled` (`--profile`), else None."""
+    if not enabled:
+        return None
+    import cProfile
+
+    return cProfile.Profile()
+
+
+def _print_profile(profiler: Any, title: str) -> None:
+    """The host functions that took the most time under `profiler`, to stderr."""
+    if profiler is None:
+        return
+    import pstats
+
+    print(f"--- cProfile: {title} (by own time) ---", file=sys.stderr)
+    pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(30)
+
+
 def engine_step_cost(
-    engine: Engine, batch: int, constrained: bool, temperature: float, context: int, steps: int
+    engine: Engine,
+    batch: int,
+    constrained: bool,
+    temperature: float,
+    context: int,
+    steps: int,
+    profiler: Any = None,
 ) -> dict[str, float]:
     """Median seconds between `engine.step()` returns over the steady decode steps of `batch`
     requests served by the engine itself (its pipeline: a decode step fed on the device is
     launched before the step before it is read back; under a grammar its sampler waits for
     that read-back and the mask, which the host fills while the forward runs). A request
     whose tool call completes is replaced by a fresh one; steps that planned a prefill (or
-    otherwise drained the pipeline) are left out of the figure on both sides."""
+    otherwise drained the pipeline) are left out of the figure on both sides. `profiler`
+    (a `cProfile.Profile`) runs over the timed steps (`--profile`; it slows them, so the
+    figures of a profiled run are not the record's)."""
     gen = torch.Generator().manual_seed(1000 + batch)
     vocab = engine.vocab_size
     spec = GrammarSpec.json_schema(TOOL_CALL_SCHEMA, "bench") if constrained else None
@@ -262,11 +289,15 @@ def engine_step_cost(
             taken += 1
             if taken > 8:  # warm-up
                 times.append(now - last)
+            if profiler is not None and taken == 8:
+                profiler.enable()
         last = now
         for out in outs:
             if out.finished:
                 restarts += 1
                 submit()
+    if profiler is not None:
+        profiler.disable()
     for rid in list(engine.requests):
         engine.abort_request(rid)
     while engine.has_unfinished():
@@ -307,8 +338,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for batch in batches:
             sync_plain = step_cost(engine, batch, False, temperature, args.context, args.steps)
             sync_grammar = step_cost(engine, batch, True, temperature, args.context, args.steps)
-            plain = engine_step_cost(engine, batch, False, temperature, args.context, args.steps)
-            grammar = engine_step_cost(engine, batch, True, temperature, args.context, args.steps)
+            profiler = _profiler(args.profile)
+            plain = engine_step_cost(
+                engine, batch, False, temperature, args.context, args.steps, profiler
+            )
+            _print_profile(profiler, f"unconstrained engine steps, C={batch} t={temperature:g}")
+            profiler = _profiler(args.profile)
+            grammar = engine_step_cost(
+                engine, batch, True, temperature, args.context, args.steps, profiler
+            )
+            _print_profile(profiler, f"constrained engine steps, C={batch} t={temperature:g}")
             overhead = grammar["step_ms_median"] / plain["step_ms_median"] - 1
             sync_overhead = sync_grammar["step_ms_median"] / sync_plain["step_ms_median"] - 1
             key = f"C{batch}_t{temperature:g}"
@@ -330,6 +369,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{sync_grammar['fill_ms_median']:.3f} ms",
                 file=sys.stderr,
             )
+    if args.profile:
+        print("profiled run (slower steps): no record written", file=sys.stderr)
+        return figures
     path = write_record(
         "structured",
         model_shape=args.shape or Path(args.config_dir).name,
@@ -364,3 +406,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batches": "1,64", "--temperatures": "0,0.7", "--context": 512, "--steps": 200,
         "--gpu-memory-utilization": 0.85, "--out-dir": "bench/records",
     })  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the engine steps (no record: they run slower); "
+                             "print the top functions")  # fmt: skip
