@@ -57,7 +57,7 @@ def main() -> None:
                 ignore_eos=True,
             ),
         )
-    model_forward = engine._launch
+    model_forward = engine._forward_step
     sampler = engine.sampler
 
     cuda = engine.model.device.type == "cuda"
@@ -76,7 +76,7 @@ def main() -> None:
         return out
 
     timed_forward.events = []  # type: ignore[attr-defined]
-    engine._launch = timed_forward  # type: ignore[method-assign]
+    engine._forward_step = timed_forward  # type: ignore[method-assign]
 
     host_ms: dict[str, list[float]] = {
         "schedule": [], "plan_fed": [], "forward_call": [], "sample_launch": [],

@@ -259,7 +259,10 @@ def engine_step_cost(
     launched before the step before it is read back; under a grammar its sampler waits for
     that read-back and the mask, which the host fills while the forward runs). A request
     whose tool call completes is replaced by a fresh one; steps that planned a prefill (or
-    otherwise drained the pipeline) are left out of the figure on both sides. `profiler`
+    otherwise drained the pipeline) are left out of the figure on both sides, and so is the
+    fed step after one (it reads that prefill step back, so its interval holds the prefill's
+    device time: a cost of the replaced requests, which the unconstrained side, whose
+    requests never end, does not have). `profiler`
     (a `cProfile.Profile`) runs over the timed steps (`--profile`; it slows them, so the
     figures of a profiled run are not the record's)."""
     gen = torch.Generator().manual_seed(1000 + batch)
@@ -278,19 +281,25 @@ def engine_step_cost(
     for _ in range(batch):
         submit()
     times: list[float] = []
+    all_fed: list[float] = []
     restarts = 0
     last = time.perf_counter()
     taken = 0
+    previous_fed = False
     while taken < steps + 8 and engine.has_unfinished():
         fed_before = engine.fed_steps
         outs = engine.step()
         now = time.perf_counter()
-        if engine.fed_steps > fed_before:
+        fed = engine.fed_steps > fed_before
+        if fed:
             taken += 1
             if taken > 8:  # warm-up
-                times.append(now - last)
+                all_fed.append(now - last)
+                if previous_fed:  # it read back a decode step, not a prefill's
+                    times.append(now - last)
             if profiler is not None and taken == 8:
                 profiler.enable()
+        previous_fed = fed
         last = now
         for out in outs:
             if out.finished:
@@ -307,6 +316,10 @@ def engine_step_cost(
         "step_ms_mean": statistics.fmean(times) * 1000,
         "fed_steps_timed": len(times),
         "requests_completed": restarts,
+        #: Every fed step, also those that read back a prefill step (a replaced request's
+        #: prompt): the figure of records before 2026-12-02.
+        "all_fed_step_ms_median": statistics.median(all_fed) * 1000,
+        "fed_steps_after_a_prefill": len(all_fed) - len(times),
     }
 
 
@@ -389,7 +402,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         out_dir=args.out_dir,
         notes="peer: the same engine's unconstrained decode step; target overhead <= 5%. "
-        "overhead_pct: the engine's steady decode step (engine.step, pipelined); "
+        "overhead_pct: the engine's steady decode step (engine.step, pipelined; a fed step "
+        "that reads back a prefill step is left out: all_fed_step_ms_median keeps it); "
         "synchronous_step: forward, sample, read back and matcher advance in sequence "
         "(no overlap), the figure of earlier records",
     )
