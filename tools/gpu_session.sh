@@ -33,7 +33,9 @@
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
 #        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check;
 #        SAMPLED=1 adds the sampled ladder (t 0.8, top-p 0.95, top-k 50) and a second greedy one;
-#        SAMPLED_MODES="sampled" runs the sampled ladder alone)
+#        SAMPLED_MODES="sampled" runs the sampled ladder alone; a mode ending in -cN, e.g.
+#        "greedy-c4 sampled-c4", runs its client as N processes; CLIENTS=N sets it for all;
+#        every rung records the client's and the server processes' CPU seconds)
 #        ceiling gemv serveab graphtime sampler  (diagnostics: engine-only decode ceiling at C=128, the GEMV
 #        microbenchmark, and the serve rung C=128 with the engine in its own process vs a thread)
 set -u
@@ -364,7 +366,10 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
       curl -sf localhost:8888/health >/dev/null 2>&1 && break
       sleep 1
     done
+    # the HTTP process and the engine process: each rung records their CPU seconds
+    pids="$server$(pgrep -P $server | sed 's/^/,/' | tr -d '\n')"
     timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+      --watch-pids "$pids" --client-processes "${CLIENTS:-1}" \
       --shape qwen3-8b --vocab 151936 --concurrency "${LADDER:-1,128}" --isl 128 --osl 1024 \
       --device cuda --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128" \
       $( [ -f "$OUT/serve_peer.json" ] && echo --peer-json "$OUT/serve_peer.json" ) --out-dir "$OUT" \
@@ -376,8 +381,11 @@ print(peer)" >"$OUT/serve_peer.log" 2>&1
       for mode in ${SAMPLED_MODES:-sampled greedy2 sampled2}; do
         stamp "serve qwen3-8b, $mode ladder"
         sargs=""; case $mode in sampled*) sargs="--temperature 0.8 --top-p 0.95 --top-k 50";; esac
+        # a mode ending in -cN runs its client as N processes (e.g. greedy-c4)
+        clients=${CLIENTS:-1}; case $mode in *-c[0-9]*) clients=${mode##*-c};; esac
         mkdir -p "$OUT/serve-$mode"
         timeout 200 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+          --watch-pids "$pids" --client-processes "$clients" \
           --shape qwen3-8b --vocab 151936 --concurrency "${LADDER:-1,128}" --isl 128 --osl 1024 \
           --device cuda --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128 ($mode)" \
           $sargs --out-dir "$OUT/serve-$mode" >"$OUT/serve_$mode.log" 2>&1

@@ -9,6 +9,13 @@ Owner: bench.
 Figures per rung: aggregate output tok/s (usage-reported completion tokens / wall time of the
 rung), TTFT and TPOT percentiles (p50/p90/p99; TPOT = (end - first token) / (tokens - 1) per
 request) and the number of failed requests. A failed request is counted, never dropped.
+
+The instrument's own cost is a figure too: `client_cpu_s` (the client processes' CPU seconds
+over the rung; near the wall time means the client, not the server, set the pace) and, with
+`--watch-pids`, each watched process's CPU seconds over the rung (`server_cpu_s`: the HTTP
+process and the engine process, from `/proc`). `--client-processes N` splits a rung's
+requests over N client processes (each its own event loop and httpx client), started
+together once all are ready; at 128 streams one Python client parses ~13k SSE events a second.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -104,27 +112,92 @@ async def one_request(
     }
 
 
-async def run_rung(
-    url: str, model: str, concurrency: int, isl: int, osl: int, vocab: int, seed: int,
-    api_key: str | None, timeout: float, sampling: dict[str, Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+async def _send_all(
+    url: str, model: str, prompts: list[list[int]], osl: int, api_key: str | None,
+    timeout: float, sampling: dict[str, Any] | None, start_at: float | None = None,
+) -> tuple[list[dict[str, Any]], float, float, float]:  # fmt: skip
+    """Every prompt streamed at once from one httpx client: (results, start, end, client
+    CPU seconds). `start_at`: a `time.perf_counter()` moment (CLOCK_MONOTONIC, shared by the
+    machine's processes) to wait for before sending."""
     import httpx
 
-    rng = random.Random(seed)
-    prompts = [[rng.randint(10, vocab - 10) for _ in range(isl)] for _ in range(concurrency)]
     limits = httpx.Limits(
-        max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4
+        max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4
     )
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        cpu = time.process_time()
         start = time.perf_counter()
         results = await asyncio.gather(
             *(one_request(client, url, model, p, osl, api_key, sampling) for p in prompts)
         )
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
+        cpu = time.process_time() - cpu
+    return list(results), start, end, cpu
+
+
+def _client_process(
+    args: tuple[str, str, list[list[int]], int, str | None, float, dict[str, Any] | None, float],
+) -> tuple[list[dict[str, Any]], float, float, float]:
+    """One client process of a split rung (`--client-processes`)."""
+    url, model, prompts, osl, api_key, timeout, sampling, start_at = args
+    return asyncio.run(_send_all(url, model, prompts, osl, api_key, timeout, sampling, start_at))
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used, from /proc; None if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_rung(
+    url: str, model: str, concurrency: int, isl: int, osl: int, vocab: int, seed: int,
+    api_key: str | None, timeout: float, sampling: dict[str, Any] | None = None,
+    client_processes: int = 1, watch_pids: list[int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    rng = random.Random(seed)
+    prompts = [[rng.randint(10, vocab - 10) for _ in range(isl)] for _ in range(concurrency)]
+    watched = {pid: _cpu_seconds(pid) for pid in watch_pids or []}
+    parts = min(max(1, client_processes), concurrency)
+    if parts == 1:
+        results, start, end, client_cpu = await _send_all(
+            url, model, prompts, osl, api_key, timeout, sampling
+        )
+    else:
+        import concurrent.futures
+        import multiprocessing
+
+        start_at = time.perf_counter() + 1.0 + 0.5 * parts  # each client imports httpx first
+        jobs = [
+            (url, model, prompts[i::parts], osl, api_key, timeout, sampling, start_at)
+            for i in range(parts)
+        ]
+        context = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(parts, mp_context=context) as pool:
+            done = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: list(pool.map(_client_process, jobs))
+            )
+        results = [r for part in done for r in part[0]]
+        start = min(part[1] for part in done)
+        end = max(part[2] for part in done)
+        client_cpu = sum(part[3] for part in done)
+    wall = end - start
+    server_cpu = {}
+    for pid, before in watched.items():
+        after = _cpu_seconds(pid)
+        if before is not None and after is not None:
+            server_cpu[str(pid)] = after - before
     ok = [r for r in results if r["ok"]]
     errors = [r["error"] for r in results if not r["ok"]]
     return {
         "concurrency": concurrency,
+        "client_processes": parts,
+        "client_cpu_s": client_cpu,
+        "server_cpu_s": server_cpu,
         "aggregate_tok_s": sum(r["tokens"] for r in ok) / wall,
         "ttft_ms": {k: 1000 * v for k, v in percentiles([r["ttft"] for r in ok]).items()},
         "tpot_ms": {k: 1000 * v for k, v in percentiles([r["tpot"] for r in ok]).items()},
@@ -138,23 +211,31 @@ async def run_rung(
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     ladder = [int(c) for c in str(args.concurrency).split(",")]
     sampling = sampling_fields(args.temperature, args.top_p, args.top_k)
+    watch_pids = [int(p) for p in args.watch_pids.split(",") if p] if args.watch_pids else []
     rungs = []
     for i, c in enumerate(ladder):
         rung = asyncio.run(
             run_rung(args.url.rstrip("/"), args.model, c, args.isl, args.osl, args.vocab,
-                     args.seed + i, args.api_key, args.timeout, sampling)
+                     args.seed + i, args.api_key, args.timeout, sampling,
+                     args.client_processes, watch_pids)
         )  # fmt: skip
         rungs.append(rung)
+        cpu = " ".join(
+            f"{pid}:{sec / rung['wall_s']:.2f}" for pid, sec in rung["server_cpu_s"].items()
+        )
         print(
             f"C={c:4d}  {rung['aggregate_tok_s']:9.1f} tok/s  TTFT p50 {rung['ttft_ms']['p50']:8.1f} ms"
-            f"  TPOT p50 {rung['tpot_ms']['p50']:7.2f} ms  errors {rung['errors']}",
+            f"  TPOT p50 {rung['tpot_ms']['p50']:7.2f} ms  errors {rung['errors']}"
+            f"  client cores {rung['client_cpu_s'] / rung['wall_s']:.2f}"
+            + (f"  server cores {cpu}" if cpu else ""),
             flush=True,
         )
     peer = json.loads(Path(args.peer_json).read_text()) if args.peer_json else None
     path = write_record(
         "serve", model_shape=args.shape, figures=rungs, peer_figures=peer, device=args.device,
         config={"url": args.url, "model": args.model, "isl": args.isl, "osl": args.osl,
-                "concurrency": ladder, "server": args.server_info, "sampling": sampling},
+                "concurrency": ladder, "server": args.server_info, "sampling": sampling,
+                "client_processes": args.client_processes},
         out_dir=args.out_dir,
     )  # fmt: skip
     print(f"record: {path}")
@@ -180,3 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peer-json", default=None, help="peer figures measured in the same run")
     parser.add_argument("--out-dir", default="bench/records")
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="split each rung's requests over this many client processes")  # fmt: skip
+    parser.add_argument("--watch-pids", default="",
+                        help="comma-separated pids whose CPU seconds each rung records "
+                             "(the server's HTTP and engine processes)")  # fmt: skip
