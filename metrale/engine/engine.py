@@ -70,7 +70,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from metrale.config import EngineConfig
 from metrale.distributed.launch import load_tensor_parallel
@@ -106,6 +106,8 @@ from metrale.scheduler.sequence import SchedSequence
 from metrale.spec.proposer import Proposer
 from metrale.spec.stats import SpecStats
 from metrale.tokenizer.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -381,7 +383,18 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
     def step(
         self, on_outputs: Callable[[list[RequestOutput]], None] | None = None
     ) -> list[RequestOutput]:
-        """Run one engine step; returns the outputs of every request that changed.
+        """Run one engine step; returns the outputs of every request that changed (see
+        `step_as`)."""
+        return self.step_as(RequestState.to_output, on_outputs)  # type: ignore[arg-type]
+
+    def step_as(
+        self,
+        build: Callable[[RequestState], T],
+        on_outputs: Callable[[list[T]], None] | None = None,
+    ) -> list[T]:
+        """Run one engine step; returns `build(state)` for every request that changed (`step`:
+        its `RequestOutput`; the engine process builds its wire deltas from the state, with no
+        cumulative output in between).
 
         A step launches one forward and its sampler, then, while the device computes, turns
         earlier steps' committed tokens into outputs (detokenize, stop strings), then reads
@@ -462,7 +475,7 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
         for pending in ready:
             self._emit(pending, touched)
         if on_outputs is not None and touched:
-            on_outputs(self._outputs(touched))
+            on_outputs(self._outputs(touched, build))
             touched = {}
         if previous is not None:
             self._read_back(previous, self._pending, touched)
@@ -484,7 +497,7 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             ready, self._pending = self._pending, []
             for pending in ready:
                 self._emit(pending, touched)
-        return self._outputs(touched)
+        return self._outputs(touched, build)
 
     def _read_back(
         self, step: _InFlight, into: list[_Pending], touched: dict[str, RequestState]

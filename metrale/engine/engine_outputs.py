@@ -14,10 +14,11 @@ Owner: engine. Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from metrale.engine.output import ChoiceState, RequestState
-from metrale.engine.request import RequestOutput
 from metrale.engine.speculation import Speculation
 from metrale.sampling.grammar import GrammarState
 from metrale.sampling.sampler import SamplerOutput
@@ -26,6 +27,8 @@ from metrale.scheduler.plan import StepPlan
 from metrale.scheduler.sequence import SchedSequence
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -45,14 +48,20 @@ class EngineOutputs:
     _choice_of: dict[str, tuple[RequestState, ChoiceState]]
     _grammar_of: dict[str, GrammarState]
 
-    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+    def _outputs(
+        self,
+        touched: dict[str, RequestState],
+        build: Callable[[RequestState], T] = RequestState.to_output,  # type: ignore[assignment]
+    ) -> list[T]:
+        """`build(state)` of every touched request (a `RequestOutput` by default; the engine
+        process builds its wire deltas straight from the state), retiring the finished."""
         outputs = []
         for rid, state in touched.items():
             if state.finished:
-                outputs.append(state.to_output())
+                outputs.append(build(state))
                 self._retire(rid, state)
             elif not state.final_only:
-                outputs.append(state.to_output())
+                outputs.append(build(state))
         return outputs
 
     def _step_failed(

@@ -21,7 +21,7 @@ Wire protocol (pickled tuples over one duplex `multiprocessing` pipe):
   LoRA registry), ("shutdown",).
 - child -> parent: ("ready", EngineInfo) or ("failed", error) once at startup; then
   ("added", request_id, error | None) answering each add, ("controlled", call_id, result,
-  error | None) answering each control call, ("out", [OutputDelta], snapshot |
+  error | None) answering each control call, ("out", [OutputDelta as a plain tuple], snapshot |
   None) once per step, ("snapshot", snapshot) when the engine goes idle, ("dead", message)
   if the loop crashes. A snapshot is an `EngineSnapshot` (speculation counters included).
 
@@ -78,7 +78,6 @@ from metrale.engine.handle import (
     settle_future,
 )
 from metrale.engine.output_delta import Assembly, DeltaEncoder, OutputDelta, apply_delta
-from metrale.engine.request import RequestOutput
 from metrale.engine.snapshot import EngineInfo, EngineSnapshot, SnapshotTaker, engine_info
 from metrale.errors import EngineDeadError, MetraleError
 from metrale.tokenizer.tokenizer import Tokenizer
@@ -159,16 +158,16 @@ class _ChildLoop:
             if engine.has_unfinished():
                 steps_before, sent_before = engine.num_steps, self.sent
                 # Outputs built during the forward go out during the forward.
-                outputs = engine.step(on_outputs=self._send)
+                outputs = engine.step_as(self.encoder.encode_state, on_outputs=self._send)
                 idle = not engine.has_unfinished()
                 snapshot = self._snapshot_if_due(force=idle)
                 if outputs or snapshot is not None:
                     self._send(outputs, snapshot)
                 stalled = self.sent == sent_before and engine.num_steps == steps_before
 
-    def _send(self, outputs: list[RequestOutput], snapshot: EngineSnapshot | None = None) -> None:
-        self.sent += len(outputs)
-        deltas = [self.encoder.encode(o) for o in outputs]
+    def _send(self, deltas: list[tuple[Any, ...]], snapshot: EngineSnapshot | None = None) -> None:
+        """One "out" message: the step's wire deltas (`DeltaEncoder.encode_state`)."""
+        self.sent += len(deltas)
         self.conn.send(("out", deltas, snapshot))
 
     def _snapshot_if_due(self, force: bool) -> EngineSnapshot | None:
@@ -392,7 +391,7 @@ class EngineProcess(HandleBase[Assembly]):
                     _, deltas, snap = message
                     if snap is not None:
                         self._snapshot = snap
-                    self._route(((d.request_id, d.finished, d) for d in deltas), _put_deltas)
+                    self._route(((d[0], d[1], d) for d in deltas), _put_deltas)
                 elif kind == "added":
                     self._settle(message[1], message[2])
                 elif kind == "controlled":
@@ -435,7 +434,8 @@ class EngineProcess(HandleBase[Assembly]):
         self._snapshot = replace(self._snapshot, alive=False)
 
 
-def _put_deltas(items: list[tuple[Assembly, OutputDelta]]) -> None:
-    """On the streams' event loop: rebuild each cumulative output and queue it."""
+def _put_deltas(items: list[tuple[Assembly, tuple[Any, ...]]]) -> None:
+    """On the streams' event loop: rebuild each cumulative output from its wire delta and
+    queue it."""
     for assembly, delta in items:
-        assembly.stream._queue.put_nowait(apply_delta(assembly, delta))
+        assembly.stream._queue.put_nowait(apply_delta(assembly, OutputDelta.of(delta)))
