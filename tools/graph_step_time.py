@@ -3,6 +3,7 @@ kernels launched as programmatic dependents (PDL, the default on sm_90+) and not
 projections on cuBLAS; plus the kernel breakdown of one eager step.
 
 Usage (GPU): PYTHONPATH=. python3 tools/graph_step_time.py bench/configs/qwen3-8b [--rows 1]
+    [--context 256] [--variants gemv_pdl,gemv,cublas]
 """
 
 from __future__ import annotations
@@ -48,18 +49,22 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", default="gemv_pdl,gemv,cublas",
+                        help="comma-separated subset of gemv_pdl,gemv,cublas")  # fmt: skip
     args = parser.parse_args()
+    blocks_needed = args.rows * ((args.context + 16) // 16 + 2) + 16
     model_dir = str(prepare_model_dir(args.config_dir))
     result = {}
-    for variant in ("gemv_pdl", "gemv", "cublas"):
+    for variant in args.variants.split(","):
         os.environ["METRALE_PDL"] = "1" if variant == "gemv_pdl" else "0"
         if variant == "cublas":  # this run only: keep the projections on torch
             for name in ("linear", "silu_mul_linear"):
                 triton_ops.TRITON_OPS.pop(name, None)
         engine = Engine(
             EngineConfig(
-                model=model_dir, load_format="dummy", max_model_len=2048, max_num_seqs=8,
-                enable_prefix_caching=False, num_kv_blocks=1024,
+                model=model_dir, load_format="dummy", max_model_len=2048,
+                max_num_seqs=max(8, args.rows), enable_prefix_caching=False,
+                num_kv_blocks=max(1024, blocks_needed),
             )
         )  # fmt: skip
         result[f"{variant}_replay_ms"] = replay_ms(engine, args.rows, args.context)
@@ -68,7 +73,7 @@ def main() -> None:
             runner = engine.model.graph_runner
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    runner._body(1)
+                    runner._body(args.rows)  # the inputs replay_ms staged
                 torch.cuda.synchronize()
             table = prof.key_averages().table(
                 sort_by="cuda_time_total", row_limit=25, max_name_column_width=70
@@ -78,7 +83,7 @@ def main() -> None:
             rung = next(r for r in runner.rungs if r >= args.rows)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    runner.graphs[rung].replay()
+                    runner.graphs[rung, 1].replay()
                 torch.cuda.synchronize()
             print("graph replay kernels (5 replays):")
             print(
