@@ -28,6 +28,10 @@ Invariants:
   a prompt is about to reuse) is never evicted for that prompt. `on_evict` sees each evicted
   node while its block still holds the KV (the lower tiers keep a copy: `kv_tiers.py`).
 - pool free + cache-only blocks + blocks held by sequences == usable blocks, always.
+- Every leaf of the tree has an entry in the eviction heap carrying its current
+  `last_access` or an older one (so eviction never walks the tree: with a full cache of
+  16k blocks the walk took milliseconds per allocation, and a server slowed as its cache
+  filled).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ class RadixNode:
     snapshot: Snapshot | None = None
     #: A snapshot here was evicted under pool pressure (the miss-cause metric).
     snapshot_evicted: bool = False
+    #: False once evicted (its entries in the eviction heap are then stale).
+    in_tree: bool = True
 
 
 @dataclass
@@ -98,6 +104,12 @@ class RadixPrefixCache:
         self.on_evict: Callable[[RadixNode], None] | None = None
         self.stats = PrefixCacheStats()
         self._clock = itertools.count(1)
+        #: Eviction candidates: `(last_access when pushed, order, node)` for every node that
+        #: became a leaf (inserted as one, or its last child evicted). Entries go stale (the
+        #: node was touched since, got children, was evicted) and are checked when popped,
+        #: so an eviction costs O(k log n) for k popped entries, not a walk of the tree.
+        self._leaves: list[tuple[int, int, RadixNode]] = []
+        self._order = itertools.count()
 
     # ------------------------------------------------------------------ lookup
 
@@ -193,24 +205,16 @@ class RadixPrefixCache:
             path.append(child)
             node = child
         self.touch(path)
+        if created:  # the new nodes end the path: only its last one is a leaf
+            self._push_leaf(path[-1])
         self.stats.inserted_blocks += created
         self.stats.cached_blocks += created
         return created
 
     # ---------------------------------------------------------------- eviction
 
-    def _evictable_leaves(self, protected: set[int]) -> list[tuple[int, int, RadixNode]]:
-        heap: list[tuple[int, int, RadixNode]] = []
-        order = itertools.count()
-        stack = [c for root in self.roots.values() for c in root.children.values()]
-        while stack:
-            node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            elif self._evictable(node, protected):
-                heap.append((node.last_access, next(order), node))
-        heapq.heapify(heap)
-        return heap
+    def _push_leaf(self, node: RadixNode) -> None:
+        heapq.heappush(self._leaves, (node.last_access, next(self._order), node))
 
     def _evictable(self, node: RadixNode, protected: set[int]) -> bool:
         return (
@@ -221,18 +225,31 @@ class RadixPrefixCache:
         )
 
     def evict(self, n: int, protected: set[int] | None = None) -> int:
-        """Free up to `n` blocks held only by the cache, least recently used leaves first."""
+        """Free up to `n` blocks held only by the cache, least recently used leaves first.
+
+        Pops the candidate heap in `last_access` order: an entry whose node was evicted or
+        has children is dropped (a node is pushed again when it becomes a leaf), one whose
+        node was touched since is pushed back under its new time, and a leaf in use (a
+        sequence holds its block) or protected is set aside and pushed back afterwards."""
         protected = protected or set()
-        heap = self._evictable_leaves(protected)
-        order = itertools.count(len(heap))
+        heap = self._leaves
+        aside: list[tuple[int, int, RadixNode]] = []
         freed = 0
         while heap and freed < n:
-            _, _, node = heapq.heappop(heap)
+            entry = heapq.heappop(heap)
+            access, _, node = entry
+            if not node.in_tree or node.children:
+                continue
+            if access != node.last_access:
+                self._push_leaf(node)
+                continue
             if not self._evictable(node, protected):
+                aside.append(entry)
                 continue
             parent = node.parent
             assert parent is not None
             del parent.children[node.chunk]
+            node.in_tree = False
             if self.on_evict is not None:
                 self.on_evict(node)
             if node.snapshot is not None and self.snapshots is not None:
@@ -240,8 +257,10 @@ class RadixPrefixCache:
                 self.snapshots.stats.released_with_kv += 1
             self.pool.decref([node.block])
             freed += 1
-            if parent.parent is not None and self._evictable(parent, protected):
-                heapq.heappush(heap, (parent.last_access, next(order), parent))
+            if parent.parent is not None and not parent.children:
+                self._push_leaf(parent)
+        for entry in aside:
+            heapq.heappush(heap, entry)
         self.stats.evicted_blocks += freed
         self.stats.cached_blocks -= freed
         return freed
