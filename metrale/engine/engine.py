@@ -462,16 +462,21 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             except Exception as exc:  # one bad step must not take the engine down
                 self._step_failed(plan, touched, exc)
                 forward = None
-        prefill: futures.Future[None] | None = None
+        grammar_work: futures.Future[None] | None = None
+        late_read: tuple[StepPlan, _Pending] | None = None
         if late_sample and previous is not None:
-            # `previous` committed first: the matchers advance, and the mask rows of this
-            # step fill on a worker thread while the outputs below are built.
-            self._read_back(previous, self._pending, touched)
-            previous = None
+            # `previous` committed first; its matchers advance, then the mask rows of this
+            # step fill, on the grammar worker thread while the outputs below are built.
+            read = self._read_back(previous, self._pending, touched, advance_grammars=False)
             states = [g for s in plan.sampled if (g := self._grammar_of.get(s.seq_id))]
-            if forward is not None and states:
-                prefill = self.grammar_backend.prefill_async(states)
-                self.grammar_rows_prefilled += len(states)
+            prefill = states if forward is not None else []
+            if read is not None:
+                late_read = (previous.plan, read)
+                grammar_work = self._advance_grammars_async(read.committed, prefill)
+            elif prefill:
+                grammar_work = self.grammar_backend.prefill_async(prefill)
+            self.grammar_rows_prefilled += len(prefill)
+            previous = None
         for pending in ready:
             self._emit(pending, touched)
         if on_outputs is not None and touched:
@@ -479,10 +484,19 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             touched = {}
         if previous is not None:
             self._read_back(previous, self._pending, touched)
+        if late_read is not None:  # its matchers advanced: end the terminated grammars
+            read_plan, read = late_read
+            try:
+                if grammar_work is not None:
+                    grammar_work.result()
+                    grammar_work = None
+                read.committed[:] = self._finish_terminated(read.committed)
+            except Exception as exc:
+                self._step_failed(read_plan, touched, exc)
         if late_sample and forward is not None:
             try:  # `previous` is committed: its tokens are in the outputs and the matchers
-                if prefill is not None:
-                    prefill.result()
+                if grammar_work is not None:
+                    grammar_work.result()
                 launched = self._sample_step(plan, _Forward(forward.logits, 0, None))
             except Exception as exc:
                 self._step_failed(plan, touched, exc)
@@ -500,14 +514,22 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
         return self._outputs(touched, build)
 
     def _read_back(
-        self, step: _InFlight, into: list[_Pending], touched: dict[str, RequestState]
-    ) -> None:
-        """Wait for a launched step's tokens and commit them (a failure ends its requests)."""
+        self,
+        step: _InFlight,
+        into: list[_Pending],
+        touched: dict[str, RequestState],
+        advance_grammars: bool = True,
+    ) -> _Pending | None:
+        """Wait for a launched step's tokens and commit them (a failure ends its requests);
+        the committed step, or None if it failed."""
+        pending = None
         try:
-            pending = self._commit(step.plan, step.batch)
+            pending = self._commit(step.plan, step.batch, advance_grammars)
             into.append(pending)
             seconds = time.perf_counter() - max(self._last_read, step.started)
             self.speculation.record(step.plan, pending.committed, seconds)
         except Exception as exc:
             self._step_failed(step.plan, touched, exc)
+            pending = None
         self._last_read = time.perf_counter()
+        return pending

@@ -119,11 +119,15 @@ class EngineForward:
             return blocks[0]
         return torch.cat(blocks) if blocks else None
 
-    def _commit(self, plan: StepPlan, batch: SampledBatch) -> _Pending:
+    def _commit(
+        self, plan: StepPlan, batch: SampledBatch, advance_grammars: bool = True
+    ) -> _Pending:
         """Wait for the sampled tokens and hand them to the scheduler (which ends sequences
-        at EOS, stop tokens or their length); their outputs are built by `_emit`."""
+        at EOS, stop tokens or their length); their outputs are built by `_emit`.
+        `advance_grammars=False`: the caller advances the constrained rows' matchers itself
+        (`Engine.step`'s late-sampled path does, on the grammar worker thread)."""
         out = batch.to_host()
         committed = self.scheduler.commit(plan, out.token_ids, out.emitted)
-        if self._grammar_of:
+        if self._grammar_of and advance_grammars:
             committed = self._advance_grammars(committed)
         return _Pending(out, committed)

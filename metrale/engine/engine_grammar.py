@@ -102,11 +102,38 @@ class EngineGrammar:
         batched xgrammar call for the rows one token ahead: `GrammarState.sync_many`); a
         grammar that has terminated (a stop token accepted, e.g. under `ignore_eos`) ends its
         sequence."""
-        rows = [(c, self._grammar_of.get(c.seq.seq_id)) for c in committed]
-        live = [(c, g) for c, g in rows if g is not None]
-        if not live:
+        states, outputs = self._grammar_rows(committed)
+        if not states:
             return committed
-        GrammarState.sync_many([g for _, g in live], [c.seq.output_token_ids for c, _ in live])
+        GrammarState.sync_many(states, outputs)
+        return self._finish_terminated(committed)
+
+    def _advance_grammars_async(
+        self, committed: list[Committed], prefill: Sequence[GrammarState]
+    ) -> Future[None] | None:
+        """`_advance_grammars`' matcher work on the backend's worker thread (xgrammar releases
+        the GIL), then the next mask rows of `prefill`: the engine builds outputs meanwhile.
+        The caller waits on the future, then calls `_finish_terminated` (main thread)."""
+        states, outputs = self._grammar_rows(committed)
+        if not states and not prefill:
+            return None
+        return self.grammar_backend.advance_async(states, outputs, prefill)
+
+    def _grammar_rows(
+        self, committed: list[Committed]
+    ) -> tuple[list[GrammarState], list[list[int]]]:
+        """The matchers of the constrained rows of `committed` and their outputs."""
+        states, outputs = [], []
+        for c in committed:
+            grammar = self._grammar_of.get(c.seq.seq_id)
+            if grammar is not None:
+                states.append(grammar)
+                outputs.append(c.seq.output_token_ids)
+        return states, outputs
+
+    def _finish_terminated(self, committed: list[Committed]) -> list[Committed]:
+        """`committed` with the sequences whose grammar terminated finished ("stop")."""
+        rows = [(c, self._grammar_of.get(c.seq.seq_id)) for c in committed]
         out = []
         for c, grammar in rows:
             if grammar is not None and grammar.terminated and not c.seq.is_finished:
