@@ -52,9 +52,11 @@ Invariants:
   preemption and prefix caching never advance it twice. A decode step after one that
   sampled a grammar row is still fed on the device, but its sampler is queued only after
   that step is read back and the matchers advanced, so the host fills the mask while the
-  forward runs (`late_sampled_steps`; the rows fill on a worker thread while the step's
-  outputs are built, `grammar_rows_prefilled`); a step that cannot be fed reads back first
-  (`host_token_drains`), as a bad word of several tokens always does.
+  forward runs (`late_sampled_steps`; the matchers advance and the rows fill on the grammar
+  worker thread while the step's outputs are built, `grammar_rows_prefilled`, and the
+  grammars that terminated end their sequences once it is done, before the sampler); a
+  step that cannot be fed reads back first (`host_token_drains`), as a bad word of several
+  tokens always does.
   A constrained row's drafts are cut before the first token its grammar refuses
   (`grammar_drafts_cut`) and verified under the grammar's mask at every position, so
   speculation stays lossless. A choice whose grammar terminates finishes ("stop").

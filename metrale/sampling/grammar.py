@@ -29,8 +29,9 @@ Invariants:
   tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
 - A step's live rows are filled in one call of xgrammar's `BatchGrammarMatcher` (its own
   threads, without the GIL). On CUDA this host work runs while the step's forward computes
-  (the forward is queued before the sampler runs). `prefill_async` fills them ahead on a
-  worker thread (the engine builds outputs meanwhile); a prefilled row is used only while
+  (the forward is queued before the sampler runs). `advance_async` (the matchers' batched
+  accept, then the next rows) and `prefill_async` run on a worker thread (the engine builds
+  outputs meanwhile; xgrammar releases the GIL in both); a prefilled row is used only while
   its state stays at the position (synced-list version, accepted count, termination) it was
   filled at, else the row is filled afresh.
 - No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row)
