@@ -3,6 +3,7 @@ at start-up with the machine's C compiler and called through ctypes.
 
 Owner: kernels. `load_gemv` builds (or finds in its cache) and loads the kernel; `CpuGemv` calls
 it. `cpu_linear.CpuLinear` decides which projections take it (float32, at most `MAX_ROWS` rows).
+The same shared object holds the fused decode step `cpu_decode.py` loads.
 
 Why (issue 26): a one-stream decode step of a model whose weights exceed the last-level cache
 reads every weight once from memory, so its projections are bound by how fast they read. MKL's
@@ -43,6 +44,8 @@ import torch
 MAX_ROWS = 4
 SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+#: Libraries linked after the source (the fused decode step's expf / sqrtf).
+LIBS = ("-lm",)
 _SYMBOL = "metrale_gemv_f32"
 
 
@@ -95,7 +98,8 @@ def build(directory: Path | None = None) -> Path:
         raise GemvUnavailable(f"{cc} --version failed: {exc}") from exc
     source = SOURCE.read_bytes()
     digest = hashlib.sha256()
-    for part in (source, version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
+    flags = " ".join(FLAGS + LIBS).encode()
+    for part in (source, version.encode(), flags, _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     name = f"cpu_gemv-{digest.hexdigest()[:20]}.so"
@@ -116,7 +120,7 @@ def build(directory: Path | None = None) -> Path:
         break
     else:
         raise GemvUnavailable(f"cannot write the kernel cache {places[-1]}: {error}")
-    cmd = [cc, *FLAGS, str(SOURCE), "-o", tmp]
+    cmd = [cc, *FLAGS, str(SOURCE), *LIBS, "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode != 0:

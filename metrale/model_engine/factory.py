@@ -313,6 +313,13 @@ def _load_model(
     )  # fmt: skip
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
+    if device.type == "cpu" and sharding is None:
+        from metrale.kernels import cpu_decode
+
+        if config.batch_invariant:  # its ops (fixed GEMM tiles) must run every forward
+            logger.info("kernels: CPU decode layer by layer (batch_invariant)")
+        else:
+            model.cpu_decode = cpu_decode.build(module, model.main_kv_layers)
     if model.snapshots is not None:
         gap = config.ssm_snapshot_min_gap_tokens
         if gap is None:

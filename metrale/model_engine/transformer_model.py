@@ -58,6 +58,7 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.cache.ssm_snapshots import SnapshotCost, SsmSnapshotStore
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
+from metrale.kernels.cpu_decode import CpuDecodeStack
 from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
 from metrale.model_engine.fast_forwards import FastForwards
@@ -143,6 +144,9 @@ class TransformerModel(
         self.graph_runner: DecodeGraphRunner | None = None
         #: Forwards run eagerly (prefills, mixed steps, and decode when no graph applies).
         self.eager_forwards = 0
+        #: The CPU's fused decode step (`kernels/cpu_decode.py`, set by the factory); None:
+        #: every forward layer by layer.
+        self.cpu_decode: CpuDecodeStack | None = None
         #: Decode steps a graph would have run, run eagerly because a row uses an adapter.
         self.lora_eager_forwards = 0
         #: One-token prompt chunks run by a decode graph replay (`_graphable_chunks`).
@@ -225,6 +229,8 @@ class TransformerModel(
             counters["mtp_eager_proposes"] = self.mtp_proposes["eager"]
         if self.kernel_ops is not None:  # the CPU projections' calls by path
             counters.update(self.kernel_ops.counters())
+        if self.cpu_decode is not None:
+            counters["cpu_fused_decode_forwards"] = self.cpu_decode.fused_forwards
         return counters
 
     # ------------------------------------------------------------------ SSM slots
@@ -451,14 +457,25 @@ class TransformerModel(
             kwargs["ssm_states"] = self.ssm_pool.layers
         if self.lora is not None:
             self.lora.slots.batch = self.lora.slots.route(batch.lora)
-        try:
-            if self.mtp_enabled:
-                hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
-            else:
-                hidden = self.module(*args, **kwargs)
-        finally:
-            if self.lora is not None:
-                self.lora.slots.batch = None
+        fused = self.cpu_decode
+        if (
+            fused is not None
+            and num_decode == len(rows)
+            and not kwargs
+            and not self.mtp_enabled
+            and self.lora is None
+            and fused.takes(batch.meta, len(rows))
+        ):
+            hidden = fused(batch.input_ids, batch.meta)  # every layer in one C call
+        else:
+            try:
+                if self.mtp_enabled:
+                    hidden, for_head = self.module.forward_for_mtp(*args, **kwargs)
+                else:
+                    hidden = self.module(*args, **kwargs)
+            finally:
+                if self.lora is not None:
+                    self.lora.slots.batch = None
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, for_head, owned=True)
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])

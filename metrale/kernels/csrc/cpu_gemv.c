@@ -1,4 +1,6 @@
-/* metrale: few-row float32 projections on the CPU, y[m, o] = x[m, :] . w[o, :] (+ bias[o]).
+/* metrale: few-row float32 projections on the CPU, y[m, o] = x[m, :] . w[o, :] (+ bias[o]),
+ * and, built on them, the fused decode step of the dense decoder (metrale_decode_stack_f32,
+ * at the end of this file; metrale/kernels/cpu_decode.py).
  *
  * Built at run time by metrale/kernels/cpu_gemv.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes. Why: a decode step of a small model on the CPU reads every weight once, so a
@@ -98,4 +100,132 @@ void metrale_gemv_f32(const float *x, long ldx, const float *w, const float *bia
   }
 #endif
   span(x, ldx, w, bias, y, rows, in, out, 0, out);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * One decode step of the dense pre-norm decoder (Llama / Mistral / Qwen2 / Qwen3: RMSNorm,
+ * fused QKV with optional bias, optional per-head q/k RMSNorm, rotate-half rotary over the whole
+ * head, paged GQA attention, SiLU-gated MLP) for `rows` one-token rows, every layer in one call:
+ * the torch path spends most of a small model's CPU step in ~30 calls per layer
+ * (metrale/kernels/cpu_decode.py says when this runs). Float32 throughout; the projections are
+ * metrale_gemv_f32 (its fixed arithmetic), the rest plain loops in a fixed order.
+ *
+ * h [rows, hidden]: in, the token embeddings; out, the final RMSNorm of the last residual.
+ * w: per layer 9 pointers (input norm, qkv weight, qkv bias or NULL, q norm or NULL, k norm or
+ * NULL, o weight, post-attention norm, gate_up weight [2 * inter, hidden], down weight).
+ * kv: per layer the key and value caches [blocks, block_size, kv_heads, head_dim].
+ * positions / slots (int64) and seq_lens (int32, the length including this token) per row;
+ * tables [rows, table_stride] int32 block ids; cos_sin [positions, 2, head_dim / 2].
+ * scratch: at least metrale_decode_scratch(...) floats.
+ */
+#include <math.h>
+
+long metrale_decode_scratch(long rows, long hidden, long q_heads, long kv_heads, long dim,
+                            long inter, long max_len) {
+  return rows * (3 * hidden + (q_heads + 2 * kv_heads) * dim + q_heads * dim + 3 * inter) +
+         max_len + 64;
+}
+
+static void rms_norm_rows(const float *x, const float *w, float eps, float *out, long rows,
+                          long n) {
+  for (long r = 0; r < rows; r++) {
+    const float *xr = x + r * n;
+    float ss = 0.0f;
+    for (long i = 0; i < n; i++) ss += xr[i] * xr[i];
+    float scale = 1.0f / sqrtf(ss / (float)n + eps);
+    for (long i = 0; i < n; i++) out[r * n + i] = (xr[i] * scale) * w[i];
+  }
+}
+
+/* One head in place: optional RMSNorm with `w`, then the rotate-half rotation at `pos`. */
+static void norm_rotate(float *x, const float *w, float eps, const float *cos_sin, long pos,
+                        long dim) {
+  if (w) {
+    float ss = 0.0f;
+    for (long i = 0; i < dim; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (long i = 0; i < dim; i++) x[i] = (x[i] * scale) * w[i];
+  }
+  long half = dim / 2;
+  const float *c = cos_sin + pos * dim, *s = c + half;
+  for (long i = 0; i < half; i++) {
+    float a = x[i], b = x[i + half];
+    x[i] = a * c[i] - b * s[i];
+    x[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+void metrale_decode_stack_f32(float *h, long rows, long hidden, long layers,
+                              const float *const *w, float *const *kv, const float *final_norm,
+                              float eps, long q_heads, long kv_heads, long dim, long inter,
+                              long block_size, const long *positions, const long *slots,
+                              const int *seq_lens, const int *tables, long table_stride,
+                              const float *cos_sin, float scale, float *scratch, int threads) {
+  long qkv_n = (q_heads + 2 * kv_heads) * dim, q_n = q_heads * dim, kv_n = kv_heads * dim;
+  long group = q_heads / kv_heads;
+  float *residual = scratch, *x = residual + rows * hidden, *o = x + rows * hidden;
+  float *qkv = o + rows * hidden, *attn = qkv + rows * qkv_n, *gu = attn + rows * q_n;
+  float *act = gu + rows * 2 * inter, *scores = act + rows * inter;
+  for (long i = 0; i < rows * hidden; i++) residual[i] = h[i];
+  for (long l = 0; l < layers; l++) {
+    const float *const *lw = w + 9 * l;
+    float *k_cache = kv[2 * l], *v_cache = kv[2 * l + 1];
+    if (l > 0)
+      for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + h[i];
+    rms_norm_rows(residual, lw[0], eps, x, rows, hidden);
+    metrale_gemv_f32(x, hidden, lw[1], lw[2], qkv, rows, hidden, qkv_n, threads);
+    for (long r = 0; r < rows; r++) {
+      float *row = qkv + r * qkv_n;
+      for (long hq = 0; hq < q_heads; hq++)
+        norm_rotate(row + hq * dim, lw[3], eps, cos_sin, positions[r], dim);
+      for (long g = 0; g < kv_heads; g++)
+        norm_rotate(row + q_n + g * dim, lw[4], eps, cos_sin, positions[r], dim);
+      float *kd = k_cache + slots[r] * kv_n, *vd = v_cache + slots[r] * kv_n;
+      for (long i = 0; i < kv_n; i++) {
+        kd[i] = row[q_n + i];
+        vd[i] = row[q_n + kv_n + i];
+      }
+    }
+    for (long r = 0; r < rows; r++) {
+      long len = seq_lens[r];
+      const int *table = tables + r * table_stride;
+      for (long hq = 0; hq < q_heads; hq++) {
+        const float *q = qkv + r * qkv_n + hq * dim;
+        long g = hq / group;
+        float m = -INFINITY;
+        for (long t = 0; t < len; t++) {
+          const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * kv_n + g * dim;
+          float s = 0.0f;
+          for (long i = 0; i < dim; i++) s += q[i] * k[i];
+          s *= scale;
+          scores[t] = s;
+          if (s > m) m = s;
+        }
+        float total = 0.0f;
+        for (long t = 0; t < len; t++) {
+          scores[t] = expf(scores[t] - m);
+          total += scores[t];
+        }
+        float *out = attn + r * q_n + hq * dim;
+        for (long i = 0; i < dim; i++) out[i] = 0.0f;
+        for (long t = 0; t < len; t++) {
+          const float *v = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * kv_n + g * dim;
+          float p = scores[t] / total;
+          for (long i = 0; i < dim; i++) out[i] += p * v[i];
+        }
+      }
+    }
+    metrale_gemv_f32(attn, q_n, lw[5], NULL, o, rows, q_n, hidden, threads);
+    for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + o[i];
+    rms_norm_rows(residual, lw[6], eps, x, rows, hidden);
+    metrale_gemv_f32(x, hidden, lw[7], NULL, gu, rows, hidden, 2 * inter, threads);
+    for (long r = 0; r < rows; r++)
+      for (long i = 0; i < inter; i++) {
+        float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
+        act[r * inter + i] = (g / (1.0f + expf(-g))) * u;
+      }
+    metrale_gemv_f32(act, inter, lw[8], NULL, h, rows, inter, hidden, threads);
+  }
+  for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + h[i];
+  rms_norm_rows(residual, final_norm, eps, h, rows, hidden);
 }

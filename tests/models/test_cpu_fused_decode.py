@@ -1,0 +1,68 @@
+"""The CPU's fused decode step (`kernels/cpu_decode.py`: every layer in one C call) gives the
+layer-by-layer path's tokens, with logprobs within float32 summation-order noise, on every
+dense variant it takes (plain, GQA, Llama-3 rotary, q/k/v bias with tied embeddings, Qwen3's
+q/k norm, YaRN), while requests arrive mid-run so prefill and mixed steps (layer by layer)
+interleave with fused decode steps; it declines the models it does not compute (a sliding
+window), and `METRALE_CPU_DECODE=layers` turns it off. Parity with transformers itself is
+`test_dense_parity.py`'s, which runs through the engine with the fused step on (the default)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from metrale import Engine, EngineConfig, SamplingParams
+from metrale.kernels import cpu_decode
+from tests.helpers.checkpoints import DENSE_VARIANTS, build
+
+TAKEN = ["qwen3-qknorm", "qwen2-bias-tied", "llama-gqa4-llama3", "qwen3-classic-yarn-gqa4"]
+
+
+def _run(variant_name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Engine]:
+    monkeypatch.setenv("METRALE_CPU_DECODE", mode)
+    variant = next(v for v in DENSE_VARIANTS if v.name == variant_name)
+    engine = Engine(
+        EngineConfig(model=str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=200)
+    )
+    prompts = [[5, 9, 13, 2, 7], list(range(3, 40)), [21, 22]]
+    late = [30, 31, 32, 33, 34, 35]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=1, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, params)
+    got: dict[str, Any] = {}
+    steps = 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 4:
+            engine.add_request("late", late, params)
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                lps = [pos[t].logprob for pos, t in zip(c.logprobs or [], c.token_ids)]
+                got[out.request_id] = (c.token_ids, lps)
+    return got, engine
+
+
+@pytest.mark.parametrize("name", TAKEN)
+def test_fused_step_equals_the_layer_path(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    layers, reference = _run(name, "layers", monkeypatch)
+    fused, engine = _run(name, "fused", monkeypatch)
+    assert reference.model.cpu_decode is None
+    assert engine.model.forward_counters()["cpu_fused_decode_forwards"] > 10
+    assert fused.keys() == layers.keys() == {"r0", "r1", "r2", "late"}
+    for rid, (tokens, lps) in layers.items():
+        assert fused[rid][0] == tokens, rid
+        assert max(abs(a - b) for a, b in zip(fused[rid][1], lps)) < 1e-5, rid
+
+
+def test_declines_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, engine = _run("mistral-window", "fused", monkeypatch)
+    assert engine.model.cpu_decode is None
+    assert "cpu_fused_decode_forwards" not in engine.model.forward_counters()
+
+
+def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("METRALE_CPU_DECODE", "fast")
+    with pytest.raises(ValueError, match="METRALE_CPU_DECODE"):
+        cpu_decode.mode()
