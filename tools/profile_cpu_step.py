@@ -138,7 +138,9 @@ def main() -> None:
         config={"isl": args.isl, "osl": args.osl, "threads": args.threads, "dtype": args.dtype,
                 "requests": args.requests, "size": SIZES[args.size],
                 "async_scheduling": args.async_scheduling,
-                "cpu_ops": os.environ.get("METRALE_CPU_OPS", "lean")},
+                "cpu_ops": os.environ.get("METRALE_CPU_OPS", "lean"),
+                "cpu_decode": os.environ.get("METRALE_CPU_DECODE", "fused"),
+                "cpu_weights": os.environ.get("METRALE_CPU_WEIGHTS", "float32")},
         figures=figures,
         device="cpu",
     )  # fmt: skip

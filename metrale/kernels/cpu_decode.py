@@ -26,6 +26,11 @@ Invariants:
   the batch) keeps the layer-by-layer invariant ops and never builds it.
 - `METRALE_CPU_DECODE=layers` keeps the layer-by-layer path (the reference); the default is
   `fused`. Forwards through it are counted (`fused_forwards`).
+- `METRALE_CPU_WEIGHTS=bf16` (opt-in, not exact): the fused step's four projections a layer
+  read bfloat16 copies of their weights (half the bytes of a memory-bound step), widened to
+  float32 exactly in the kernel, with float32 activations and sums; prefill and the layer
+  path keep the float32 weights. Its agreement with float32 is measured, not assumed
+  (`tests/models/test_cpu_fused_decode.py`, the CPU ladder's record).
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 #: `METRALE_CPU_DECODE` values.
 MODES = ("fused", "layers")
+#: `METRALE_CPU_WEIGHTS` values: what the fused step's projections read.
+WEIGHT_MODES = ("float32", "bf16")
 
 
 def mode() -> str:
@@ -52,6 +59,24 @@ def mode() -> str:
     if value not in MODES:
         raise ValueError(f"METRALE_CPU_DECODE={value!r}: expected one of {', '.join(MODES)}")
     return value
+
+
+def weights_mode() -> str:
+    """`METRALE_CPU_WEIGHTS` (default `float32`); an unknown value is an error naming it."""
+    value = os.environ.get("METRALE_CPU_WEIGHTS", "float32")
+    if value not in WEIGHT_MODES:
+        raise ValueError(
+            f"METRALE_CPU_WEIGHTS={value!r}: expected one of {', '.join(WEIGHT_MODES)}"
+        )
+    return value
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:  # pragma: no cover - not Linux
+        return False
 
 
 def why_not(
@@ -101,13 +126,17 @@ class CpuDecodeStack:
     """The fused decode step of one model (see the module docstring)."""
 
     def __init__(
-        self, module: torch.nn.Module, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+        self,
+        module: torch.nn.Module,
+        kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        weights_bf16: bool = False,
     ) -> None:
         lib = ctypes.CDLL(str(cpu_gemv.build()))
         fn = lib.metrale_decode_stack_f32
         ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
         fn.argtypes = [ptr, long, long, long, ptr, ptr, ptr, f32, long, long, long, long, long,
-                       ptr, ptr, ptr, ptr, long, ptr, f32, ptr, ctypes.c_int]  # fmt: skip
+                       ptr, ptr, ptr, ptr, long, ptr, f32, ptr, ctypes.c_int,
+                       ctypes.c_int]  # fmt: skip
         fn.restype = None
         scratch = lib.metrale_decode_scratch
         scratch.argtypes = [long] * 7
@@ -141,6 +170,14 @@ class CpuDecodeStack:
         for t in weights:
             if t is not None and not t.is_contiguous():
                 raise ValueError("the fused CPU decode step needs contiguous weights")
+        #: The projections read bfloat16 copies (half the bytes; not exact: opt-in).
+        self.weights_bf16 = weights_bf16
+        if weights_bf16:  # the four projections of each layer: entries 1, 5, 7, 8 of 9
+            weights = [
+                t.to(torch.bfloat16).contiguous() if t is not None and i % 9 in (1, 5, 7, 8)
+                else t
+                for i, t in enumerate(weights)
+            ]  # fmt: skip
         self._weights = weights  # kept alive: the pointer table refers to them
         self._weight_ptrs = (ptr * len(weights))(
             *(t.data_ptr() if t is not None else None for t in weights)
@@ -188,6 +225,7 @@ class CpuDecodeStack:
             self.inter, self.block_size, positions.data_ptr(), slots.data_ptr(),
             seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), cos_sin.data_ptr(),
             self.scale, self._scratch.data_ptr(), torch.get_num_threads(),
+            int(self.weights_bf16),
         )  # fmt: skip
         self.fused_forwards += 1
         return h
@@ -198,14 +236,25 @@ def build(
 ) -> CpuDecodeStack | None:
     """The fused step for `module` on the CPU, or None (logged: the mode, why the model
     cannot take it, or why the kernel could not be built)."""
+    bf16 = weights_mode() == "bf16"
     if mode() == "layers":
         logger.info("kernels: CPU decode layer by layer (METRALE_CPU_DECODE=layers)")
+        if bf16:
+            logger.warning("METRALE_CPU_WEIGHTS=bf16 has no effect: it is the fused step's")
         return None
     reason = why_not(module, kv_layers)
     if reason is None:
         try:
-            return CpuDecodeStack(module, kv_layers)
+            stack = CpuDecodeStack(module, kv_layers, weights_bf16=bf16)
         except (cpu_gemv.GemvUnavailable, OSError, AttributeError, ValueError) as exc:
             reason = f"the kernel is unavailable: {exc}"
+        else:
+            logger.info(
+                "kernels: CPU decode steps fused (every layer in one C call)%s",
+                "; projections read bfloat16 copies of the weights (METRALE_CPU_WEIGHTS=bf16:"
+                f" not exact; this CPU has avx512_bf16: {_cpu_has('avx512_bf16')}, unused:"
+                " the widening is a shift)" if bf16 else "",
+            )  # fmt: skip
+            return stack
     logger.info("kernels: CPU decode layer by layer (the fused step does not apply: %s)", reason)
     return None

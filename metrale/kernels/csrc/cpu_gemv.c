@@ -33,74 +33,102 @@ static inline float lanes_sum(v16 v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-/* One weight row against MM x rows (MM <= 4). */
-#define ROW_KERNEL(MM)                                                                       \
-  static inline __attribute__((always_inline)) void row##MM(                                 \
-      const float *x, long ldx, const float *w, long n, float bias, float *y, long ldy) {    \
+/* Weights as stored: float32, or bfloat16 (the high half of a float32: widened exactly by a
+ * 16-bit shift, so a bf16 weight's products and sums are float32 ones; `METRALE_CPU_WEIGHTS`). */
+typedef unsigned short bf16;
+typedef unsigned short u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef unsigned int u32x16 __attribute__((vector_size(64)));
+#define LDW_f32(p) LD(p)
+#define W1_f32(p) (*(p))
+static inline v16 LDW_bf16(const bf16 *p) {
+  u32x16 wide = __builtin_convertvector(*(const u16x16 *)p, u32x16) << 16;
+  return (v16)wide;
+}
+static inline float W1_bf16(const bf16 *p) {
+  union { unsigned int u; float f; } v = {.u = (unsigned int)*p << 16};
+  return v.f;
+}
+
+/* One weight row against MM x rows (MM <= 4), weights of type WT (suffix T). */
+#define ROW_KERNEL(MM, T, WT)                                                                \
+  static inline __attribute__((always_inline)) void row##MM##_##T(                           \
+      const float *x, long ldx, const WT *w, long n, float bias, float *y, long ldy) {       \
     v16 acc[MM][2];                                                                          \
     _Pragma("GCC unroll 4") for (int m = 0; m < MM; m++) acc[m][0] = acc[m][1] = (v16){0};   \
     long n32 = n & ~31L, n16 = n & ~15L;                                                     \
     for (long i = 0; i < n32; i += 32) {                                                     \
-      v16 w0 = LD(w + i), w1 = LD(w + i + 16);                                               \
+      v16 w0 = LDW_##T(w + i), w1 = LDW_##T(w + i + 16);                                     \
       _Pragma("GCC unroll 4") for (int m = 0; m < MM; m++) {                                 \
         acc[m][0] += w0 * LD(x + m * ldx + i);                                               \
         acc[m][1] += w1 * LD(x + m * ldx + i + 16);                                          \
       }                                                                                      \
     }                                                                                        \
     if (n16 > n32) {                                                                         \
-      v16 wv = LD(w + n32);                                                                  \
+      v16 wv = LDW_##T(w + n32);                                                             \
       _Pragma("GCC unroll 4") for (int m = 0; m < MM; m++) acc[m][0] += wv * LD(x + m * ldx + n32); \
     }                                                                                        \
     _Pragma("GCC unroll 4") for (int m = 0; m < MM; m++) {                                   \
       float s = lanes_sum(acc[m][0] + acc[m][1]);                                            \
-      for (long i = n16; i < n; i++) s += x[m * ldx + i] * w[i];                             \
+      for (long i = n16; i < n; i++) s += x[m * ldx + i] * W1_##T(w + i);                    \
       y[m * ldy] = s + bias;                                                                \
     }                                                                                        \
   }
-ROW_KERNEL(1)
-ROW_KERNEL(2)
-ROW_KERNEL(3)
-ROW_KERNEL(4)
 
 /* Output columns [o0, o1) for all `rows` x rows: each weight row is read from memory once and
  * then serves the x rows four at a time (from the L1 cache after the first four). */
-static void span(const float *x, long ldx, const float *w, const float *bias, float *y,
-                 long rows, long in, long out, long o0, long o1) {
-  for (long o = o0; o < o1; o++) {
-    const float *wo = w + o * in;
-    float b = bias ? bias[o] : 0.0f;
-    for (long m = 0; m < rows; m += 4) {
-      const float *xm = x + m * ldx;
-      float *ym = y + m * out + o;
-      switch (rows - m < 4 ? rows - m : 4) {
-        case 1: row1(xm, ldx, wo, in, b, ym, out); break;
-        case 2: row2(xm, ldx, wo, in, b, ym, out); break;
-        case 3: row3(xm, ldx, wo, in, b, ym, out); break;
-        default: row4(xm, ldx, wo, in, b, ym, out); break;
-      }
-    }
+#define SPAN(T, WT)                                                                          \
+  ROW_KERNEL(1, T, WT)                                                                       \
+  ROW_KERNEL(2, T, WT)                                                                       \
+  ROW_KERNEL(3, T, WT)                                                                       \
+  ROW_KERNEL(4, T, WT)                                                                       \
+  static void span_##T(const float *x, long ldx, const WT *w, const float *bias, float *y,   \
+                       long rows, long in, long out, long o0, long o1) {                     \
+    for (long o = o0; o < o1; o++) {                                                         \
+      const WT *wo = w + o * in;                                                             \
+      float b = bias ? bias[o] : 0.0f;                                                       \
+      for (long m = 0; m < rows; m += 4) {                                                   \
+        const float *xm = x + m * ldx;                                                       \
+        float *ym = y + m * out + o;                                                         \
+        switch (rows - m < 4 ? rows - m : 4) {                                               \
+          case 1: row1_##T(xm, ldx, wo, in, b, ym, out); break;                              \
+          case 2: row2_##T(xm, ldx, wo, in, b, ym, out); break;                              \
+          case 3: row3_##T(xm, ldx, wo, in, b, ym, out); break;                              \
+          default: row4_##T(xm, ldx, wo, in, b, ym, out); break;                             \
+        }                                                                                    \
+      }                                                                                      \
+    }                                                                                        \
   }
-}
 
 /* y [rows, out] (contiguous) = x [rows, in] (row stride ldx) @ w [out, in]^T (+ bias [out]),
  * split over `threads` OpenMP threads by contiguous output ranges (multiples of 16 outputs,
  * so no two threads write one cache line of y). */
-void metrale_gemv_f32(const float *x, long ldx, const float *w, const float *bias, float *y,
-                      long rows, long in, long out, int threads) {
 #ifdef _OPENMP
-  if (threads > 1 && out >= 32) {
-#pragma omp parallel num_threads(threads)
-    {
-      long n = omp_get_num_threads(), t = omp_get_thread_num();
-      long per = ((out + n - 1) / n + 15) & ~15L;
-      long a = t * per, b = a + per < out ? a + per : out;
-      if (a < b) span(x, ldx, w, bias, y, rows, in, out, a, b);
-    }
-    return;
+#define GEMV(T, WT)                                                                          \
+  SPAN(T, WT)                                                                                \
+  void metrale_gemv_##T(const float *x, long ldx, const WT *w, const float *bias, float *y,  \
+                        long rows, long in, long out, int threads) {                         \
+    if (threads > 1 && out >= 32) {                                                          \
+      _Pragma("omp parallel num_threads(threads)") {                                        \
+        long n = omp_get_num_threads(), t = omp_get_thread_num();                            \
+        long per = ((out + n - 1) / n + 15) & ~15L;                                          \
+        long a = t * per, b = a + per < out ? a + per : out;                                 \
+        if (a < b) span_##T(x, ldx, w, bias, y, rows, in, out, a, b);                        \
+      }                                                                                      \
+      return;                                                                                \
+    }                                                                                        \
+    span_##T(x, ldx, w, bias, y, rows, in, out, 0, out);                                     \
+  }
+#else
+#define GEMV(T, WT)                                                                          \
+  SPAN(T, WT)                                                                                \
+  void metrale_gemv_##T(const float *x, long ldx, const WT *w, const float *bias, float *y,  \
+                        long rows, long in, long out, int threads) {                         \
+    (void)threads;                                                                           \
+    span_##T(x, ldx, w, bias, y, rows, in, out, 0, out);                                     \
   }
 #endif
-  span(x, ldx, w, bias, y, rows, in, out, 0, out);
-}
+GEMV(f32, float)
+GEMV(bf16, bf16)
 
 /* ---------------------------------------------------------------------------------------------
  * One decode step of the dense pre-norm decoder (Llama / Mistral / Qwen2 / Qwen3: RMSNorm,
@@ -116,7 +144,9 @@ void metrale_gemv_f32(const float *x, long ldx, const float *w, const float *bia
  * kv: per layer the key and value caches [blocks, block_size, kv_heads, head_dim].
  * positions / slots (int64) and seq_lens (int32, the length including this token) per row;
  * tables [rows, table_stride] int32 block ids; cos_sin [positions, 2, head_dim / 2].
- * scratch: at least metrale_decode_scratch(...) floats.
+ * scratch: at least metrale_decode_scratch(...) floats. weights_bf16: the four projection
+ * weights of every layer are bfloat16 (METRALE_CPU_WEIGHTS=bf16; the qkv bias and norms stay
+ * float32), else float32.
  */
 #include <math.h>
 
@@ -155,12 +185,18 @@ static void norm_rotate(float *x, const float *w, float eps, const float *cos_si
   }
 }
 
+/* A projection of the stack: its weight pointer holds bf16 values when `weights_bf16`. */
+#define PROJECT(X, LDX, W, B, Y, ROWS, IN, OUT)                                              \
+  (weights_bf16 ? metrale_gemv_bf16(X, LDX, (const bf16 *)(W), B, Y, ROWS, IN, OUT, threads)  \
+                : metrale_gemv_f32(X, LDX, W, B, Y, ROWS, IN, OUT, threads))
+
 void metrale_decode_stack_f32(float *h, long rows, long hidden, long layers,
                               const float *const *w, float *const *kv, const float *final_norm,
                               float eps, long q_heads, long kv_heads, long dim, long inter,
                               long block_size, const long *positions, const long *slots,
                               const int *seq_lens, const int *tables, long table_stride,
-                              const float *cos_sin, float scale, float *scratch, int threads) {
+                              const float *cos_sin, float scale, float *scratch, int threads,
+                              int weights_bf16) {
   long qkv_n = (q_heads + 2 * kv_heads) * dim, q_n = q_heads * dim, kv_n = kv_heads * dim;
   long group = q_heads / kv_heads;
   float *residual = scratch, *x = residual + rows * hidden, *o = x + rows * hidden;
@@ -173,7 +209,7 @@ void metrale_decode_stack_f32(float *h, long rows, long hidden, long layers,
     if (l > 0)
       for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + h[i];
     rms_norm_rows(residual, lw[0], eps, x, rows, hidden);
-    metrale_gemv_f32(x, hidden, lw[1], lw[2], qkv, rows, hidden, qkv_n, threads);
+    PROJECT(x, hidden, lw[1], lw[2], qkv, rows, hidden, qkv_n);
     for (long r = 0; r < rows; r++) {
       float *row = qkv + r * qkv_n;
       for (long hq = 0; hq < q_heads; hq++)
@@ -215,16 +251,16 @@ void metrale_decode_stack_f32(float *h, long rows, long hidden, long layers,
         }
       }
     }
-    metrale_gemv_f32(attn, q_n, lw[5], NULL, o, rows, q_n, hidden, threads);
+    PROJECT(attn, q_n, lw[5], NULL, o, rows, q_n, hidden);
     for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + o[i];
     rms_norm_rows(residual, lw[6], eps, x, rows, hidden);
-    metrale_gemv_f32(x, hidden, lw[7], NULL, gu, rows, hidden, 2 * inter, threads);
+    PROJECT(x, hidden, lw[7], NULL, gu, rows, hidden, 2 * inter);
     for (long r = 0; r < rows; r++)
       for (long i = 0; i < inter; i++) {
         float g = gu[r * 2 * inter + i], u = gu[r * 2 * inter + inter + i];
         act[r * inter + i] = (g / (1.0f + expf(-g))) * u;
       }
-    metrale_gemv_f32(act, inter, lw[8], NULL, h, rows, inter, hidden, threads);
+    PROJECT(act, inter, lw[8], NULL, h, rows, inter, hidden);
   }
   for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + h[i];
   rms_norm_rows(residual, final_norm, eps, h, rows, hidden);
