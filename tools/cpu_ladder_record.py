@@ -88,6 +88,8 @@ def main() -> None:
             "metrale": "metrale serve DIR (float32, CPU; engine threads by its policy)",
             "metrale_args": os.environ.get("METRALE_ARGS", ""),
             "metrale_cpu_linear": os.environ.get("METRALE_CPU_LINEAR", "auto"),
+            "metrale_cpu_decode": os.environ.get("METRALE_CPU_DECODE", "fused"),
+            "metrale_cpu_weights": os.environ.get("METRALE_CPU_WEIGHTS", "float32"),
             "peers": "llama-server (f32 GGUF, -t 2) and vLLM-CPU (float32), started by run.py",
             "busy_core": args.busy == "1",
         },
