@@ -47,6 +47,12 @@ from metrale.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
+#: Most rows a fused step takes: its projections are the few-row C GEMV, which re-reads
+#: each weight row for every four rows; from 16 rows the layer path's oneDNN GEMM was faster
+#: (CPU ladder at C=16: tiny 4,071 against 5,146 tok/s, small 434 against 656, and tiny's
+#: TTFT p90 went past 3x its p50), so more rows keep the layer path.
+MAX_ROWS = cpu_gemv.MAX_ROWS
+
 #: `METRALE_CPU_DECODE` values.
 MODES = ("fused", "layers")
 #: `METRALE_CPU_WEIGHTS` values: what the fused step's projections read.
@@ -188,9 +194,9 @@ class CpuDecodeStack:
 
     def takes(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a forward of `rows` rows with this metadata is plain one-token decode of
-        resident blocks (what the fused step computes)."""
+        resident blocks (what the fused step computes), of at most `MAX_ROWS` rows."""
         return (
-            rows > 0
+            0 < rows <= MAX_ROWS
             and meta.num_decode == rows
             and meta.num_seqs == rows
             and meta.decode_query_len == 1

@@ -71,7 +71,8 @@ def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bf16_weights_are_opt_in_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """`METRALE_CPU_WEIGHTS=bf16` (not exact): the fused step's projections read bfloat16
     copies. On this checkpoint (measured when it landed: all 8 x 32 greedy tokens equal to
-    float32's, logprobs within 9e-4) most tokens agree and the logprobs stay close."""
+    float32's, logprobs within 9e-4) most tokens agree and the logprobs stay close. Four
+    requests: the fused step takes at most `cpu_decode.MAX_ROWS` rows."""
     name = "qwen3-qknorm"
     variant = next(v for v in DENSE_VARIANTS if v.name == name)
     results = {}
@@ -85,7 +86,7 @@ def test_bf16_weights_are_opt_in_and_close(monkeypatch: pytest.MonkeyPatch) -> N
         assert engine.model.cpu_decode is not None
         assert engine.model.cpu_decode.weights_bf16 == (weights == "bf16")
         params = SamplingParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True)
-        for i in range(8):
+        for i in range(cpu_decode.MAX_ROWS):
             engine.add_request(f"r{i}", [3 + i, 9, 13 + i, 2, 7 + 2 * i], params)
         got = {}
         while engine.has_unfinished():
