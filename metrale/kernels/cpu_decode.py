@@ -108,6 +108,9 @@ def why_not(
             return "a layer of another kind"
         if type(mlp) is not GatedMLP or mlp.gate_up_proj.bias is not None:
             return "an MLP of another kind or with a bias"
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(type(p) is not torch.nn.Linear for p in projections):
+            return "quantized or otherwise replaced projections"
         if mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
             return "an output projection with a bias"
         if attn.sliding_window is not None:
