@@ -71,6 +71,9 @@ class EngineSnapshot:
     #: The CPU projections' calls by path (`gemv`, `onednn`, `torch`, and `gemv_unavailable`
     #: for few-row batches the C kernel would have run; `kernels.cpu_linear`); empty off the CPU.
     cpu_projections: dict[str, int] = field(default_factory=dict)
+    #: Forwards the CPU's fused decode step ran (`kernels.cpu_decode`; a subset of
+    #: `eager_forwards`); None when the model has no fused step.
+    cpu_fused_decode_forwards: int | None = None
 
 
 class SnapshotTaker:
@@ -112,6 +115,7 @@ class SnapshotTaker:
                 for k, v in counters.items()
                 if k.startswith("cpu_projection_")
             },
+            cpu_fused_decode_forwards=counters.get("cpu_fused_decode_forwards"),
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:

@@ -233,6 +233,13 @@ class _EngineCollector(Collector):
                 "calls another path ran because the C kernel could not be built",
                 "path", snap.cpu_projections,
             )  # fmt: skip
+        if snap.cpu_fused_decode_forwards is not None:
+            yield counter(
+                "metrale_cpu_fused_decode_forwards",
+                "CPU decode forwards run by the fused step (every layer in one C call; a "
+                'subset of metrale_forwards{path="eager"}; METRALE_CPU_DECODE)',
+                snap.cpu_fused_decode_forwards,
+            )
         yield from snapshot_metrics(snap.prefix_cache)
         yield from spec_metrics(snap)
         yield from lora_metrics(snap)

@@ -531,6 +531,8 @@ def test_metrics_parse_and_move(server: ServerProcess, client: openai.OpenAI) ->
     # The tiny model's weights are under the C GEMV's size bound: MKL runs its projections.
     assert moved("metrale_cpu_projections_total", path="torch") >= 5
     assert metric(after, "metrale_cpu_projections_total", path="gemv_unavailable") == 0
+    # Its decode steps run the fused CPU step (every layer in one C call).
+    assert moved("metrale_cpu_fused_decode_forwards_total") >= 1
     for series, labels in (
         ("metrale_prefix_cache_evicted_blocks_total", ()),
         ("metrale_prefix_cache_bypassed_lookups_total", ()),
