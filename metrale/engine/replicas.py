@@ -77,7 +77,8 @@ class ReplicaStats:
 
 def sum_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
     """One snapshot of several engines: numbers summed, dicts summed by key, lists summed
-    position by position, nested dataclasses likewise; `alive` when any engine is alive."""
+    position by position, nested dataclasses likewise, None (an optional figure an engine
+    lacks) left out; `alive` when any engine is alive."""
     if not snapshots:
         return EngineSnapshot(alive=False)
     total = _sum_values(list(snapshots))
@@ -85,6 +86,9 @@ def sum_snapshots(snapshots: Sequence[EngineSnapshot]) -> EngineSnapshot:
 
 
 def _sum_values(values: list[Any]) -> Any:
+    values = [v for v in values if v is not None]  # an optional figure some engines lack
+    if not values:
+        return None
     first = values[0]
     if isinstance(first, bool):
         return any(values)
