@@ -2,9 +2,11 @@
 Qwen3) for a batch of one-token rows in one C call (`metrale_decode_stack_f32` in
 `csrc/cpu_gemv.c`), from the token embeddings to the final norm.
 
-Owner: kernels. `TransformerModel` holds one (`cpu_decode`, built by the factory on the CPU)
-and runs a forward through it when `takes` says so; everything else (prefill and mixed
-steps, verify rows, LoRA, vision, MTP) keeps the layer-by-layer path.
+Owner: kernels (the call and its arithmetic). `model_engine/cpu_fused_decode.py` decides which
+models take it and gathers their weights (`DecoderWeights`); `TransformerModel` holds one
+(`cpu_decode`, built by the factory on the CPU) and runs a forward through it when `takes`
+says so; everything else (prefill and mixed steps, verify rows, LoRA, vision, MTP) keeps the
+layer-by-layer path.
 
 Why (issue 26): a small model's CPU decode step is bound by torch's per-call cost (~30 calls
 and module dispatches a layer: the tiny model's 0.44 ms forward of 0.60 ms a step), not by
@@ -18,8 +20,8 @@ Invariants:
   softmax attention over each row's cached positions (GQA), o projection, residual, RMSNorm,
   SiLU-gated MLP, residual, final RMSNorm. Only float32 summation orders differ (~1e-6
   relative): the parity tests hold it to transformers' greedy tokens.
-- It runs only where it is that function: `build` checks the module's exact classes and
-  settings once (else None, with the reason logged), `takes` checks the forward (plain decode
+- It runs only where it is that function: the model side checks the module's exact classes
+  and settings once (else no step, with the reason logged), `takes` checks the forward (plain decode
   rows, every block resident). Which path a forward takes depends on the batch (a step with
   a prompt chunk runs layer by layer), so, like the projections' row-count paths, it moves
   logprobs by float32 rounding only; `EngineConfig.batch_invariant` (results independent of
@@ -36,16 +38,15 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from metrale.kernels import cpu_gemv
 from metrale.kernels.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 #: Most rows a fused step takes: its projections are the few-row C GEMV, which re-reads
 #: each weight row for every four rows; from 16 rows the layer path's oneDNN GEMM was faster
@@ -77,7 +78,8 @@ def weights_mode() -> str:
     return value
 
 
-def _cpu_has(flag: str) -> bool:
+def cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (False off Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return any(line.startswith("flags") and flag in line.split() for line in f)
@@ -85,50 +87,27 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-def why_not(
-    module: torch.nn.Module, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> str | None:
-    """Why `module` cannot take the fused step (None: it can)."""
-    from metrale.layers.common import GatedMLP, PagedSelfAttention
-    from metrale.models.llama import DecoderLayer, DecoderStack, LlamaForCausalLM
+@dataclass
+class DecoderWeights:
+    """What the fused step reads of a dense decoder, gathered by the model side
+    (`model_engine/cpu_fused_decode.py`): per layer, in order, the input norm, the fused QKV
+    weight and bias (or None), the q and k norms (or None), the o weight, the post-attention
+    norm, the fused gate/up weight `[2 * inter, hidden]` and the down weight; every tensor
+    contiguous float32."""
 
-    if type(module) is not LlamaForCausalLM or type(module.model) is not DecoderStack:
-        return f"{type(module).__name__} is not the plain dense decoder"
-    stack = module.model
-    rotary = stack.rotary
-    head_dim = module.config.head_dim
-    if rotary.rotary_dim != head_dim or head_dim % 2:
-        return "partial or odd-width rotary"
-    if len(kv_layers) != len(stack.layers):
-        return "the KV cache does not hold one pair per layer"
-    eps = stack.norm.eps
-    for layer, (k, v) in zip(stack.layers, kv_layers, strict=True):
-        attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not DecoderLayer or type(attn) is not PagedSelfAttention:
-            return "a layer of another kind"
-        if type(mlp) is not GatedMLP or mlp.gate_up_proj.bias is not None:
-            return "an MLP of another kind or with a bias"
-        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(type(p) is not torch.nn.Linear for p in projections):
-            return "quantized or otherwise replaced projections"
-        if mlp.down_proj.bias is not None or attn.o_proj.bias is not None:
-            return "an output projection with a bias"
-        if attn.sliding_window is not None:
-            return "a sliding-window layer"
-        if attn.rotary is not rotary:
-            return "a layer with its own rotary table"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm]
-        if attn.qk_norm:
-            norms += [attn.q_norm, attn.k_norm]
-        if any(n.eps != eps for n in norms):
-            return "norms with different epsilons"
-        if k.dtype != torch.float32 or v.dtype != torch.float32:
-            return "a KV cache that is not float32"
-    if any(p.dtype != torch.float32 for p in module.parameters()):
-        return "weights that are not float32"
-    if module.config.num_attention_heads % module.config.num_key_value_heads:
-        return "query heads not a multiple of the KV heads"
-    return None
+    layers: list[list[torch.Tensor | None]]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    #: The rotary table's owner: `cos_sin` `[positions, 2, head_dim / 2]` and
+    #: `ensure_positions(n)` (the model's `RotaryEmbedding`).
+    rotary: Any
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
 
 
 class CpuDecodeStack:
@@ -136,7 +115,7 @@ class CpuDecodeStack:
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        model: DecoderWeights,
         kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
         weights_bf16: bool = False,
     ) -> None:
@@ -151,31 +130,18 @@ class CpuDecodeStack:
         scratch.argtypes = [long] * 7
         scratch.restype = long
         self._fn, self._scratch_floats, self._lib = fn, scratch, lib
-        cfg = module.config
-        stack = module.model
-        self.module = module
-        self.hidden = cfg.hidden_size
-        self.q_heads, self.kv_heads, self.dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.hidden, self.q_heads, self.kv_heads = model.hidden, model.q_heads, model.kv_heads
+        self.dim, self.inter, self.eps, self.scale = (
+            model.head_dim, model.inter, model.eps, model.scale
         )  # fmt: skip
-        self.inter = stack.layers[0].mlp.down_proj.in_features
-        self.eps = stack.norm.eps
-        self.scale = stack.layers[0].self_attn.scale
-        self.rotary = stack.rotary
-        self.embed = stack.embed_tokens.weight
-        self.final_norm = stack.norm.weight
+        self.rotary = model.rotary
+        self.embed = model.embed
+        self.final_norm = model.final_norm
         self.kv_layers = list(kv_layers)
         self.block_size = kv_layers[0][0].shape[1]
-        weights: list[torch.Tensor | None] = []
-        for layer in stack.layers:
-            attn = layer.self_attn
-            weights += [
-                layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                attn.q_norm.weight if attn.qk_norm else None,
-                attn.k_norm.weight if attn.qk_norm else None,
-                attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight,
-            ]  # fmt: skip
+        if any(len(layer) != 9 for layer in model.layers) or len(model.layers) != len(kv_layers):
+            raise ValueError("the fused CPU decode step needs 9 tensors a layer, one KV pair each")
+        weights = [t for layer in model.layers for t in layer]
         for t in weights:
             if t is not None and not t.is_contiguous():
                 raise ValueError("the fused CPU decode step needs contiguous weights")
@@ -238,32 +204,3 @@ class CpuDecodeStack:
         )  # fmt: skip
         self.fused_forwards += 1
         return h
-
-
-def build(
-    module: torch.nn.Module, kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
-) -> CpuDecodeStack | None:
-    """The fused step for `module` on the CPU, or None (logged: the mode, why the model
-    cannot take it, or why the kernel could not be built)."""
-    bf16 = weights_mode() == "bf16"
-    if mode() == "layers":
-        logger.info("kernels: CPU decode layer by layer (METRALE_CPU_DECODE=layers)")
-        if bf16:
-            logger.warning("METRALE_CPU_WEIGHTS=bf16 has no effect: it is the fused step's")
-        return None
-    reason = why_not(module, kv_layers)
-    if reason is None:
-        try:
-            stack = CpuDecodeStack(module, kv_layers, weights_bf16=bf16)
-        except (cpu_gemv.GemvUnavailable, OSError, AttributeError, ValueError) as exc:
-            reason = f"the kernel is unavailable: {exc}"
-        else:
-            logger.info(
-                "kernels: CPU decode steps fused (every layer in one C call)%s",
-                "; projections read bfloat16 copies of the weights (METRALE_CPU_WEIGHTS=bf16:"
-                f" not exact; this CPU has avx512_bf16: {_cpu_has('avx512_bf16')}, unused:"
-                " the widening is a shift)" if bf16 else "",
-            )  # fmt: skip
-            return stack
-    logger.info("kernels: CPU decode layer by layer (the fused step does not apply: %s)", reason)
-    return None

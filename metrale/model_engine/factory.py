@@ -314,12 +314,12 @@ def _load_model(
     model.kernel_implementations = dict(ops.implementations)
     model.kernel_ops = ops
     if device.type == "cpu" and sharding is None:
-        from metrale.kernels import cpu_decode
+        from metrale.model_engine import cpu_fused_decode
 
         if config.batch_invariant:  # its ops (fixed GEMM tiles) must run every forward
             logger.info("kernels: CPU decode layer by layer (batch_invariant)")
         else:
-            model.cpu_decode = cpu_decode.build(module, model.main_kv_layers)
+            model.cpu_decode = cpu_fused_decode.build(module, model.main_kv_layers)
     if model.snapshots is not None:
         gap = config.ssm_snapshot_min_gap_tokens
         if gap is None:
