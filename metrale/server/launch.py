@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib.util
 import inspect
 import logging
@@ -226,6 +227,7 @@ def serve(
 
     sock = _bind(host, port)
     app = create_app(engine, api_key=api_key, served_model_name=served_model_name, **app_options)
+    _freeze_startup_objects()
     drainer = _Drainer(engine, shutdown_grace)
     server = _make_server_class()(
         uvicorn.Config(
@@ -269,6 +271,22 @@ def serve(
         sock.close()
     logger.info("server stopped")
     return 0
+
+
+def _freeze_startup_objects() -> None:
+    """Move every object alive after start-up (the app, its routes and models, the
+    tokenizer, torch) out of the collector's reach, as the engine process does: a full
+    collection then scans only what serving allocates. Measured (issue 26): ~211k tracked
+    objects made a full collection take 120-146 ms on this project's CPU machine, and one
+    striking while 16 streams started held their tokens back (the CPU ladder's C=16 rung:
+    TTFT ~190-230 ms for a batch of requests whose tokens then came in 1-7 chunks)."""
+    start = time.perf_counter()
+    gc.collect()
+    gc.freeze()
+    logger.info(
+        "start-up objects frozen for the collector (%d, %.0f ms)",
+        gc.get_freeze_count(), 1000 * (time.perf_counter() - start),
+    )  # fmt: skip
 
 
 def _replicated(config: Any, size: int, load_margin: int, restart: bool) -> Any:

@@ -217,3 +217,17 @@ def test_python_dash_m_metrale() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--tensor-parallel-size" in done.stdout and "--strict-request-fields" in done.stdout
+
+
+def test_serve_freezes_its_start_up_objects() -> None:
+    """`metrale serve` moves its start-up objects out of the collector's reach (a full
+    collection over them paused the HTTP process for 120-146 ms on the CPU machine)."""
+    import gc
+
+    from metrale.server.launch import _freeze_startup_objects
+
+    try:
+        _freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
