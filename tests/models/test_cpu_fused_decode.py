@@ -110,3 +110,25 @@ def test_unknown_weights_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("METRALE_CPU_WEIGHTS", "int4")
     with pytest.raises(ValueError, match="METRALE_CPU_WEIGHTS"):
         cpu_decode.weights_mode()
+
+
+def test_more_rows_than_the_fused_step_takes_run_layer_by_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode steps of more than `MAX_ROWS` rows keep the layer path (oneDNN's GEMM is faster
+    there); fewer take the fused step."""
+    monkeypatch.setenv("METRALE_CPU_DECODE", "fused")
+    variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
+    engine = Engine(
+        EngineConfig(model=str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=200)
+    )
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(cpu_decode.MAX_ROWS + 2):  # equal lengths: every decode step has them all
+        engine.add_request(f"r{i}", [3 + i, 9, 13, 2], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.model.forward_counters()["cpu_fused_decode_forwards"] == 0
+    engine.add_request("alone", [5, 6, 7], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.model.forward_counters()["cpu_fused_decode_forwards"] > 0
