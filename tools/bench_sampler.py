@@ -47,8 +47,9 @@ SETTINGS = {
 }
 
 
-def time_ms(fn: object, iters: int = 30) -> float:
-    for _ in range(3):
+def time_ms(fn: object, iters: int = 30, warmup: int = 3) -> float:
+    """Mean ms of `iters` back-to-back calls of `fn` (CUDA events), after `warmup` calls."""
+    for _ in range(warmup):
         fn()  # type: ignore[operator]
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

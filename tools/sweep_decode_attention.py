@@ -20,22 +20,10 @@ import torch
 
 from metrale.kernels import triton_decode
 from metrale.kernels.triton_decode import decode_attention, decode_num_splits
+from tools.bench_sampler import time_ms
 
 CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (32, 4, 4), (64, 8, 3), (128, 8, 2),
            (128, 8, 3), (128, 4, 2)]  # fmt: skip
-
-
-def time_ms(fn: object, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()  # type: ignore[operator]
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()  # type: ignore[operator]
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -81,7 +69,7 @@ def main() -> None:
             def run(s: int = splits, o: torch.Tensor = out) -> None:
                 decode_attention(q, k, v, lens, tables, scale, out=o, num_splits=s)
 
-            ms = time_ms(run)
+            ms = time_ms(run, iters=50, warmup=5)
             err = (out.float() - reference.float()).abs().max().item()
         except Exception as exc:  # a setting that does not compile is a result too
             results.append({"splits": splits, "config": config, "error": str(exc)[:200]})
@@ -94,7 +82,7 @@ def main() -> None:
         results.append(row)
         print(f"splits {splits} BLOCK_N/warps/stages {config}: {ms:.4f} ms "
               f"{row['gb_s']:.0f} GB/s  diff {err:.2e}", flush=True)  # fmt: skip
-    default_ms = time_ms(lambda: decode_attention(q, k, v, lens, tables, scale))
+    default_ms = time_ms(lambda: decode_attention(q, k, v, lens, tables, scale), iters=50, warmup=5)
     print(f"library default (splits {default_splits}, {base(dtype, d, default_splits)}): {default_ms:.4f} ms "
           f"{kv_bytes / default_ms / 1e6:.0f} GB/s")  # fmt: skip
     best = min((r for r in results if "ms" in r), key=lambda r: r["ms"])

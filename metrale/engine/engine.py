@@ -474,9 +474,8 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             prefill = states if forward is not None else []
             if read is not None:
                 late_read = (previous.plan, read)
-                grammar_work = self._advance_grammars_async(read.committed, prefill)
-            elif prefill:
-                grammar_work = self.grammar_backend.prefill_async(prefill)
+            committed = read.committed if read is not None else []
+            grammar_work = self._advance_grammars_async(committed, prefill)
             self.grammar_rows_prefilled += len(prefill)
             previous = None
         for pending in ready:

@@ -79,12 +79,8 @@ def weights_mode() -> str:
 
 
 def cpu_has(flag: str) -> bool:
-    """Whether /proc/cpuinfo lists `flag` (False off Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:  # pragma: no cover - not Linux
-        return False
+    """Whether the CPU's flags (`cpu_gemv.cpu_flags`) list `flag`."""
+    return flag in cpu_gemv.cpu_flags().split()
 
 
 @dataclass

@@ -67,7 +67,8 @@ def _temporary_cache() -> Path:
     return Path(tempfile.gettempdir()) / f"metrale-cpu-kernels-{os.getuid()}"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's `flags` line of /proc/cpuinfo (the machine name off Linux)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
@@ -99,7 +100,7 @@ def build(directory: Path | None = None) -> Path:
     source = SOURCE.read_bytes()
     digest = hashlib.sha256()
     flags = " ".join(FLAGS + LIBS).encode()
-    for part in (source, version.encode(), flags, _cpu_flags().encode()):
+    for part in (source, version.encode(), flags, cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     name = f"cpu_gemv-{digest.hexdigest()[:20]}.so"

@@ -286,8 +286,7 @@ class GrammarBackend:
         """Fill `states`' next bitmask rows on a worker thread (xgrammar releases the GIL),
         so the caller's other host work runs meanwhile; wait on the future before the next
         `fill_rows` / `sync` of any of them (see `GrammarState.prefill_rows`)."""
-        words = bitmask_words(self.vocab_size)
-        return self._fill_executor.submit(GrammarState.prefill_rows, states, words)
+        return self.advance_async((), (), states)
 
     def advance_async(
         self,
