@@ -277,9 +277,10 @@ def _freeze_startup_objects() -> None:
     """Move every object alive after start-up (the app, its routes and models, the
     tokenizer, torch) out of the collector's reach, as the engine process does: a full
     collection then scans only what serving allocates. Measured (issue 26): ~211k tracked
-    objects made a full collection take 120-146 ms on this project's CPU machine, and one
-    striking while 16 streams started held their tokens back (the CPU ladder's C=16 rung:
-    TTFT ~190-230 ms for a batch of requests whose tokens then came in 1-7 chunks)."""
+    objects made a full collection take ~106 ms on this project's CPU machine
+    (`tools/host_costs_cpu.py`), and one striking while 16 streams started held their tokens
+    back (the CPU ladder's C=16 rung: TTFT ~190-230 ms for a batch of requests whose tokens
+    then came in 1-7 chunks)."""
     start = time.perf_counter()
     gc.collect()
     gc.freeze()

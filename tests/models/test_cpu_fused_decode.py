@@ -70,7 +70,7 @@ def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_bf16_weights_are_opt_in_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
     """`METRALE_CPU_WEIGHTS=bf16` (not exact): the fused step's projections read bfloat16
-    copies. On this checkpoint (measured when it landed: all 8 x 32 greedy tokens equal to
+    copies. On this checkpoint (`tools/host_costs_cpu.py`: all 4 x 32 greedy tokens equal to
     float32's, logprobs within 9e-4) most tokens agree and the logprobs stay close. Four
     requests: the fused step takes at most `cpu_decode.MAX_ROWS` rows."""
     name = "qwen3-qknorm"

@@ -221,7 +221,7 @@ def test_python_dash_m_metrale() -> None:
 
 def test_serve_freezes_its_start_up_objects() -> None:
     """`metrale serve` moves its start-up objects out of the collector's reach (a full
-    collection over them paused the HTTP process for 120-146 ms on the CPU machine)."""
+    collection over them paused the HTTP process for ~106 ms on the CPU machine)."""
     import gc
 
     from metrale.server.launch import _freeze_startup_objects
