@@ -62,6 +62,10 @@ class KernelOps:
     # A row's `width` largest logits, sorted (the candidate draw's cut; `torch.topk` on the CPU).
     row_topk: Callable = reference.row_topk
     token_logprobs: Callable = reference.token_logprobs
+    # Structured output: the greedy draw under a grammar's token bitmask (no masked logits
+    # built), and the bitmask applied to processed logits (the sampled rows).
+    masked_argmax: Callable = reference.masked_argmax
+    apply_token_bitmask: Callable = reference.apply_token_bitmask
     # Recurrent layers and MoE (hybrid and MoE models); see `ssm_reference`.
     causal_conv1d_varlen: Callable = ssm_reference.causal_conv1d_varlen
     causal_conv1d_update: Callable = ssm_reference.causal_conv1d_update

@@ -28,9 +28,11 @@ from metrale.kernels.metadata import AttentionMetadata
 # The sampler's references live in `sampling_reference`; re-exported, so every hot op's
 # reference is named `reference.<op>`.
 from metrale.kernels.sampling_reference import (  # noqa: F401
+    apply_token_bitmask,
     argmax,
     candidate_sample,
     greedy_logprobs,
+    masked_argmax,
     row_topk,
     token_logprobs,
     top_k_top_p_filter,

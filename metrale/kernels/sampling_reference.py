@@ -44,6 +44,36 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, x.gather(1, ids.unsqueeze(1)).squeeze(1)
 
 
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[M, ceil(vocab / 32)]` int32 words to `[M, vocab]` bool: token `t` allowed when bit
+    `t % 32` of word `t // 32` is set (xgrammar's layout; bit 31 is the sign bit)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(torch.int32).unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab] != 0
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`argmax` over each row's allowed tokens: `logits` `[B, V]`, `bitmask` `[B, ceil(V/32)]`
+    int32 (`unpack_bitmask`). A forbidden token reads as -inf, and so does NaN; ties go to the
+    lowest index; a row without an allowed finite logit gives index 0 and value -inf (the
+    greedy draw of the masked logits, without building them)."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])
+    return argmax(logits.float().masked_fill(~allowed, float("-inf")))
+
+
+def apply_token_bitmask(
+    x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x` `[B, V]` with row `rows[j]` (`[M]` int64; None: row j, M = B) limited to what
+    `bitmask[j]` allows, every other logit at -inf; rows not in `rows` unchanged. Out of
+    place."""
+    forbidden = ~unpack_bitmask(bitmask, x.shape[1])
+    if rows is None:
+        return x.masked_fill(forbidden, float("-inf"))
+    sub = x.index_select(0, rows).masked_fill(forbidden, float("-inf"))
+    return x.index_copy(0, rows, sub)
+
+
 def top_k_top_p_filter(
     logits: torch.Tensor,
     top_k: torch.Tensor,

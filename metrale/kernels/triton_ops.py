@@ -43,6 +43,8 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "greedy_logprobs": ("metrale.kernels.triton_sampling", "greedy_logprobs"),
     "top_k_top_p_sample": ("metrale.kernels.triton_top_k_top_p", "top_k_top_p_sample"),
     "token_logprobs": ("metrale.kernels.triton_sampling", "token_logprobs"),
+    "masked_argmax": ("metrale.kernels.triton_sampling", "masked_argmax"),
+    "apply_token_bitmask": ("metrale.kernels.triton_sampling", "apply_token_bitmask"),
     "candidate_sample": ("metrale.kernels.triton_candidates", "candidate_sample"),
     "row_topk": ("metrale.kernels.triton_row_topk", "row_topk"),
     "lora_gather_add": ("metrale.kernels.triton_lora", "lora_gather_add"),

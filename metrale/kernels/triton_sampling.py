@@ -14,6 +14,9 @@ Invariants:
 - `greedy_logprobs`: the argmax (as `argmax`, +inf read as the float32 max) with its raw
   logprob from an online logsumexp, packed as the sampler reads it back; equal to the
   reference up to float32 summation order in the logsumexp.
+- `masked_argmax` / `apply_token_bitmask`: the argmax / the logits under a grammar's token
+  bitmask (`[rows, ceil(V/32)]` int32, xgrammar's layout), the bits read beside the logits:
+  no unpacked mask is built.
 - `token_logprobs`: the same one pass for a drawn token (the candidate draw's result): its raw
   logprob, its rank (strictly larger logits counted in the pass) and, for a row the draw
   found unsamplable, the raw argmax instead, packed the same way.
@@ -29,9 +32,11 @@ from metrale.kernels.triton_candidates import candidate_sample
 from metrale.kernels.triton_top_k_top_p import top_k_top_p_filter, top_k_top_p_sample
 
 __all__ = [
+    "apply_token_bitmask",
     "argmax",
     "candidate_sample",
     "greedy_logprobs",
+    "masked_argmax",
     "token_logprobs",
     "top_k_top_p_filter",
     "top_k_top_p_sample",
@@ -192,3 +197,88 @@ def token_logprobs(
         logits.stride(0), vocab, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return ids, packed
+
+
+@triton.jit
+def _masked_argmax_kernel(
+    x_ptr, m_ptr, ids_ptr, values_ptr, stride_x, stride_m, V, BLOCK: tl.constexpr
+):
+    """`_argmax_kernel` with every token the row's bitmask word leaves unset read as -inf."""
+    row = tl.program_id(0)
+    base = x_ptr + row.to(tl.int64) * stride_x
+    words = m_ptr + row.to(tl.int64) * stride_m
+    best = tl.full([], float("-inf"), dtype=tl.float32)
+    best_id = tl.full([], 0, dtype=tl.int64)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < V
+        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        word = tl.load(words + cols // 32, mask=inside, other=0)
+        allowed = ((word >> (cols % 32)) & 1) != 0
+        x = tl.where(allowed & (x == x), x, float("-inf"))
+        chunk_max = tl.max(x, 0)
+        chunk_id = tl.min(tl.where(x == chunk_max, cols, V), 0).to(tl.int64)
+        better = chunk_max > best
+        best_id = tl.where(better, chunk_id, best_id)
+        best = tl.where(better, chunk_max, best)
+    tl.store(ids_ptr + row, best_id)
+    tl.store(values_ptr + row, best)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.masked_argmax` in one launch: one program per row, the bitmask read with it."""
+    batch, vocab = logits.shape
+    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    values = torch.empty(batch, dtype=torch.float32, device=logits.device)
+    if batch == 0:
+        return ids, values
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    bitmask = bitmask.contiguous()
+    block = min(4096, triton.next_power_of_2(vocab))
+    _masked_argmax_kernel[(batch,)](
+        logits, bitmask, ids, values, logits.stride(0), bitmask.stride(0), vocab, BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )  # fmt: skip
+    return ids, values
+
+
+@triton.jit
+def _apply_bitmask_kernel(
+    x_ptr, out_ptr, m_ptr, rows_ptr, stride_x, stride_o, stride_m, V,
+    HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One block of one masked row: `out[row] = x[row]` where the bit is set, else -inf."""
+    j = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < V
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + j).to(tl.int64)
+    else:
+        row = j.to(tl.int64)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=inside)
+    word = tl.load(m_ptr + j.to(tl.int64) * stride_m + cols // 32, mask=inside, other=0)
+    allowed = ((word >> (cols % 32)) & 1) != 0
+    x = tl.where(allowed, x, float("-inf"))
+    tl.store(out_ptr + row * stride_o + cols, x.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def apply_token_bitmask(
+    x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`reference.apply_token_bitmask` in one launch (a copy of `x` first when only some
+    rows are masked)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    count = bitmask.shape[0]
+    out = torch.empty_like(x) if rows is None else x.clone()
+    if count == 0 or x.shape[1] == 0:
+        return out
+    bitmask = bitmask.contiguous()
+    block = 2048
+    grid = (count, triton.cdiv(x.shape[1], block))
+    _apply_bitmask_kernel[grid](
+        x, out, bitmask, rows if rows is not None else bitmask, x.stride(0), out.stride(0),
+        bitmask.stride(0), x.shape[1], HAS_ROWS=rows is not None, BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    return out

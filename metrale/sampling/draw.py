@@ -135,12 +135,27 @@ def finish(
 
 def plain_greedy(row: SamplingRow) -> bool:
     """A greedy row whose logits nothing changes first (no penalty, bias, min_tokens mask,
-    bad word or allowed-token list) and that wants no alternatives: its token is the argmax
-    of the raw logits."""
+    bad word, allowed-token list or grammar) and that wants no alternatives: its token is the
+    argmax of the raw logits."""
+    return row.grammar is None and _unprocessed_greedy(row)
+
+
+def grammar_greedy(row: SamplingRow) -> bool:
+    """A greedy row that only its grammar constrains (`plain_greedy` but for the grammar; not
+    a verify position, no pending token): its token is the argmax of the raw logits over the
+    tokens the grammar allows."""
+    return (
+        row.grammar is not None
+        and row.grammar_committed is None
+        and not row.pending
+        and _unprocessed_greedy(row)
+    )
+
+
+def _unprocessed_greedy(row: SamplingRow) -> bool:
     params = row.params
     return (
         params.is_greedy
-        and row.grammar is None
         and not params.uses_penalties
         and not params.logit_bias
         and params.allowed_token_ids is None

@@ -3,9 +3,8 @@
 Owner: sampling. `GrammarBackend` (one per engine) turns a `GrammarSpec` into an xgrammar
 `CompiledGrammar` over the model's vocabulary (a `TokenizerInfo` built from our `Tokenizer`)
 and caches it by the spec's key; `GrammarState` (one per sequence) is a matcher that follows
-the sequence's accepted tokens; `apply_grammar_masks` is the sampler's last stage-1 step: it
-fills one bitmask row per constrained row on the host, moves the bitmask to the logits'
-device (pinned memory, non-blocking) and sets every token the grammar forbids to -inf there.
+the sequence's accepted tokens and fills bitmask rows; the step's bitmask (sent to the
+device and applied there) is `grammar_mask`'s.
 
 Invariants:
 - A `GrammarState`'s matcher has accepted exactly the sequence's output tokens: `sync(tokens)`
@@ -34,10 +33,7 @@ Invariants:
   outputs meanwhile; xgrammar releases the GIL in both); a prefilled row is used only while
   its state stays at the position (synced-list version, accepted count, termination) it was
   filled at, else the row is filled afresh.
-- No host<->device sync: the host fills a CPU int32 bitmask (`words = ceil(V / 32)` per row)
-  in the backend's `MaskStaging` buffer (pinned, reused: a buffer is refilled only after its
-  previous copy is done, an event queued a step earlier), copied non-blocking, and the
-  unpack and the mask are device ops. The caller's logits are not written.
+- No host<->device sync: see `grammar_mask` (the bitmask's upload and use).
 - Compiled off the step: `submit` parses the spec at once (a spec xgrammar refuses raises
   `InvalidRequestError` naming the request field and xgrammar's reason, the construct, before
   the request is queued) and compiles it over the vocabulary on a worker thread (xgrammar
@@ -61,6 +57,7 @@ import torch
 from torch import Tensor
 
 from metrale.errors import InvalidRequestError, MetraleError
+from metrale.sampling.grammar_mask import MaskStaging, apply_grammar_masks, bitmask_words
 from metrale.sampling.structured import GrammarSpec
 
 if TYPE_CHECKING:
@@ -79,57 +76,6 @@ COMPILE_CACHE_ENTRIES = 256
 BATCH_FILL_THREADS = 8
 #: The C++ location xgrammar puts in front of its messages ("[17:06:23] /path/x.cc:94: ").
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words of one bitmask row over `vocab_size` tokens."""
-    return (vocab_size + 31) // 32
-
-
-class MaskStaging:
-    """Host buffers the constrained rows' bitmask is filled in and sent to the device from,
-    reused step after step (one per backend). On CUDA they are pinned, two in turn, and a
-    buffer is written again only once its last copy to the device is done (an event): a
-    fresh pinned tensor every step cost ~0.4 ms at 64 rows of a 152k vocabulary on the H200
-    host. Elsewhere a buffer is a plain tensor and the mask is used where it is."""
-
-    SLOTS = 2
-
-    def __init__(self) -> None:
-        self._buffers: list[Tensor | None] = [None] * self.SLOTS
-        self._copied: list[Any] = [None] * self.SLOTS
-        self._next = 0
-        #: Times a buffer's previous copy was still running when it was wanted again.
-        self.waits = 0
-
-    def buffer(self, rows: int, words: int, device: torch.device) -> Tensor:
-        """A `[rows, words]` int32 host tensor to fill (its contents are stale)."""
-        if device.type != "cuda":
-            return torch.empty((rows, words), dtype=torch.int32)
-        slot = self._next
-        event = self._copied[slot]
-        if event is not None:
-            if not event.query():  # its copy was queued a step or more ago: done by now
-                self.waits += 1
-                event.synchronize()
-            self._copied[slot] = None
-        flat = self._buffers[slot]
-        if flat is None or flat.numel() < rows * words:
-            flat = torch.empty(rows * words, dtype=torch.int32, pin_memory=True)
-            self._buffers[slot] = flat
-        return flat[: rows * words].view(rows, words)
-
-    def to_device(self, host: Tensor, device: torch.device) -> Tensor:
-        """`host` (the tensor `buffer` gave last) on `device`, copied without a sync."""
-        if device.type != "cuda":
-            return host.to(device)
-        slot = self._next
-        self._next = (slot + 1) % self.SLOTS
-        mask = host.to(device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._copied[slot] = event
-        return mask
 
 
 def _vocab_type(backend_json: str) -> tuple[str, bool]:
@@ -332,7 +278,7 @@ class GrammarState:
         self._matcher = matcher
         self._batch = batch
         #: The backend's mask upload buffers (None: a fresh tensor per mask).
-        self._staging = staging
+        self.staging = staging
         #: A bitmask row ANDed into every fill (JSON grammars: no control characters).
         self._extra_mask = extra_mask
         self._stop_token_ids = list(stop_token_ids)
@@ -490,8 +436,14 @@ class GrammarState:
         if block is not None and block.shape == bitmask.shape:
             bitmask.copy_(block)  # the engine's common case: one copy, not one per row
             return
+        by_block: dict[int, tuple[Tensor, list[int], list[int]]] = {}
         for j, (source, row) in zip(ahead, sources, strict=True):
-            bitmask[j] = source[row]
+            entry = by_block.setdefault(id(source), (source, [], []))
+            entry[1].append(j)
+            entry[2].append(row)
+        for source, rows, from_rows in by_block.values():  # one gather per block, not per row
+            picked = source.index_select(0, torch.tensor(from_rows, dtype=torch.int64))
+            bitmask.index_copy_(0, torch.tensor(rows, dtype=torch.int64), picked)
         if ahead:  # fill the others into a scratch and put each row in its place
             if unfilled:
                 sub = torch.empty((len(unfilled), bitmask.shape[1]), dtype=bitmask.dtype)
@@ -540,48 +492,3 @@ class GrammarState:
 def _bit(position: int) -> int:
     """The int32 value with only bit `position` set (bit 31 is the sign bit)."""
     return -(1 << 31) if position == 31 else 1 << position
-
-
-def apply_grammar_masks(
-    x: Tensor,
-    rows: Sequence[int],
-    states: Sequence[GrammarState],
-    tokens: Sequence[Sequence[int]],
-    committed: Sequence[int | None] | None = None,
-) -> Tensor:
-    """`x` (`[B, V]` float32) with row `rows[j]` limited to what `states[j]` allows after
-    `tokens[j]` (that sequence's output, which the state is synced to first). Out of place.
-    A verify row's positions share one state: `tokens[j]` is then the output plus the drafts
-    before that position, `committed[j]` the output's length (see `GrammarState.fill`), and
-    the rows are synced and filled one after the other, in order."""
-    from metrale.sampling.processing import to_device
-
-    vocab = x.shape[1]
-    words = bitmask_words(vocab)
-    staging = states[0]._staging if states else None
-    if staging is not None:
-        host = staging.buffer(len(rows), words, x.device)
-    else:
-        host = torch.empty((len(rows), words), dtype=torch.int32)
-    shared = len({id(state) for state in states}) < len(states)
-    if not shared and (committed is None or all(c is None for c in committed)):
-        for state, output in zip(states, tokens):
-            state.sync(output)
-        GrammarState.fill_rows(host, states)
-    else:
-        for j, (state, output) in enumerate(zip(states, tokens)):
-            own = committed[j] if committed is not None else None
-            state.sync(output, own)
-            state.fill(host, j, own)
-    if staging is not None:
-        mask = staging.to_device(host, x.device)
-    else:
-        mask = to_device(host, torch.int32, x.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).view(len(rows), words * 32)[:, :vocab]
-    forbidden = allowed == 0
-    if len(rows) == x.shape[0]:
-        return x.masked_fill(forbidden, float("-inf"))
-    index = to_device(list(rows), torch.int64, x.device)
-    sub = x.index_select(0, index).masked_fill(forbidden, float("-inf"))
-    return x.index_copy(0, index, sub)

@@ -7,7 +7,7 @@ pending token read on the device), then logit_bias, then min_tokens masking (the
 `SamplingParams.masked_stop_token_ids` at -inf while `SamplingParams.stop_tokens_allowed` is
 False for the row's step) and bad words (`SamplingParams.banned_tokens`), then
 `allowed_token_ids` (every other logit at -inf), then the grammar mask of rows with a
-`grammar` (structured output: `metrale.sampling.grammar.apply_grammar_masks`, a bitmask filled
+`grammar` (structured output: `metrale.sampling.grammar_mask.apply_grammar_masks`, a bitmask filled
 on the host and applied on the device). The tensor ops themselves are `logits_processors`'.
 
 Invariants:
@@ -37,14 +37,21 @@ from metrale.sampling.logits_processors import (
 )
 
 if TYPE_CHECKING:
+    from metrale.kernels import KernelOps
     from metrale.sampling.sampler import SamplingRow
 
 __all__ = ["apply_to_rows", "process_logits", "to_device"]
 
 
-def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tensor | None) -> Tensor:
+def process_logits(
+    x: Tensor,
+    rows: Sequence[SamplingRow],
+    pending_tokens: Tensor | None,
+    ops: KernelOps | None = None,
+) -> Tensor:
     """Stage 1 for every row of `x` (`[B, V]` float32, one row per entry of `rows`): penalties,
-    logit bias and min_tokens masks, out of place. `pending_tokens` as in `Sampler.sample`."""
+    logit bias and min_tokens masks, out of place. `pending_tokens` as in `Sampler.sample`;
+    `ops`: the op set the grammar mask goes through (None: the torch reference)."""
     vocab = x.shape[1]
     device = x.device
     penalised = [i for i, row in enumerate(rows) if row.params.uses_penalties]
@@ -104,7 +111,7 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
         x = apply_to_rows(x, allowed, lambda sub: _keep_only(sub, [rows[i] for i in allowed]))
     grammar_rows = [i for i, row in enumerate(rows) if row.grammar is not None]
     if grammar_rows:
-        from metrale.sampling.grammar import apply_grammar_masks
+        from metrale.sampling.grammar_mask import apply_grammar_masks
 
         if any(rows[i].pending for i in grammar_rows):
             raise MetraleError("a grammar row cannot have a pending token (it is never fed)")
@@ -114,6 +121,7 @@ def process_logits(x: Tensor, rows: Sequence[SamplingRow], pending_tokens: Tenso
             [rows[i].grammar for i in grammar_rows],  # type: ignore[misc]
             [rows[i].output_token_ids for i in grammar_rows],
             [rows[i].grammar_committed for i in grammar_rows],
+            ops,
         )
     return x
 

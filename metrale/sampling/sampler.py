@@ -88,9 +88,10 @@ from torch import Tensor
 from metrale.errors import MetraleError
 from metrale.sampling import candidates
 from metrale.sampling.candidates import inverse_cdf as _inverse_cdf
+from metrale.sampling.draw import NEG_INF, gather_logprobs
 from metrale.sampling.draw import filter_rows as _filter
 from metrale.sampling.draw import finish as _finish
-from metrale.sampling.draw import gather_logprobs
+from metrale.sampling.draw import grammar_greedy as _grammar_greedy
 from metrale.sampling.draw import greedy as _greedy
 from metrale.sampling.draw import plain_greedy as _plain_greedy
 from metrale.sampling.draw import temper as _temper
@@ -251,8 +252,21 @@ class Sampler:
             token_ids, packed = self._ops.greedy_logprobs(logits)
             self._count("greedy_kernel")
             return SampledBatch.from_kernel(token_ids, packed)
+        if self._ops is not None and max_top == 0 and all(map(_grammar_greedy, rows)):
+            # Greedy rows under a grammar: the argmax over the bitmask's allowed tokens, read
+            # beside the logits (no masked copy), then the token's raw logprob and rank.
+            from metrale.sampling.grammar_mask import grammar_bitmask
+
+            grammars = [row.grammar for row in rows]
+            mask = grammar_bitmask(
+                device, vocab, grammars, [row.output_token_ids for row in rows]  # type: ignore[arg-type]
+            )  # fmt: skip
+            token_ids, values = self._ops.masked_argmax(logits, mask)
+            token_ids, packed = self._ops.token_logprobs(logits, token_ids, values > NEG_INF)
+            self._count("grammar_greedy_kernel")
+            return SampledBatch.from_kernel(token_ids, packed)
         raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
-        x = process_logits(raw, rows, pending_tokens)
+        x = process_logits(raw, rows, pending_tokens, self._ops)
 
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]

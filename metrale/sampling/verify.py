@@ -147,7 +147,7 @@ def verify(
     if pending_tokens is not None:
         pending = pending_tokens.index_select(0, to_device(owners, torch.int64, device))
     raw = logits.float()  # may alias the caller's tensor: only out-of-place ops below
-    x = process_logits(raw, expanded, pending)
+    x = process_logits(raw, expanded, pending, sampler._ops)
 
     draft_ids = to_device(draft_at, torch.int64, device)
     drafted = to_device(has_draft, torch.bool, device)

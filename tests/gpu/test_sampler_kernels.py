@@ -121,6 +121,36 @@ def test_token_logprobs_kernel_matches_the_reference() -> None:
     torch.testing.assert_close(packed[:, 1], ref_packed[:, 1], rtol=0, atol=1e-5)
 
 
+def test_bitmask_kernels_match_the_references() -> None:
+    """`masked_argmax` and `apply_token_bitmask` (a grammar's int32 token bitmask read beside
+    the logits) against the torch references: NaN, +inf, ties, a row with nothing allowed,
+    a row with everything allowed, bit 31 of the words; all rows and a subset of rows."""
+    from metrale.kernels import reference
+
+    vocab = 600 if INTERPRET else 151_936
+    g = torch.Generator().manual_seed(34)
+    logits = _hard_logits(g, 8, vocab)
+    words = (vocab + 31) // 32
+    bitmask = torch.randint(-(2**31), 2**31, (8, words), generator=g, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32)
+    bitmask[5] = 0
+    bitmask[6] = -1
+    bitmask[7] = -(2**31)  # only bit 31 of each word: tokens 31, 63, ...
+    ids, values = ts.masked_argmax(logits.to(DEVICE), bitmask.to(DEVICE))
+    ref_ids, ref_values = reference.masked_argmax(logits, bitmask)
+    assert ids.cpu().tolist() == ref_ids.tolist()
+    assert values.cpu().tolist() == ref_values.tolist()
+    assert ref_ids[7] % 32 == 31 and ref_values[5] == float("-inf")
+    out = ts.apply_token_bitmask(logits.to(DEVICE), bitmask.to(DEVICE))
+    torch.testing.assert_close(
+        out.cpu(), reference.apply_token_bitmask(logits, bitmask), rtol=0, atol=0, equal_nan=True
+    )
+    rows = torch.tensor([6, 2, 7])
+    out = ts.apply_token_bitmask(logits.to(DEVICE), bitmask[:3].to(DEVICE), rows.to(DEVICE))
+    expected = reference.apply_token_bitmask(logits, bitmask[:3], rows)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
 def test_candidate_draw_with_triton_ops_draws_the_torch_path_tokens() -> None:
     """The candidate draw on the device (`candidate_sample`), its re-routed rows through the
     one-launch full-row kernel, the result through `token_logprobs`: the same tokens as the

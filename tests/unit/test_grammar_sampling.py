@@ -69,6 +69,35 @@ def test_sampler_greedy_masked_argmax_and_neighbours(backend: GrammarBackend) ->
     assert first == int(allowed.argmax()) and backend.info.decoded_vocab[first] == b"{"
 
 
+def test_greedy_grammar_rows_take_the_masked_argmax_op_with_the_full_paths_result(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    """A batch of greedy grammar rows goes through `ops.masked_argmax` + `token_logprobs`
+    (no masked logits built): the same tokens, ranks and unsamplable rows as the full
+    stage-1 path (no ops), logprobs to float32 summation order; a failed row included."""
+    from metrale.kernels import KernelOps
+
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    prefix = tokenizer.encode('{"k": "', add_special_tokens=False)
+    bad = tokenizer.encode("no json", add_special_tokens=False)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4)) * 3
+
+    def rows() -> list[SamplingRow]:
+        outputs = [[], prefix, bad]
+        return [SamplingRow(greedy, out, grammar=backend.state(SPEC)) for out in outputs]
+
+    fast_sampler = Sampler(seed=0, ops=KernelOps())
+    fast = fast_sampler(logits, rows())
+    full = Sampler(seed=0)(logits, rows())
+    assert fast_sampler.stats.get("grammar_greedy_kernel") == 1
+    assert fast.token_ids == full.token_ids and fast.ranks == full.ranks
+    assert fast.unsamplable_rows == full.unsamplable_rows == [2]
+    torch.testing.assert_close(
+        torch.tensor(fast.logprobs), torch.tensor(full.logprobs), rtol=0, atol=1e-5
+    )
+    assert backend.info.decoded_vocab[fast.token_ids[0]] == b"{"
+
+
 def test_sync_is_idempotent_and_replays_after_a_rollback(
     backend: GrammarBackend, tokenizer: Tokenizer
 ) -> None:
