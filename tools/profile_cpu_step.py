@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--isl", type=int, default=64)
     parser.add_argument("--osl", type=int, default=64)
     parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="streams decoded together (the ladder's C)"
+    )
     parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16 (opt-in)")
     parser.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -84,13 +87,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint(args.size, Path(tmp) / args.size)
         llm = LLM(
-            str(path), device="cpu", dtype=args.dtype, load_format="dummy", num_kv_blocks=64,
+            str(path), device="cpu", dtype=args.dtype, load_format="dummy",
+            num_kv_blocks=64 * args.concurrency,
             async_scheduling=args.async_scheduling,
         )  # fmt: skip
         engine = llm.engine
         prompt = list(range(6, 6 + args.isl))
+        prompts = [prompt] * args.concurrency
         params = SamplingParams(temperature=0, max_tokens=args.osl, min_tokens=args.osl)
-        llm.generate([prompt], params)  # warm-up
+        llm.generate(prompts, params)  # warm-up
         model_fwd = Timer(
             engine.model, "decode_batch_fed" if engine.async_scheduling else "decode_batch"
         )
@@ -108,7 +113,7 @@ def main() -> None:
 
         engine.step = step  # type: ignore[method-assign]
         for _ in range(args.requests):
-            llm.generate([prompt], params)
+            llm.generate(prompts, params)
         engine.step = real_step  # type: ignore[method-assign]
         forwards = sorted(model_fwd.samples + mixed.samples)
         ms = lambda xs: 1e3 * statistics.median(xs) if xs else 0.0  # noqa: E731
@@ -122,11 +127,11 @@ def main() -> None:
             "async_scheduling": engine.async_scheduling,
         }
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            llm.generate([prompt], params)
+            llm.generate(prompts, params)
         ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
         profile = cProfile.Profile()
         profile.enable()
-        llm.generate([prompt], params)
+        llm.generate(prompts, params)
         profile.disable()
         text = io.StringIO()
         pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
@@ -136,7 +141,7 @@ def main() -> None:
         "profile-cpu-step",
         model_shape=f"qwen3-{args.size}-random",
         config={"isl": args.isl, "osl": args.osl, "threads": args.threads, "dtype": args.dtype,
-                "requests": args.requests, "size": SIZES[args.size],
+                "requests": args.requests, "concurrency": args.concurrency, "size": SIZES[args.size],
                 "async_scheduling": args.async_scheduling,
                 "cpu_ops": os.environ.get("METRALE_CPU_OPS", "lean"),
                 "cpu_decode": os.environ.get("METRALE_CPU_DECODE", "fused"),

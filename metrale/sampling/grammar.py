@@ -27,13 +27,11 @@ Invariants:
 - After the grammar's end (`terminated`: a stop token accepted) a row allows only the stop
   tokens; the engine finishes the sequence with reason "stop" when its matcher terminates.
 - A step's live rows are filled in one call of xgrammar's `BatchGrammarMatcher` (its own
-  threads, without the GIL). On CUDA this host work runs while the step's forward computes
-  (the forward is queued before the sampler runs). `advance_async` (the matchers' batched
-  accept, then the next rows) and `prefill_async` run on a worker thread (the engine builds
-  outputs meanwhile; xgrammar releases the GIL in both); a prefilled row is used only while
+  threads, without the GIL), while the step's forward computes on CUDA. `advance_async` (the
+  matchers' batched accept, then the next rows, in chunks of rows on worker threads:
+  `grammar_advance`) runs while the engine builds outputs; a prefilled row is used only while
   its state stays at the position (synced-list version, accepted count, termination) it was
   filled at, else the row is filled afresh.
-- No host<->device sync: see `grammar_mask` (the bitmask's upload and use).
 - Compiled off the step: `submit` parses the spec at once (a spec xgrammar refuses raises
   `InvalidRequestError` naming the request field and xgrammar's reason, the construct, before
   the request is queued) and compiles it over the vocabulary on a worker thread (xgrammar
@@ -57,6 +55,7 @@ import torch
 from torch import Tensor
 
 from metrale.errors import InvalidRequestError, MetraleError
+from metrale.sampling.grammar_advance import advance_in_chunks
 from metrale.sampling.grammar_mask import MaskStaging, apply_grammar_masks, bitmask_words
 from metrale.sampling.structured import GrammarSpec
 
@@ -74,6 +73,8 @@ TOOL_CALL_MARKERS = frozenset({"[TOOL_CALLS]", "<tool_call>", "</tool_call>", "<
 COMPILE_CACHE_ENTRIES = 256
 #: Threads xgrammar's batch matcher fills a step's bitmask rows on.
 BATCH_FILL_THREADS = 8
+#: Chunks of rows (worker threads) a step's matcher advance and prefill split over.
+ADVANCE_CHUNKS = 4
 #: The C++ location xgrammar puts in front of its messages ("[17:06:23] /path/x.cc:94: ").
 _XGRAMMAR_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
 
@@ -139,14 +140,19 @@ class GrammarBackend:
         #: requests with the same spec.
         self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrale-grammar")
-        #: Fills bitmasks ahead of a sample (`prefill_async`), apart from the compiles.
+        #: Advances matchers and fills bitmasks ahead of a sample (`advance_async`), apart
+        #: from the compiles: one thread and one batch matcher per chunk of rows.
         self._fill_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="metrale-grammar-fill"
+            max_workers=ADVANCE_CHUNKS, thread_name_prefix="metrale-grammar-fill"
         )
         self._no_control: Tensor | None = None
         #: Fills several rows' bitmasks at once on C++ threads (the GIL released).
         threads = max(1, min(BATCH_FILL_THREADS, os.cpu_count() or 1))
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        per_chunk = max(1, threads // ADVANCE_CHUNKS)
+        self._chunk_batches = [
+            xgr.BatchGrammarMatcher(max_threads=per_chunk) for _ in range(ADVANCE_CHUNKS)
+        ]
         #: The host side of every step's mask upload (`apply_grammar_masks`).
         self._staging = MaskStaging()
         #: Compiles done and cache hits (tests and logs).
@@ -228,12 +234,6 @@ class GrammarBackend:
         extra = self.no_control_row() if spec.kind in ("json_schema", "json_object") else None
         return GrammarState(matcher, self.stop_token_ids, extra, self._batch, self._staging)
 
-    def prefill_async(self, states: Sequence[GrammarState]) -> Future[None]:
-        """Fill `states`' next bitmask rows on a worker thread (xgrammar releases the GIL),
-        so the caller's other host work runs meanwhile; wait on the future before the next
-        `fill_rows` / `sync` of any of them (see `GrammarState.prefill_rows`)."""
-        return self.advance_async((), (), states)
-
     def advance_async(
         self,
         states: Sequence[GrammarState],
@@ -241,17 +241,12 @@ class GrammarBackend:
         prefill: Sequence[GrammarState],
     ) -> Future[None]:
         """`GrammarState.sync_many(states, outputs)`, then `prefill`'s next rows filled ahead,
-        on the fill worker thread (xgrammar releases the GIL in both); wait on the future
-        before touching any of them."""
-        words = bitmask_words(self.vocab_size)
-
-        def work() -> None:
-            if states:
-                GrammarState.sync_many(states, outputs)
-            if prefill:
-                GrammarState.prefill_rows(prefill, words)
-
-        return self._fill_executor.submit(work)
+        on the fill worker threads in chunks of rows (`grammar_advance`; xgrammar releases
+        the GIL in both); wait on the future before touching any of them."""
+        return advance_in_chunks(
+            self._fill_executor, self._chunk_batches, states, outputs, prefill,
+            bitmask_words(self.vocab_size),
+        )  # fmt: skip
 
     def no_control_row(self) -> Tensor:
         """A bitmask row (int32 words) allowing every token without a control character."""
@@ -403,19 +398,28 @@ class GrammarState:
         return self._version, self._accepted, bool(self._matcher.is_terminated())
 
     @staticmethod
-    def prefill_rows(states: Sequence[GrammarState], words: int) -> None:
-        """Fill each state's next bitmask row now and keep it with the position it is valid
-        at; a later `fill_rows` at that same position copies it instead of filling."""
-        host = torch.empty((len(states), words), dtype=torch.int32)
-        GrammarState.fill_rows(host, states)
+    def prefill_rows(
+        states: Sequence[GrammarState],
+        words: int,
+        block: Tensor | None = None,
+        start: int = 0,
+        batch: Any = None,
+    ) -> None:
+        """Fill each state's next bitmask row now (`states[j]` in row `start + j` of `block`,
+        a fresh one when None) and keep it with the position it is valid at; a later
+        `fill_rows` at that same position copies it instead of filling. `batch`: the xgrammar
+        batch matcher to fill with (None: the states' own)."""
+        if block is None:
+            block = torch.empty((len(states), words), dtype=torch.int32)
+        GrammarState.fill_rows(block[start : start + len(states)], states, batch)
         for j, state in enumerate(states):
-            state._prefilled = (state._position(), host, j)
+            state._prefilled = (state._position(), block, start + j)
 
     @staticmethod
-    def fill_rows(bitmask: Tensor, states: Sequence[GrammarState]) -> None:
+    def fill_rows(bitmask: Tensor, states: Sequence[GrammarState], batch: Any = None) -> None:
         """`bitmask[j]` for every `states[j]` (each state once): rows prefilled at the
         state's current position copied, the other live ones in one batched xgrammar call
-        (threads), the rest one by one."""
+        (threads; `batch`, else the states' own matcher), the rest one by one."""
         ahead: list[int] = []
         unfilled: list[int] = []
         sources: list[tuple[Tensor, int]] = []
@@ -447,11 +451,12 @@ class GrammarState:
         if ahead:  # fill the others into a scratch and put each row in its place
             if unfilled:
                 sub = torch.empty((len(unfilled), bitmask.shape[1]), dtype=bitmask.dtype)
-                GrammarState.fill_rows(sub, [states[j] for j in unfilled])
+                GrammarState.fill_rows(sub, [states[j] for j in unfilled], batch)
                 bitmask.index_copy_(0, torch.tensor(unfilled, dtype=torch.int64), sub)
             return
         live = [j for j, state in enumerate(states) if state.live]
-        batch = states[live[0]]._batch if live else None
+        if live and batch is None:
+            batch = states[live[0]]._batch
         if batch is not None and len(live) > 1:
             batch.batch_fill_next_token_bitmask([states[j]._matcher for j in live], bitmask, live)
             by_extra: dict[int, tuple[Tensor, list[int]]] = {}

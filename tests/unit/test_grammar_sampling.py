@@ -202,7 +202,7 @@ def test_special_tool_call_marker_is_one_allowed_token() -> None:
 def test_prefilled_rows_are_used_only_at_the_position_they_were_filled_at(
     backend: GrammarBackend, tokenizer: Tokenizer
 ) -> None:
-    """A row filled ahead (`prefill_async`) replaces the fill at the same position; after the
+    """A row filled ahead (`advance_async`) replaces the fill at the same position; after the
     synced tokens change (an advance, or a rollback to a different list of the same length)
     it is stale and the row is filled afresh; the masks equal plain fills either way."""
     prefix = tokenizer.encode('{"k": "', add_special_tokens=False)
@@ -215,15 +215,43 @@ def test_prefilled_rows_are_used_only_at_the_position_they_were_filled_at(
     states = [backend.state(SPEC), backend.state(SPEC)]
     for state in states:
         state.sync(prefix)
-    backend.prefill_async(states).result()
+    backend.advance_async((), (), states).result()
     got = apply_grammar_masks(logits, [0, 1], states, [prefix, prefix])
     assert [s.prefill_hits for s in states] == [1, 1]
     torch.testing.assert_close(got, plain([prefix, prefix]), rtol=0, atol=0)
-    backend.prefill_async(states).result()
+    backend.advance_async((), (), states).result()
     states[1].sync(other)  # a different list: its prefilled row is stale
     got = apply_grammar_masks(logits, [0, 1], states, [prefix, other])
     assert [s.prefill_hits for s in states] == [2, 1]
     torch.testing.assert_close(got, plain([prefix, other]), rtol=0, atol=0)
+
+
+def test_chunked_advance_accepts_then_prefills_each_row_in_its_chunk(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    """`advance_async` over 30 rows (several chunks, `grammar_advance`): every matcher takes
+    its token and its prefilled row is the plain fill after it; the sampler then copies the
+    whole block (every row a prefill hit) and the mask equals plain fills; a failed row
+    (a refused token) is failed after it as after `sync`."""
+    from metrale.sampling.grammar_advance import MIN_CHUNK_ROWS
+
+    rows = 30
+    assert rows >= 3 * MIN_CHUNK_ROWS
+    prefix = tokenizer.encode('{"k": "', add_special_tokens=False)
+    yes = tokenizer.encode('{"k": "yes', add_special_tokens=False)
+    bad = tokenizer.encode("x", add_special_tokens=False)[0]
+    logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(5))
+    outputs = [[*prefix, yes[len(prefix)] if i % 7 else bad] for i in range(rows)]
+    states = [backend.state(SPEC) for _ in range(rows)]
+    for state in states:
+        state.sync(prefix)
+    backend.advance_async(states, outputs, states).result()
+    assert [s.failed for s in states] == [i % 7 == 0 for i in range(rows)]
+    got = apply_grammar_masks(logits, list(range(rows)), states, outputs)
+    assert all(s.prefill_hits == 1 for s in states)
+    fresh = [backend.state(SPEC) for _ in range(rows)]
+    expected = apply_grammar_masks(logits, list(range(rows)), fresh, outputs)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_sync_many_equals_syncing_each(
