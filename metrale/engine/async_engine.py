@@ -105,8 +105,8 @@ class AsyncEngine(HandleBase[RequestStream]):
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        apply_engine_threads(config, reserve=1)  # one core stays with the event loop
-        return cls(Engine(config))
+        governor = apply_engine_threads(config, reserve=1)  # one core for the event loop
+        return cls(Engine(config, cpu_threads=governor))
 
     # ----------------------------------------------------------------- lifecycle
 

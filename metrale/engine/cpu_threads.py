@@ -18,6 +18,10 @@ Invariants:
   environment's `OMP_NUM_THREADS` when set (torch already read it); else the cores this
   process may run on (`os.sched_getaffinity`) less `reserve` (at least 1). The choice and
   where it came from are logged.
+- Served (a reserve left to the HTTP process) with the count chosen here, the engine also
+  gets a `CpuThreadGovernor`: a forward of at least `MIN_WORK` multiply-adds runs on every core
+  while the other processes leave the reserved core idle (measured per window from
+  `/proc/stat`), else on the reserved count; counted in `forwards_at_top`.
 - Nothing changes for an engine on CUDA (its host threads are not the bottleneck), except
   that an explicit `cpu_threads` is still applied.
 """
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -64,14 +70,124 @@ def engine_threads(config: EngineConfig, reserve: int) -> tuple[int | None, str]
     return cores, f"{cores} cores"
 
 
-def apply_engine_threads(config: EngineConfig, reserve: int) -> int:
-    """Set this process's torch threads for an engine (see the module docstring); returns
-    the count in force."""
+def apply_engine_threads(config: EngineConfig, reserve: int) -> CpuThreadGovernor | None:
+    """Set this process's torch threads for an engine (see the module docstring). Returns
+    the governor that raises them to every core for large steps while the reserved cores
+    are idle, when the count was chosen here with a reserve (else None: the count stands)."""
     threads, why = engine_threads(config, reserve)
-    if threads is not None:
-        torch.set_num_threads(threads)
-        logger.info("engine CPU threads: %d (%s)", threads, why)
-    return torch.get_num_threads()
+    if threads is None:
+        return None
+    torch.set_num_threads(threads)
+    logger.info("engine CPU threads: %d (%s)", threads, why)
+    cores = available_cores()
+    automatic = config.cpu_threads is None and not os.environ.get("OMP_NUM_THREADS")
+    if not automatic or threads >= cores:
+        return None
+    logger.info(
+        "engine CPU threads: steps of >= %.0e multiply-adds take all %d cores while the "
+        "other processes leave them idle (< %.2f cores busy beside the engine)",
+        CpuThreadGovernor.MIN_WORK, cores, CpuThreadGovernor.SPARE_BELOW,
+    )  # fmt: skip
+    return CpuThreadGovernor(threads, cores)
+
+
+class CpuThreadGovernor:
+    """The engine's torch threads per forward: `base` (the cores less the HTTP process's
+    reserve) for small steps, `top` (every core) for a step of at least `MIN_WORK`
+    multiply-adds (tokens x the model's parameters: a second thread does not pay on less;
+    tiny models' decode steps stay on `base`) while the rest of the machine is nearly idle: the CPU time of the engine's cores (from
+    `/proc/stat`) less the engine process's own, over windows of `WINDOW_S`, below
+    `SPARE_BELOW` cores. A busy neighbour (another process spinning on a core) keeps the
+    engine at `base`, where an OpenMP region does not wait for a thread the neighbour
+    preempts; an idle machine gives prefill chunks and many-row decode steps the reserved core
+    (issue 26: C=16 on 2 cores 675 -> 947 tok/s with two threads, but a busy core took it to
+    225 tok/s and TTFT p90 to 6.8x p50)."""
+
+    MIN_WORK = 2e8
+    WINDOW_S = 0.2
+    SPARE_BELOW = 0.6
+
+    def __init__(
+        self,
+        base: int,
+        top: int,
+        busy_seconds: Callable[[], float | None] | None = None,
+        own_seconds: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.base, self.top = base, top
+        self._busy = busy_seconds or _cores_busy_seconds(_affinity())
+        self._own, self._clock = own_seconds, clock
+        self._start = (clock(), self._busy(), own_seconds())
+        self._current = torch.get_num_threads()
+        self._spare = False
+        #: Multiply-adds a token costs: the model's parameters (`Engine` sets it; 0 until
+        #: then, so no step counts as large).
+        self.work_per_token = 0
+        #: Cores the other processes kept busy over the last window (metrics, logs).
+        self.others_busy = 0.0
+        #: Forwards run at `top` threads (the `metrale_cpu_forwards_all_cores` counter).
+        self.forwards_at_top = 0
+
+    def set_model(self, model: object) -> None:
+        """`work_per_token` from the model's torch module (its `module`), if it has one."""
+        module = getattr(model, "module", None)
+        if isinstance(module, torch.nn.Module):
+            self.work_per_token = sum(p.numel() for p in module.parameters())
+
+    def before_forward(self, tokens: int) -> int:
+        """Set the threads for a forward of `tokens` tokens; returns them."""
+        now = self._clock()
+        start_time, start_busy, start_own = self._start
+        if now - start_time >= self.WINDOW_S:
+            busy, own = self._busy(), self._own()
+            if busy is None or start_busy is None:  # /proc/stat unreadable: stay at `base`
+                spare, others = False, float("nan")
+            else:
+                others = max(0.0, (busy - start_busy) - (own - start_own)) / (now - start_time)
+                spare = others < self.SPARE_BELOW
+            self.others_busy = others
+            if spare != self._spare:
+                logger.debug("engine CPU threads: %.2f cores busy beside the engine", others)
+            self._spare = spare
+            self._start = (now, busy, own)
+        large = tokens * self.work_per_token >= self.MIN_WORK
+        want = self.top if self._spare and large else self.base
+        if want != self._current:
+            torch.set_num_threads(want)
+            self._current = want
+        self.forwards_at_top += want == self.top
+        return want
+
+
+def _affinity() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _cores_busy_seconds(cpus: list[int]) -> Callable[[], float | None]:
+    """A reader of the seconds `cpus` have spent busy (not idle, not waiting on I/O) since
+    boot, from `/proc/stat`'s per-CPU lines; None where it is unreadable (the governor then
+    keeps `base`)."""
+    names = {f"cpu{c}".encode() for c in cpus}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def read() -> float | None:
+        total = 0
+        try:
+            with open("/proc/stat", "rb") as stat:
+                for line in stat:
+                    fields = line.split()
+                    if fields and fields[0] in names:
+                        values = [int(v) for v in fields[1:9]]
+                        total += sum(values) - values[3] - values[4]  # less idle and iowait
+        except OSError:
+            return None
+        return total / tick
+
+    return read
 
 
 def apply_frontend_threads() -> None:

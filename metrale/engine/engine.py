@@ -76,6 +76,7 @@ from typing import Any, TypeVar
 
 from metrale.config import EngineConfig
 from metrale.distributed.launch import load_tensor_parallel
+from metrale.engine.cpu_threads import CpuThreadGovernor
 from metrale.engine.engine_forward import EngineForward, _Forward
 from metrale.engine.engine_grammar import EngineGrammar
 from metrale.engine.engine_lora import EngineLora
@@ -134,9 +135,11 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
         max_prefill_chunk: int | None = None,
         proposer: Proposer | None = None,
         progress: LoadProgress | None = None,
+        cpu_threads: CpuThreadGovernor | None = None,
     ) -> None:
         """`progress` hears how the load goes (default: `load_progress()`, a bar on a
-        terminal, log lines otherwise)."""
+        terminal, log lines otherwise). `cpu_threads`: the served CPU engine's torch threads
+        per forward (`apply_engine_threads`); None leaves them as they are."""
         self.config = config
         self.model_dir = resolve_model_dir(config.model)
         # Read before the weights, so that a bad generation_config.json fails fast.
@@ -195,6 +198,10 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             ),
         )
         self.sampler = Sampler(seed=config.seed, ops=model.sampling_ops())
+        #: Torch threads per forward on the CPU when served (`cpu_threads.CpuThreadGovernor`).
+        self.cpu_threads = cpu_threads
+        if cpu_threads is not None:
+            cpu_threads.set_model(model)
         warm_sampler(self.sampler, model.vocab_size(), model.device_name() or "cpu")
         self.requests: dict[str, RequestState] = {}
         self._choice_of: dict[str, tuple[RequestState, ChoiceState]] = {}
@@ -455,6 +462,8 @@ class Engine(EngineLora, EngineGrammar, EngineForward, EngineOutputs):
             self.num_steps += 1
             self.fed_steps += plan.feed_rows is not None
             self.late_sampled_steps += late_sample
+            if self.cpu_threads is not None:
+                self.cpu_threads.before_forward(plan.num_tokens)
             try:
                 forward = self._forward_step(plan, previous)
                 if not late_sample:

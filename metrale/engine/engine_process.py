@@ -103,8 +103,8 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from metrale.engine.engine import Engine
 
     try:
-        apply_engine_threads(config, reserve=1)  # one core stays with the HTTP process
-        engine = Engine(config)
+        governor = apply_engine_threads(config, reserve=1)  # one core for the HTTP process
+        engine = Engine(config, cpu_threads=governor)
     except BaseException as exc:
         with contextlib.suppress(Exception):
             conn.send(("failed", _portable(exc)))

@@ -74,6 +74,9 @@ class EngineSnapshot:
     #: Forwards the CPU's fused decode step ran (`kernels.cpu_decode`; a subset of
     #: `eager_forwards`); None when the model has no fused step.
     cpu_fused_decode_forwards: int | None = None
+    #: Forwards a served CPU engine ran on every core (`cpu_threads.CpuThreadGovernor`); None
+    #: without the governor.
+    cpu_forwards_all_cores: int | None = None
 
 
 class SnapshotTaker:
@@ -116,6 +119,9 @@ class SnapshotTaker:
                 if k.startswith("cpu_projection_")
             },
             cpu_fused_decode_forwards=counters.get("cpu_fused_decode_forwards"),
+            cpu_forwards_all_cores=(
+                engine.cpu_threads.forwards_at_top if engine.cpu_threads is not None else None
+            ),
         )
 
     def _cache_only_blocks(self, idle: bool) -> int:

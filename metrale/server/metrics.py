@@ -240,6 +240,13 @@ class _EngineCollector(Collector):
                 'subset of metrale_forwards{path="eager"}; METRALE_CPU_DECODE)',
                 snap.cpu_fused_decode_forwards,
             )
+        if snap.cpu_forwards_all_cores is not None:
+            yield counter(
+                "metrale_cpu_forwards_all_cores",
+                "CPU forwards run on every core, the HTTP process's reserved one included "
+                "(steps of >= 8 tokens while nothing else keeps it busy)",
+                snap.cpu_forwards_all_cores,
+            )
         yield from snapshot_metrics(snap.prefix_cache)
         yield from spec_metrics(snap)
         yield from lora_metrics(snap)

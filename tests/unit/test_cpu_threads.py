@@ -35,7 +35,10 @@ def test_policy_order(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_apply_sets_torch_threads_and_the_frontend_takes_one() -> None:
     before = torch.get_num_threads()
     try:
-        assert cpu_threads.apply_engine_threads(EngineConfig(device="cpu", cpu_threads=2), 1) == 2
+        # An explicit count stands: no governor.
+        assert (
+            cpu_threads.apply_engine_threads(EngineConfig(device="cpu", cpu_threads=2), 1) is None
+        )
         assert torch.get_num_threads() == 2
         cpu_threads.apply_frontend_threads()
         assert torch.get_num_threads() == 1
@@ -52,3 +55,50 @@ def test_flag_and_validation() -> None:
     assert engine_config_from_args(args).cpu_threads == 3
     with pytest.raises(MetraleError, match="cpu_threads"):
         EngineConfig(cpu_threads=0)
+
+
+def test_a_served_automatic_count_gets_a_governor(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        governor = cpu_threads.apply_engine_threads(EngineConfig(device="cpu"), reserve=1)
+        assert governor is not None and (governor.base, governor.top) == (1, 2)
+        assert torch.get_num_threads() == 1
+        assert cpu_threads.apply_engine_threads(EngineConfig(device="cpu"), reserve=0) is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_governor_takes_every_core_for_large_steps_only_while_the_others_are_idle() -> None:
+    """`CpuThreadGovernor`: nothing changes before a window has passed; then a step of
+    `MIN_WORK` multiply-adds or more runs on `top` threads while the other processes keep less
+    than `SPARE_BELOW` cores busy, a smaller step on `base`; a busy neighbour (a core's worth
+    of CPU time that is not the engine's) sends every step back to `base`; an unreadable
+    /proc/stat keeps `base`."""
+    before = torch.get_num_threads()
+    now, busy, own = [0.0], [0.0], [0.0]
+    governor = cpu_threads.CpuThreadGovernor(
+        1, 2, busy_seconds=lambda: busy[0], own_seconds=lambda: own[0], clock=lambda: now[0]
+    )
+    governor.work_per_token = int(governor.MIN_WORK) // 8
+    big = 8
+    try:
+        torch.set_num_threads(1)
+        assert governor.before_forward(big) == 1  # no window yet
+        now[0], busy[0], own[0] = 0.25, 0.3, 0.28  # the engine's own time: others ~0.08
+        assert governor.before_forward(big) == 2 and torch.get_num_threads() == 2
+        assert governor.before_forward(big - 1) == 1 and torch.get_num_threads() == 1
+        assert governor.forwards_at_top == 1
+        now[0], busy[0], own[0] = 0.5, 0.8, 0.3  # 0.5 s busy, 0.02 s of it the engine's
+        assert governor.before_forward(big) == 1 and governor.others_busy > 1.5
+        now[0], busy[0], own[0] = 0.75, 0.85, 0.35
+        assert governor.before_forward(big) == 2
+        unreadable = cpu_threads.CpuThreadGovernor(
+            1, 2, busy_seconds=lambda: None, own_seconds=lambda: own[0], clock=lambda: now[0]
+        )
+        unreadable.work_per_token = governor.work_per_token
+        now[0] = 1.0
+        assert unreadable.before_forward(big) == 1
+    finally:
+        torch.set_num_threads(before)
