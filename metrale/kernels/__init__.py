@@ -157,7 +157,7 @@ def kernels_for(
                 add_rms_norm=cpu_ops.add_rms_norm,
                 rotary_write_kv=rotary.rotary_write_kv,
                 qk_norm_rotary_write_kv=rotary.qk_norm_rotary_write_kv,
-                paged_attention=cpu_ops.paged_attention,
+                paged_attention=rotary.paged_attention,
             )
             impls.update(
                 dict.fromkeys(

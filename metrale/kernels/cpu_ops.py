@@ -15,7 +15,11 @@ Invariants:
 - Each op computes the same float32 arithmetic as its reference, operation by operation
   (same products, sums and order; only no-op casts, copies and the concatenations are gone),
   so float32 results are those of `reference`; decode attention of one sequence reads
-  exactly its cached positions instead of masking the tail of its last block. Anything the
+  exactly its cached positions instead of masking the tail of its last block. The exception:
+  plain float32 decode attention, when the C library builds, runs its kernel
+  (`metrale_paged_decode_attention_f32` in `csrc/cpu_gemv.c`: blocks read in place, no
+  gather; one read of k_t / v_t for the query heads of a KV head): the same function,
+  summation order aside (issue 26: the per-layer gather was ~1.3 ms of a 16-row step). Anything the
   lean form does not cover (another dtype, a float8 cache, partial rotary, a sliding window,
   verify or prefill rows, high-speed swap's host blocks) runs the reference, per call.
 - What depends only on the forward is computed once per forward and kept in the metadata's
@@ -27,13 +31,18 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import weakref
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from metrale.kernels import reference
 from metrale.kernels.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -66,9 +75,14 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 class CpuOps:
-    """The lean ops that keep a derived table (see the module docstring)."""
+    """The lean ops that keep a derived table or a loaded C kernel (see the module
+    docstring)."""
 
     def __init__(self) -> None:
+        #: The C decode attention (`metrale_paged_decode_attention_f32`), None where the C
+        #: library cannot be built (then the gather + SDPA form runs; logged once).
+        self._attention = _load_attention()
+        self._scores = torch.empty(0, dtype=torch.float32)
         #: id(cos/sin table) -> (a weak reference to it, its version, the full-width
         #: `[P, 2, rotary_dim]` table); an entry leaves with its table.
         self._tables: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
@@ -202,6 +216,95 @@ class CpuOps:
             normed, num_q, positions, v, cos_sin, k_cache, v_cache, slot_mapping
         )
 
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`paged_attention`, plain float32 decode rows by the C kernel when it is loaded:
+        it reads each row's blocks where they are (no gather) and each KV head's k_t / v_t
+        once for the query heads that share it; the same function, summation order aside."""
+        nd = meta.num_decode
+        fn = self._attention
+        if (
+            fn is None
+            or not _plain_decode(q, k_cache, v_cache, meta, sliding_window)
+            or q.dtype != torch.float32
+            or q.stride(-1) != 1
+            or q.stride(1) != q.shape[2]
+            or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous()
+        ):
+            return paged_attention(
+                q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
+            )
+        layout = meta.memo.get("cpu_c_attention")
+        if layout is None:
+            lens = meta.seq_lens_host[:nd]
+            layout = meta.memo["cpu_c_attention"] = (
+                torch.tensor(lens, dtype=torch.int32),
+                meta.block_tables[:nd].to(torch.int32).contiguous(),
+                max(lens),
+            )
+        lens_t, tables, max_len = layout
+        heads, kv_heads, dim = q.shape[1], k_cache.shape[2], k_cache.shape[3]
+        threads = torch.get_num_threads()
+        need = threads * (heads // kv_heads) * max_len
+        if self._scores.numel() < need:
+            self._scores = torch.empty(need, dtype=torch.float32)
+        out = torch.empty((nd, heads, dim), dtype=torch.float32)
+        fn(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), nd, heads,
+            kv_heads, dim, k_cache.shape[1], lens_t.data_ptr(), tables.data_ptr(),
+            tables.stride(0), scale, out.data_ptr(), heads * dim, self._scores.data_ptr(),
+            threads,
+        )  # fmt: skip
+        return out
+
+
+def _load_attention() -> Any:
+    """`metrale_paged_decode_attention_f32` from the C library, or None (logged)."""
+    from metrale.kernels import cpu_gemv
+
+    try:
+        lib = ctypes.CDLL(str(cpu_gemv.build()))
+        fn = lib.metrale_paged_decode_attention_f32
+    except (cpu_gemv.GemvUnavailable, OSError, AttributeError) as exc:
+        logger.info("CPU decode attention: the gather + SDPA form (no C kernel: %s)", exc)
+        return None
+    ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
+    fn.argtypes = [ptr, long, ptr, ptr, long, long, long, long, long, ptr, ptr, long, f32, ptr,
+                   long, ptr, ctypes.c_int]  # fmt: skip
+    fn.restype = None
+    return fn
+
+
+def _plain_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+) -> bool:
+    """A forward of plain one-token decode rows of resident blocks in q's dtype."""
+    nd = meta.num_decode
+    return (
+        nd > 0
+        and nd == meta.num_seqs
+        and meta.decode_query_len == 1
+        and meta.host_kv is None
+        and sliding_window is None
+        and k_cache.dtype == q.dtype
+        and v_cache.dtype == q.dtype
+        and bool(meta.seq_lens_host)
+    )
+
 
 def paged_attention(
     q: torch.Tensor,
@@ -217,16 +320,7 @@ def paged_attention(
     cache in q's dtype, every block resident) gathers with the forward's block indices,
     computed once for all layers, and one sequence reads exactly its cached positions."""
     nd = meta.num_decode
-    if (
-        nd == 0
-        or nd != meta.num_seqs
-        or meta.decode_query_len != 1
-        or meta.host_kv is not None
-        or sliding_window is not None
-        or k_cache.dtype != q.dtype
-        or v_cache.dtype != q.dtype
-        or not meta.seq_lens_host
-    ):
+    if not _plain_decode(q, k_cache, v_cache, meta, sliding_window):
         return reference.paged_attention(
             q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale
         )

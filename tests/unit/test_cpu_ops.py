@@ -145,6 +145,38 @@ def test_decode_attention_equals_the_reference(lens: list[int]) -> None:
     assert ("cpu_decode", BLOCK) in meta.memo
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_c_decode_attention_equals_the_reference(threads: int) -> None:
+    """`CpuOps.paged_attention` (the C kernel: blocks read in place, the KV head's reads
+    shared by its query heads) equals the reference to float32 rounding, with a q that is a
+    view into a wider fused-QKV row, on one thread and on two; prefill rows and a bfloat16
+    cache still run the reference's result."""
+    ops = cpu_ops.CpuOps()
+    if ops._attention is None:
+        pytest.skip("the C library cannot be built here")
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(40, BLOCK, HK, D, generator=g) * 3  # wide scores: exp's range
+    v_cache = torch.randn(40, BLOCK, HK, D, generator=g)
+    lens = [37, 4, 19]  # 16-position chunks of the vector exp and scalar tails
+    tables = torch.randperm(40, generator=g)[:30].view(3, 10).to(torch.int32)
+    meta = _meta(lens, [1, 1, 1], 3, tables)
+    qkv = torch.randn(3, (HQ + 2 * HK) * D, generator=g)
+    q = qkv[:, : HQ * D].view(3, HQ, D)
+    want = reference.paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = ops.paged_attention(q, k_cache, v_cache, meta, D**-0.5)
+    finally:
+        torch.set_num_threads(before)
+    assert "cpu_c_attention" in meta.memo
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    prefill = _meta([9, 6], [1, 3], 1, torch.tensor([[1, 2, 3], [4, 5, 0]], dtype=torch.int32))
+    q4 = torch.randn(4, HQ, D, generator=g)
+    want = reference.paged_attention(q4, k_cache, v_cache, prefill, D**-0.5)
+    assert torch.equal(ops.paged_attention(q4, k_cache, v_cache, prefill, D**-0.5), want)
+
+
 def test_prefill_rows_run_the_reference() -> None:
     g = torch.Generator().manual_seed(5)
     k_cache = torch.randn(6, BLOCK, HK, D, generator=g)
@@ -161,7 +193,7 @@ def test_kernels_for_cpu_selects_the_lean_ops_unless_told_not_to(
 ) -> None:
     ops = kernels_for(torch.device("cpu"))
     assert ops.rms_norm is cpu_ops.rms_norm and ops.implementations["rms_norm"] == "cpu-lean"
-    assert ops.paged_attention is cpu_ops.paged_attention
+    assert ops.paged_attention.__func__ is cpu_ops.CpuOps.paged_attention
     monkeypatch.setenv("METRALE_CPU_OPS", "torch")
     plain = kernels_for(torch.device("cpu"))
     assert plain.rms_norm is reference.rms_norm and plain.implementations["rms_norm"] == "torch"

@@ -1,6 +1,7 @@
 /* metrale: few-row float32 projections on the CPU, y[m, o] = x[m, :] . w[o, :] (+ bias[o]),
- * and, built on them, the fused decode step of the dense decoder (metrale_decode_stack_f32,
- * at the end of this file; metrale/kernels/cpu_decode.py).
+ * decode attention over the paged KV cache (metrale_paged_decode_attention_f32; the lean CPU
+ * ops, metrale/kernels/cpu_ops.py) and, built on them, the fused decode step of the dense
+ * decoder (metrale_decode_stack_f32, at the end of this file; metrale/kernels/cpu_decode.py).
  *
  * Built at run time by metrale/kernels/cpu_gemv.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes. Why: a decode step of a small model on the CPU reads every weight once, so a
@@ -150,10 +151,147 @@ GEMV(bf16, bf16)
  */
 #include <math.h>
 
+/* exp(x) for x <= 0 in 16 lanes (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6
+ * polynomial for e^r, 2^n from the exponent bits; within ~2 ulp of libm's expf); x below
+ * -87.3 gives 0. */
+typedef int vi16 __attribute__((vector_size(64)));
+static inline v16 select16(vi16 mask, v16 a, v16 b) { /* a where mask, else b */
+  vi16 ai, bi;
+  __builtin_memcpy(&ai, &a, sizeof ai);
+  __builtin_memcpy(&bi, &b, sizeof bi);
+  vi16 r = (mask & ai) | (~mask & bi);
+  v16 out;
+  __builtin_memcpy(&out, &r, sizeof out);
+  return out;
+}
+static inline v16 exp16_nonpositive(v16 x) {
+  const v16 zero = {0};
+  vi16 under = x < -87.3f;
+  v16 xc = select16(under, zero - 87.3f, x);
+  vi16 n = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi16); /* round, t <= 0 */
+  v16 nf = __builtin_convertvector(n, v16);
+  v16 r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  vi16 bits = (n + 127) << 23;
+  v16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  return select16(under, zero, p * scale);
+}
+
+/* Decode attention of one-token rows over a paged float32 KV cache: for row r and query head
+ * hq (its KV head g = hq / (q_heads / kv_heads)), softmax(scale * q . k_t) over the row's
+ * seq_lens[r] cached positions t (block tables[r][t / block_size], slot t % block_size), then
+ * the weighted sum of v_t. q [rows, q_stride] holds the query heads at the row's start; out
+ * [rows, out_stride] gets them the same way. The heads of one KV head share each k_t / v_t
+ * read. Arithmetic per (row, head), whatever the threads: each dot product in 16 lanes (the
+ * head dimension's chunks of 16 added lane by lane, then the lanes as `lanes_sum`; in order
+ * when the head dimension is not a multiple of 16), the max, exp(s - max) (16 positions at a
+ * time by exp16_nonpositive, the rest by expf) summed in position order and divided by that sum, then each output lane accumulated in position order. scores: at least
+ * threads * (q_heads / kv_heads) * max(seq_lens) floats. */
+static void paged_decode_attention(const float *q, long q_stride, const float *k_cache,
+                                   const float *v_cache, long rows, long q_heads, long kv_heads,
+                                   long dim, long block_size, const int *seq_lens,
+                                   const int *tables, long table_stride, float scale, float *out,
+                                   long out_stride, float *scores, int threads) {
+  long group = q_heads / kv_heads, kv_n = kv_heads * dim, max_len = 0;
+  for (long r = 0; r < rows; r++)
+    if (seq_lens[r] > max_len) max_len = seq_lens[r];
+  int vec = dim % 16 == 0;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (long item = 0; item < rows * kv_heads; item++) {
+    long r = item / kv_heads, g = item % kv_heads, len = seq_lens[r];
+#ifdef _OPENMP
+    float *sc = scores + (long)omp_get_thread_num() * group * max_len;
+#else
+    float *sc = scores;
+#endif
+    const int *table = tables + r * table_stride;
+    const float *qg = q + r * q_stride + g * group * dim;
+    float *og = out + r * out_stride + g * group * dim;
+    /* scores: position by position, block by block (no division per position) */
+    for (long start = 0, b = 0; start < len; start += block_size, b++) {
+      long end = start + block_size < len ? start + block_size : len;
+      const float *k = k_cache + (long)table[b] * block_size * kv_n + g * dim;
+      for (long t = start; t < end; t++, k += kv_n)
+        for (long j = 0; j < group; j++) {
+          const float *qh = qg + j * dim;
+          float s;
+          if (vec) {
+            v16 acc = LD(qh) * LD(k);
+            for (long c = 16; c < dim; c += 16) acc += LD(qh + c) * LD(k + c);
+            s = lanes_sum(acc);
+          } else {
+            s = 0.0f;
+            for (long i = 0; i < dim; i++) s += qh[i] * k[i];
+          }
+          sc[j * max_len + t] = s * scale;
+        }
+    }
+    for (long j = 0; j < group; j++) {
+      float *sj = sc + j * max_len, m = -INFINITY, total = 0.0f;
+      for (long t = 0; t < len; t++)
+        if (sj[t] > m) m = sj[t];
+      long t = 0;
+      for (; t + 16 <= len; t += 16) { /* the lanes summed in position order, as the tail */
+        v16 e = exp16_nonpositive(LD(sj + t) - m);
+        *(v16u *)(sj + t) = e;
+        for (int i = 0; i < 16; i++) total += e[i];
+      }
+      for (; t < len; t++) {
+        sj[t] = expf(sj[t] - m);
+        total += sj[t];
+      }
+      for (t = 0; t < len; t++) sj[t] /= total;
+    }
+    /* out = sum over positions of p_t v_t, 16 lanes of one head at a time, positions in order */
+    for (long j = 0; j < group; j++) {
+      const float *pj = sc + j * max_len;
+      float *oh = og + j * dim;
+      for (long c = 0; c < dim; c += vec ? 16 : 1) {
+        if (vec) {
+          v16 acc = {0};
+          for (long start = 0, b = 0; start < len; start += block_size, b++) {
+            long end = start + block_size < len ? start + block_size : len;
+            const float *v = v_cache + (long)table[b] * block_size * kv_n + g * dim + c;
+            for (long t = start; t < end; t++, v += kv_n) acc += pj[t] * LD(v);
+          }
+          *(v16u *)(oh + c) = acc;
+        } else {
+          float acc = 0.0f;
+          for (long start = 0, b = 0; start < len; start += block_size, b++) {
+            long end = start + block_size < len ? start + block_size : len;
+            const float *v = v_cache + (long)table[b] * block_size * kv_n + g * dim + c;
+            for (long t = start; t < end; t++, v += kv_n) acc += pj[t] * *v;
+          }
+          oh[c] = acc;
+        }
+      }
+    }
+  }
+}
+
+/* paged_decode_attention for the lean CPU ops (metrale/kernels/cpu_ops.py): plain decode rows
+ * of a float32 cache, `threads` OpenMP threads over (row, KV head) pairs. */
+void metrale_paged_decode_attention_f32(const float *q, long q_stride, const float *k_cache,
+                                        const float *v_cache, long rows, long q_heads,
+                                        long kv_heads, long dim, long block_size,
+                                        const int *seq_lens, const int *tables,
+                                        long table_stride, float scale, float *out,
+                                        long out_stride, float *scores, int threads) {
+  paged_decode_attention(q, q_stride, k_cache, v_cache, rows, q_heads, kv_heads, dim,
+                         block_size, seq_lens, tables, table_stride, scale, out, out_stride,
+                         scores, threads);
+}
+
 long metrale_decode_scratch(long rows, long hidden, long q_heads, long kv_heads, long dim,
                             long inter, long max_len) {
   return rows * (3 * hidden + (q_heads + 2 * kv_heads) * dim + q_heads * dim + 3 * inter) +
-         max_len + 64;
+         (q_heads / kv_heads) * max_len + 64;
 }
 
 static void rms_norm_rows(const float *x, const float *w, float eps, float *out, long rows,
@@ -222,35 +360,9 @@ void metrale_decode_stack_f32(float *h, long rows, long hidden, long layers,
         vd[i] = row[q_n + kv_n + i];
       }
     }
-    for (long r = 0; r < rows; r++) {
-      long len = seq_lens[r];
-      const int *table = tables + r * table_stride;
-      for (long hq = 0; hq < q_heads; hq++) {
-        const float *q = qkv + r * qkv_n + hq * dim;
-        long g = hq / group;
-        float m = -INFINITY;
-        for (long t = 0; t < len; t++) {
-          const float *k = k_cache + ((long)table[t / block_size] * block_size + t % block_size) * kv_n + g * dim;
-          float s = 0.0f;
-          for (long i = 0; i < dim; i++) s += q[i] * k[i];
-          s *= scale;
-          scores[t] = s;
-          if (s > m) m = s;
-        }
-        float total = 0.0f;
-        for (long t = 0; t < len; t++) {
-          scores[t] = expf(scores[t] - m);
-          total += scores[t];
-        }
-        float *out = attn + r * q_n + hq * dim;
-        for (long i = 0; i < dim; i++) out[i] = 0.0f;
-        for (long t = 0; t < len; t++) {
-          const float *v = v_cache + ((long)table[t / block_size] * block_size + t % block_size) * kv_n + g * dim;
-          float p = scores[t] / total;
-          for (long i = 0; i < dim; i++) out[i] += p * v[i];
-        }
-      }
-    }
+    paged_decode_attention(qkv, qkv_n, k_cache, v_cache, rows, q_heads, kv_heads, dim,
+                           block_size, seq_lens, tables, table_stride, scale, attn, q_n, scores,
+                           1);
     PROJECT(attn, q_n, lw[5], NULL, o, rows, q_n, hidden);
     for (long i = 0; i < rows * hidden; i++) residual[i] = residual[i] + o[i];
     rms_norm_rows(residual, lw[6], eps, x, rows, hidden);
