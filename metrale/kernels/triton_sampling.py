@@ -44,7 +44,12 @@ __all__ = [
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, ids_ptr, values_ptr, stride_x, V, BLOCK: tl.constexpr):
+def _argmax_kernel(
+    x_ptr, m_ptr, ids_ptr, values_ptr, stride_x, stride_m, V,
+    HAS_MASK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The row's argmax; with `HAS_MASK`, every token its bitmask word leaves unset reads as
+    -inf (`masked_argmax`)."""
     row = tl.program_id(0)
     base = x_ptr + row.to(tl.int64) * stride_x
     best = tl.full([], float("-inf"), dtype=tl.float32)
@@ -52,7 +57,11 @@ def _argmax_kernel(x_ptr, ids_ptr, values_ptr, stride_x, V, BLOCK: tl.constexpr)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("-inf"), x)
+        keep = x == x  # NaN reads as -inf
+        if HAS_MASK:
+            word = tl.load(m_ptr + row.to(tl.int64) * stride_m + cols // 32, mask=cols < V, other=0)
+            keep = keep & (((word >> (cols % 32)) & 1) != 0)
+        x = tl.where(keep, x, float("-inf"))
         chunk_max = tl.max(x, 0)
         chunk_id = tl.min(tl.where(x == chunk_max, cols, V), 0).to(tl.int64)
         better = chunk_max > best
@@ -73,14 +82,9 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = logits.contiguous()
     block = min(4096, triton.next_power_of_2(vocab))
     _argmax_kernel[(batch,)](
-        logits,
-        ids,
-        values,
-        logits.stride(0),
-        vocab,
-        BLOCK=block,
+        logits, logits, ids, values, logits.stride(0), 0, vocab, HAS_MASK=False, BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
-    )
+    )  # fmt: skip
     return ids, values
 
 
@@ -199,32 +203,6 @@ def token_logprobs(
     return ids, packed
 
 
-@triton.jit
-def _masked_argmax_kernel(
-    x_ptr, m_ptr, ids_ptr, values_ptr, stride_x, stride_m, V, BLOCK: tl.constexpr
-):
-    """`_argmax_kernel` with every token the row's bitmask word leaves unset read as -inf."""
-    row = tl.program_id(0)
-    base = x_ptr + row.to(tl.int64) * stride_x
-    words = m_ptr + row.to(tl.int64) * stride_m
-    best = tl.full([], float("-inf"), dtype=tl.float32)
-    best_id = tl.full([], 0, dtype=tl.int64)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        inside = cols < V
-        x = tl.load(base + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        word = tl.load(words + cols // 32, mask=inside, other=0)
-        allowed = ((word >> (cols % 32)) & 1) != 0
-        x = tl.where(allowed & (x == x), x, float("-inf"))
-        chunk_max = tl.max(x, 0)
-        chunk_id = tl.min(tl.where(x == chunk_max, cols, V), 0).to(tl.int64)
-        better = chunk_max > best
-        best_id = tl.where(better, chunk_id, best_id)
-        best = tl.where(better, chunk_max, best)
-    tl.store(ids_ptr + row, best_id)
-    tl.store(values_ptr + row, best)
-
-
 def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.masked_argmax` in one launch: one program per row, the bitmask read with it."""
     batch, vocab = logits.shape
@@ -236,9 +214,9 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Te
         logits = logits.contiguous()
     bitmask = bitmask.contiguous()
     block = min(4096, triton.next_power_of_2(vocab))
-    _masked_argmax_kernel[(batch,)](
-        logits, bitmask, ids, values, logits.stride(0), bitmask.stride(0), vocab, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+    _argmax_kernel[(batch,)](
+        logits, bitmask, ids, values, logits.stride(0), bitmask.stride(0), vocab, HAS_MASK=True,
+        BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return ids, values
 
