@@ -67,9 +67,9 @@ from metrale.model_engine.lora import LoraAdapters
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
 from metrale.model_engine.prompt_outputs import pool_prompt_rows, score_prompt
 from metrale.model_engine.ssm_prefix import SsmPrefixCaching
+from metrale.model_engine.ssm_slots import SsmSlots
 from metrale.model_engine.ssm_verify import SsmVerifyStash
 from metrale.model_engine.traits import (
-    DETACHED_SLOT,
     MixedBatchResult,
     Model,
     PrefillSlice,
@@ -99,6 +99,7 @@ class TransformerModel(
     VisionForwards,
     PagedKvLifecycle,
     SsmPrefixCaching,
+    SsmSlots,
     VerifyForwards,
     MtpDrafting,
     LoraAdapters,
@@ -232,37 +233,6 @@ class TransformerModel(
         if self.cpu_decode is not None:
             counters["cpu_fused_decode_forwards"] = self.cpu_decode.fused_forwards
         return counters
-
-    # ------------------------------------------------------------------ SSM slots
-
-    def has_ssm_layers(self) -> bool:
-        return self.ssm_pool is not None
-
-    def num_free_slots(self) -> int | None:
-        return self.ssm_pool.num_free() if self.ssm_pool is not None else None
-
-    def num_total_slots(self) -> int | None:
-        return self.ssm_pool.num_slots if self.ssm_pool is not None else None
-
-    def compact_sequence(self, seq: SequenceState, new_slot: int) -> None:
-        """Move the sequence's conv and SSM state (every recurrent layer) into `new_slot`,
-        bit for bit, and free its old slot. `new_slot` is free, or held by a retired sequence
-        that `detach_slot_for_reuse` marks slot-less (before or after this call)."""
-        if self.ssm_pool is None or seq.ssm_slot is None:
-            raise ValueError("compact_sequence needs a sequence holding an SSM slot")
-        old_slot = seq.ssm_slot_idx()
-        self.ssm_pool.move(seq.ssm_slot, new_slot)  # type: ignore[arg-type]
-        seq.slot_idx = new_slot
-        if self.ssm_stash is not None and old_slot is not None:
-            self.ssm_stash.move(old_slot, new_slot)
-
-    def detach_slot_for_reuse(self, seq: SequenceState) -> None:
-        """Make a retired sequence slot-less without freeing its slot: a survivor has been (or
-        is about to be) compacted into it, so releasing it would free a live slot."""
-        if seq.ssm_slot is not None:
-            seq.ssm_slot.forget()  # type: ignore[attr-defined]
-            seq.ssm_slot = None
-        seq.slot_idx = DETACHED_SLOT
 
     # ------------------------------------------------------------------ forward
 
