@@ -73,6 +73,17 @@ def _argmax_kernel(
 
 def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `[B, V]`: `(index of the largest logit [B] int64, its value [B] float32)`."""
+    return _argmax(logits, None)
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.masked_argmax` in one launch: one program per row, the bitmask read with it."""
+    return _argmax(logits, bitmask.contiguous())
+
+
+def _argmax(
+    logits: torch.Tensor, bitmask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     batch, vocab = logits.shape
     ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
     values = torch.empty(batch, dtype=torch.float32, device=logits.device)
@@ -80,10 +91,11 @@ def argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return ids, values
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
+    words = bitmask if bitmask is not None else logits
     block = min(4096, triton.next_power_of_2(vocab))
     _argmax_kernel[(batch,)](
-        logits, logits, ids, values, logits.stride(0), 0, vocab, HAS_MASK=False, BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        logits, words, ids, values, logits.stride(0), words.stride(0), vocab,
+        HAS_MASK=bitmask is not None, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return ids, values
 
@@ -201,24 +213,6 @@ def token_logprobs(
         logits.stride(0), vocab, BLOCK=block, num_warps=8 if block >= 2048 else 4,
     )  # fmt: skip
     return ids, packed
-
-
-def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.masked_argmax` in one launch: one program per row, the bitmask read with it."""
-    batch, vocab = logits.shape
-    ids = torch.empty(batch, dtype=torch.int64, device=logits.device)
-    values = torch.empty(batch, dtype=torch.float32, device=logits.device)
-    if batch == 0:
-        return ids, values
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    bitmask = bitmask.contiguous()
-    block = min(4096, triton.next_power_of_2(vocab))
-    _argmax_kernel[(batch,)](
-        logits, bitmask, ids, values, logits.stride(0), bitmask.stride(0), vocab, HAS_MASK=True,
-        BLOCK=block, num_warps=8 if block >= 2048 else 4,
-    )  # fmt: skip
-    return ids, values
 
 
 @triton.jit
