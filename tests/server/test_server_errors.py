@@ -218,26 +218,16 @@ def test_full_queue_is_503_with_retry_after(server: ServerProcess) -> None:
 
 
 def _full_queue_attempt(server: ServerProcess) -> str:
-    """One try: "refused" (the 503 checked), or "raced" (the third request was served)."""
+    """One try: "refused" (the 503 checked), or "raced" (the third request was served, or the
+    second never had to wait). The running stream is not read past its first line: a
+    client that does not read holds the stream back, which keeps the request running."""
     long_body = {"prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    ended = threading.Event()
     with httpx.stream(
         "POST", server.url + "/v1/completions", json=long_body, headers=AUTH, timeout=60
     ) as running:
         assert running.status_code == 200
         lines = running.iter_lines()  # (dropping this iterator would close the stream)
         next(lines)  # it is running now
-
-        def drain() -> None:  # reads the stream as it comes; marks its end
-            try:
-                for _ in lines:
-                    pass
-            except httpx.HTTPError:
-                pass  # closed below
-            ended.set()
-
-        reader = threading.Thread(target=drain, daemon=True)
-        reader.start()
         waiting_result: dict[str, Any] = {}
 
         def wait_in_queue() -> None:
@@ -249,13 +239,12 @@ def _full_queue_attempt(server: ServerProcess) -> str:
         waiter.start()
         deadline = time.monotonic() + 10
         while metric(scrape(server.url), "metrale_num_requests_waiting") < 1:
-            if ended.is_set():  # the running request is done: y runs, the queue is empty
-                break
-            assert time.monotonic() < deadline, "the second request never queued"
-            time.sleep(0.005)
+            if time.monotonic() > deadline or "response" in waiting_result:
+                waiter.join(30)
+                return "raced"  # the second request ran at once: the first had ended
+            time.sleep(0.02)
         refused = post(server, "/v1/completions", {"prompt": "z", "max_tokens": 2})
         if refused.status_code == 200:  # the running request ended first (or no refusal)
-            ended.wait(30)
             waiter.join(30)
             return "raced"
         error = assert_openai_error(refused, 503)
