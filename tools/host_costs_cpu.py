@@ -101,7 +101,7 @@ def eviction(blocks: int = 16384, per_prompt: int = 72) -> dict[str, float]:
 def projections() -> dict[str, float]:
     from metrale.kernels import cpu_gemv
 
-    lib = ctypes.CDLL(str(cpu_gemv.build()))
+    path = cpu_gemv.build()
     p, n = ctypes.c_void_p, ctypes.c_long
     shapes = [(1024, 512), (512, 512), (3072, 512), (512, 1536)] * 8  # small: 8 layers
     weights = {"f32": [torch.randn(o, i) for o, i in shapes]}
@@ -110,8 +110,9 @@ def projections() -> dict[str, float]:
     ys = {o: torch.empty(1, o) for o in (512, 1024, 3072)}
     out: dict[str, float] = {}
     for kind, ws in weights.items():
-        fn = getattr(lib, f"metrale_gemv_{kind}")
-        fn.argtypes = [p, n, p, p, p, n, n, n, ctypes.c_int]
+        fn = cpu_gemv.kernel_function(
+            path, f"metrale_gemv_{kind}", [p, n, p, p, p, n, n, n, ctypes.c_int]
+        )
 
         def run(fn: Any = fn, ws: list[torch.Tensor] = ws) -> None:
             for (o, i), w in zip(shapes, ws, strict=True):
@@ -143,38 +144,16 @@ def collector(tiny_model: str) -> dict[str, float]:
 
 
 def bf16_agreement() -> dict[str, float]:
-    from metrale import Engine, EngineConfig, SamplingParams
-    from tests.helpers.checkpoints import DENSE_VARIANTS, build
+    from tests.helpers.checkpoints import DENSE_VARIANTS
+    from tests.helpers.fused_decode import agreement, greedy_run
 
     variant = next(v for v in DENSE_VARIANTS if v.name == "qwen3-qknorm")
-    runs = {}
-    for weights in ("float32", "bf16"):
-        os.environ["METRALE_CPU_WEIGHTS"] = weights
-        engine = Engine(
-            EngineConfig(
-                model=str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=200
-            )
-        )
-        params = SamplingParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True)
-        for i in range(4):  # the fused step takes up to 4 rows
-            engine.add_request(f"r{i}", [3 + i, 9, 13 + i, 2, 7 + 2 * i], params)
-        got = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.finished:
-                    c = o.outputs[0]
-                    lps = [pos[t].logprob for pos, t in zip(c.logprobs or [], c.token_ids)]
-                    got[o.request_id] = (c.token_ids, lps)
-        runs[weights] = got
-    os.environ.pop("METRALE_CPU_WEIGHTS")
-    agree = total = 0
-    worst = 0.0
-    for rid, (tokens, lps) in runs["float32"].items():
-        other, other_lps = runs["bf16"][rid]
-        same = next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), len(tokens))
-        agree, total = agree + same, total + len(tokens)
-        worst = max([worst, *(abs(a - b) for a, b in zip(lps[:same], other_lps[:same]))])
-    return {"tokens_before_divergence": agree, "tokens": total, "max_logprob_diff": worst}
+    rows = agreement(greedy_run(variant, "float32")[1], greedy_run(variant, "bf16")[1])
+    return {
+        "tokens_before_divergence": sum(same for _, same, _, _ in rows),
+        "tokens": sum(tokens for _, _, tokens, _ in rows),
+        "max_logprob_diff": max((d for *_, diffs in rows for d in diffs), default=0.0),
+    }
 
 
 def main() -> None:

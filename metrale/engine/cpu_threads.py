@@ -42,10 +42,7 @@ logger = logging.getLogger(__name__)
 
 def available_cores() -> int:
     """The cores this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    return max(1, len(_affinity()))
 
 
 def _on_cpu(config: EngineConfig) -> bool:
@@ -161,6 +158,7 @@ class CpuThreadGovernor:
 
 
 def _affinity() -> list[int]:
+    """The ids of the cores this process may run on (all of them off Linux)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux

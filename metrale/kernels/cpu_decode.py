@@ -115,17 +115,16 @@ class CpuDecodeStack:
         kv_layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
         weights_bf16: bool = False,
     ) -> None:
-        lib = ctypes.CDLL(str(cpu_gemv.build()))
-        fn = lib.metrale_decode_stack_f32
         ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-        fn.argtypes = [ptr, long, long, long, ptr, ptr, ptr, f32, long, long, long, long, long,
-                       ptr, ptr, ptr, ptr, long, ptr, f32, ptr, ctypes.c_int,
-                       ctypes.c_int]  # fmt: skip
-        fn.restype = None
-        scratch = lib.metrale_decode_scratch
-        scratch.argtypes = [long] * 7
-        scratch.restype = long
-        self._fn, self._scratch_floats, self._lib = fn, scratch, lib
+        path = cpu_gemv.build()
+        self._fn = cpu_gemv.kernel_function(
+            path, "metrale_decode_stack_f32",
+            [ptr, long, long, long, ptr, ptr, ptr, f32, long, long, long, long, long, ptr, ptr,
+             ptr, ptr, long, ptr, f32, ptr, ctypes.c_int, ctypes.c_int],
+        )  # fmt: skip
+        self._scratch_floats = cpu_gemv.kernel_function(
+            path, "metrale_decode_scratch", [long] * 7, long
+        )
         self.hidden, self.q_heads, self.kv_heads = model.hidden, model.q_heads, model.kv_heads
         self.dim, self.inter, self.eps, self.scale = (
             model.head_dim, model.inter, model.eps, model.scale

@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -143,16 +144,10 @@ class CpuGemv:
     `weight` `[out, in]` (and `bias` `[out]`); the caller checks dtypes and layout."""
 
     def __init__(self, path: Path) -> None:
-        try:
-            lib = ctypes.CDLL(str(path))
-            fn = getattr(lib, _SYMBOL)
-        except (OSError, AttributeError) as exc:
-            raise GemvUnavailable(f"cannot load {path}: {exc}") from exc
         ptr, long = ctypes.c_void_p, ctypes.c_long
-        fn.argtypes = [ptr, long, ptr, ptr, ptr, long, long, long, ctypes.c_int]
-        fn.restype = None
-        self._fn = fn
-        self._lib = lib
+        self._fn = kernel_function(
+            path, _SYMBOL, [ptr, long, ptr, ptr, ptr, long, long, long, ctypes.c_int]
+        )
         self.path = path
 
     def __call__(
@@ -167,6 +162,22 @@ class CpuGemv:
             rows, n_in, n_out, torch.get_num_threads(),
         )  # fmt: skip
         return y
+
+
+def kernel_function(
+    path: Path | None, symbol: str, argtypes: list[Any], restype: Any = None
+) -> Any:
+    """`symbol` of the kernels' shared object (`path`; None: `build()`), with its ctypes
+    signature; raises `GemvUnavailable` when it cannot be built, loaded or found. The one
+    loader of every C entry point (the GEMV, the fused decode step, the decode attention)."""
+    path = build() if path is None else path
+    try:
+        fn = getattr(ctypes.CDLL(str(path)), symbol)
+    except (OSError, AttributeError) as exc:
+        raise GemvUnavailable(f"cannot load {symbol} from {path}: {exc}") from exc
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
 
 
 def load_gemv(directory: Path | None = None) -> CpuGemv:

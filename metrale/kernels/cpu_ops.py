@@ -272,17 +272,16 @@ def _load_attention() -> Any:
     """`metrale_paged_decode_attention_f32` from the C library, or None (logged)."""
     from metrale.kernels import cpu_gemv
 
+    ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     try:
-        lib = ctypes.CDLL(str(cpu_gemv.build()))
-        fn = lib.metrale_paged_decode_attention_f32
-    except (cpu_gemv.GemvUnavailable, OSError, AttributeError) as exc:
+        return cpu_gemv.kernel_function(
+            None, "metrale_paged_decode_attention_f32",
+            [ptr, long, ptr, ptr, long, long, long, long, long, ptr, ptr, long, f32, ptr, long,
+             ptr, ctypes.c_int],
+        )  # fmt: skip
+    except cpu_gemv.GemvUnavailable as exc:
         logger.info("CPU decode attention: the gather + SDPA form (no C kernel: %s)", exc)
         return None
-    ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
-    fn.argtypes = [ptr, long, ptr, ptr, long, long, long, long, long, ptr, ptr, long, f32, ptr,
-                   long, ptr, ctypes.c_int]  # fmt: skip
-    fn.restype = None
-    return fn
 
 
 def _plain_decode(

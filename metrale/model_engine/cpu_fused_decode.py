@@ -106,7 +106,7 @@ def build(module: torch.nn.Module, kv_layers: KvLayers) -> CpuDecodeStack | None
     if reason is None:
         try:
             stack = CpuDecodeStack(decoder_weights(module), kv_layers, weights_bf16=bf16)
-        except (cpu_gemv.GemvUnavailable, OSError, AttributeError, ValueError) as exc:
+        except (cpu_gemv.GemvUnavailable, ValueError) as exc:
             reason = f"the kernel is unavailable: {exc}"
         else:
             logger.info(

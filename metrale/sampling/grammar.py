@@ -422,29 +422,23 @@ class GrammarState:
         (threads; `batch`, else the states' own matcher), the rest one by one."""
         ahead: list[int] = []
         unfilled: list[int] = []
-        sources: list[tuple[Tensor, int]] = []
-        block = None  # the one prefilled block holding exactly these rows in order, if any
+        #: id(prefilled block) -> (the block, the rows here, their rows there)
+        by_block: dict[int, tuple[Tensor, list[int], list[int]]] = {}
         for j, state in enumerate(states):
             pre, state._prefilled = state._prefilled, None
             if pre is not None and pre[0] == state._position():
-                if j == 0:
-                    block = pre[1]
-                elif block is not pre[1] or pre[2] != j:
-                    block = None
+                entry = by_block.setdefault(id(pre[1]), (pre[1], [], []))
+                entry[1].append(j)
+                entry[2].append(pre[2])
                 ahead.append(j)
-                sources.append((pre[1], pre[2]))
                 state.prefill_hits += 1
             else:
-                block = None
                 unfilled.append(j)
-        if block is not None and block.shape == bitmask.shape:
-            bitmask.copy_(block)  # the engine's common case: one copy, not one per row
-            return
-        by_block: dict[int, tuple[Tensor, list[int], list[int]]] = {}
-        for j, (source, row) in zip(ahead, sources, strict=True):
-            entry = by_block.setdefault(id(source), (source, [], []))
-            entry[1].append(j)
-            entry[2].append(row)
+        if not unfilled and len(by_block) == 1:
+            source, rows, from_rows = next(iter(by_block.values()))
+            if source.shape == bitmask.shape and rows == from_rows:
+                bitmask.copy_(source)  # the engine's common case: one copy, not a gather
+                return
         for source, rows, from_rows in by_block.values():  # one gather per block, not per row
             picked = source.index_select(0, torch.tensor(from_rows, dtype=torch.int64))
             bitmask.index_copy_(0, torch.tensor(rows, dtype=torch.int64), picked)

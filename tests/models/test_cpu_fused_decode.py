@@ -15,6 +15,7 @@ import pytest
 from metrale import Engine, EngineConfig, SamplingParams
 from metrale.kernels import cpu_decode
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
+from tests.helpers.fused_decode import agreement, greedy_run, keep_finished
 
 TAKEN = ["qwen3-qknorm", "qwen2-bias-tied", "llama-gqa4-llama3", "qwen3-classic-yarn-gqa4"]
 
@@ -36,11 +37,7 @@ def _run(variant_name: str, mode: str, monkeypatch: pytest.MonkeyPatch) -> tuple
         steps += 1
         if steps == 4:
             engine.add_request("late", late, params)
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                lps = [pos[t].logprob for pos, t in zip(c.logprobs or [], c.token_ids)]
-                got[out.request_id] = (c.token_ids, lps)
+        keep_finished(engine.step(), got)
     return got, engine
 
 
@@ -68,7 +65,7 @@ def test_unknown_mode_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         cpu_decode.mode()
 
 
-def test_bf16_weights_are_opt_in_and_close(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_weights_are_opt_in_and_close() -> None:
     """`METRALE_CPU_WEIGHTS=bf16` (not exact): the fused step's projections read bfloat16
     copies. On this checkpoint (`tools/host_costs_cpu.py`: all 4 x 32 greedy tokens equal to
     float32's, logprobs within 9e-4) most tokens agree and the logprobs stay close. Four
@@ -77,31 +74,13 @@ def test_bf16_weights_are_opt_in_and_close(monkeypatch: pytest.MonkeyPatch) -> N
     variant = next(v for v in DENSE_VARIANTS if v.name == name)
     results = {}
     for weights in ("float32", "bf16"):
-        monkeypatch.setenv("METRALE_CPU_WEIGHTS", weights)
-        engine = Engine(
-            EngineConfig(
-                model=str(build(variant)), device="cpu", dtype="float32", num_kv_blocks=200
-            )
-        )
+        engine, results[weights] = greedy_run(variant, weights)
         assert engine.model.cpu_decode is not None
         assert engine.model.cpu_decode.weights_bf16 == (weights == "bf16")
-        params = SamplingParams(max_tokens=32, temperature=0, logprobs=0, ignore_eos=True)
-        for i in range(cpu_decode.MAX_ROWS):
-            engine.add_request(f"r{i}", [3 + i, 9, 13 + i, 2, 7 + 2 * i], params)
-        got = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    c = out.outputs[0]
-                    lps = [pos[t].logprob for pos, t in zip(c.logprobs or [], c.token_ids)]
-                    got[out.request_id] = (c.token_ids, lps)
-        results[weights] = got
     agree = total = 0
-    for rid, (tokens, lps) in results["float32"].items():
-        other, other_lps = results["bf16"][rid]
-        same = next((i for i, (a, b) in enumerate(zip(tokens, other)) if a != b), len(tokens))
-        agree, total = agree + same, total + len(tokens)
-        assert all(abs(a - b) < 5e-3 for a, b in zip(lps[:same], other_lps[:same])), rid
+    for rid, same, tokens, diffs in agreement(results["float32"], results["bf16"]):
+        agree, total = agree + same, total + tokens
+        assert all(d < 5e-3 for d in diffs), rid
     assert agree >= 0.9 * total
     assert results["float32"] != results["bf16"], "bf16 changed nothing: not in use?"
 
