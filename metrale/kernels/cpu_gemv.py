@@ -3,7 +3,8 @@ at start-up with the machine's C compiler and called through ctypes.
 
 Owner: kernels. `load_gemv` builds (or finds in its cache) and loads the kernel; `CpuGemv` calls
 it. `cpu_linear.CpuLinear` decides which projections take it (float32, at most `MAX_ROWS` rows).
-The same shared object holds the fused decode step `cpu_decode.py` loads.
+The same shared object holds the fused decode step (`cpu_decode.py`) and the decode
+attention (`cpu_ops.py`); `kernel_function` loads every entry point of it.
 
 Why (issue 26): a one-stream decode step of a model whose weights exceed the last-level cache
 reads every weight once from memory, so its projections are bound by how fast they read. MKL's
