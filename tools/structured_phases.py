@@ -2,28 +2,34 @@
 steps under the structured-output bench's tool-call schema, phase by phase.
 
     PYTHONPATH=. python3 tools/structured_phases.py [--config-dir bench/configs/qwen3-8b]
-        [--device cuda] [--batch 64] [--steps 200] [--unconstrained]
+        [--device cuda] [--batch 64] [--steps 200] [--unconstrained] [--temperature T]
+        [--chunks N] [--fill-threads N] [--profile]
 
-Only the late-sampled steps that follow another late-sampled step are kept (the steady
-pipeline: the forward is fed on the device, then the step before is read back, the
-grammar work runs on the worker threads while the outputs are built, then the sampler is
-queued). For each main-thread phase (the engine's methods, wrapped with any signature) the
-median start and duration from the step's start; for the worker threads, the median of each
-step's matcher accepts (`GrammarState.sync_many`) and rows filled ahead
-(`GrammarState.prefill_rows`), summed over the chunks and as the longest chunk. Prints a
-table; writes nothing (a profiling tool, not a benchmark: the timers cost a little).
+The bench's own loop runs (`metrale.bench.structured.engine_step_cost`: the same requests,
+a finished one replaced, the same steps kept: fed steps after a fed step, past the warm-up),
+so its figure is the record's. Printed: the kept steps' interval between `engine.step()`
+returns, split into the step itself and the time outside it (the bench's loop: replacing
+finished requests), with and without a finished request in the step; for each main-thread
+phase (the engine's methods, wrapped with any signature) the median start and duration
+from the step's start; for the worker threads, the median of each step's matcher accepts
+(`GrammarState.sync_many`) and rows filled ahead (`GrammarState.prefill_rows`), summed over
+the chunks and as the longest chunk. Writes nothing (a profiling tool, not a benchmark:
+the timers cost a little).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import statistics
 import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +39,8 @@ from metrale.bench import structured
 from metrale.bench.synthetic import prepare_model_dir
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
+from metrale.sampling import grammar, grammar_advance
 from metrale.sampling.grammar import GrammarState
-from metrale.sampling.params import SamplingParams
-from metrale.sampling.structured import GrammarSpec
 
 MAIN_PHASES = (
     "_forward_step", "_read_back", "_advance_grammars_async", "_emit", "_outputs",
@@ -84,6 +89,11 @@ def instrument(timeline: Timeline) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.chunks is not None:  # before the engine builds its grammar backend
+        grammar.ADVANCE_CHUNKS = args.chunks
+        grammar_advance.MIN_CHUNK_ROWS = max(1, args.batch // args.chunks)
+    if args.fill_threads is not None:
+        grammar.BATCH_FILL_THREADS = args.fill_threads
     model_dir = prepare_model_dir(args.config_dir)
     vocab = int(json.loads((Path(args.config_dir) / "config.json").read_text())["vocab_size"])
     engine = Engine(
@@ -93,51 +103,85 @@ def run(args: argparse.Namespace) -> None:
             max_model_len=args.context + args.steps + 64, enable_prefix_caching=False,
         )
     )  # fmt: skip
-    spec = None if args.unconstrained else GrammarSpec.json_schema(structured.TOOL_CALL_SCHEMA, "b")
-    params = SamplingParams(
-        temperature=0.0, max_tokens=args.steps + 16, ignore_eos=True, structured_outputs=spec
-    )
-    gen = torch.Generator().manual_seed(1)
-    count = iter(range(10**9))
-
-    def submit() -> None:
-        prompt = torch.randint(8, min(vocab, 1000), (args.context,), generator=gen).tolist()
-        engine.add_request(f"p{next(count)}", prompt, params)
-
-    for _ in range(args.batch):
-        submit()
     timeline = Timeline()
     instrument(timeline)
-    kept: list[tuple[float, list[Any], list[Any]]] = []
-    previous_late = False
-    for step in range(args.steps + 10):
-        late_before = engine.late_sampled_steps
-        fed_before = engine.fed_steps
+    steps: list[StepRecord] = []
+    step = Engine.step
+
+    def recorded(self: Engine, *a: Any, **k: Any) -> Any:
+        fed, late = self.fed_steps, self.late_sampled_steps
         timeline.reset()
-        outputs = engine.step()
-        total = time.perf_counter() - timeline.start
-        late = engine.late_sampled_steps > late_before
-        steady = engine.fed_steps > fed_before and (late or args.unconstrained)
-        if step >= 10 and steady and (previous_late or args.unconstrained):
-            kept.append((total, list(timeline.main), list(timeline.worker)))
-        previous_late = steady
-        for out in outputs:
-            if out.finished:
-                submit()
-    report(kept)
+        outputs = step(self, *a, **k)
+        steps.append(
+            StepRecord(
+                timeline.start, time.perf_counter(), self.fed_steps > fed,
+                self.late_sampled_steps > late, sum(o.finished for o in outputs),
+                list(timeline.main), list(timeline.worker),
+            )
+        )  # fmt: skip
+        return outputs
+
+    Engine.step = recorded  # type: ignore[method-assign]
+    # The bench's own loop (a finished request is replaced; the same warm-up and the same
+    # steps kept), so the figures here are the record's, split by phase.
+    profiler = cProfile.Profile() if args.profile else None
+    figures = structured.engine_step_cost(
+        engine, args.batch, not args.unconstrained, args.temperature, args.context, args.steps,
+        profiler,
+    )  # fmt: skip
+    print(f"bench figure: step_ms_median {figures['step_ms_median']:.3f}")
+    report(steps)
+    if profiler is not None:
+        stats = pstats.Stats(profiler).sort_stats("cumulative")
+        stats.print_stats(args.profile_filter, 40)
 
 
-def report(kept: list[tuple[float, list[Any], list[Any]]]) -> None:
+@dataclass
+class StepRecord:
+    start: float
+    end: float
+    fed: bool
+    late: bool
+    finished: int
+    main: list[tuple[str, float, float]]
+    worker: list[tuple[str, int, float, float]]
+
+
+def report(steps: list[StepRecord]) -> None:
+    """The bench's kept steps (fed, after a fed step, past the 8 warm-up fed steps): the
+    interval between step returns split into the step and the time outside it, then the
+    main-thread phases and the worker chunks of those steps."""
+    kept: list[tuple[float, StepRecord]] = []
+    taken = 0
+    for i, rec in enumerate(steps):
+        taken += rec.fed
+        before = steps[i - 1] if i else None
+        if rec.fed and before is not None and before.fed and taken > 8:
+            kept.append((rec.end - before.end, rec))
     if not kept:
         print("no steady steps kept")
         return
     ms = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    print(f"{len(kept)} steady steps; step median {ms([k[0] for k in kept]):.3f} ms")
+    late = sum(r.late for _, r in kept)
+    print(
+        f"{len(kept)} kept of {len(steps)} steps ({late} late-sampled); interval median "
+        f"{ms([i for i, _ in kept]):.3f} ms, mean {1e3 * statistics.fmean(i for i, _ in kept):.3f}"
+        f"; step() {ms([r.end - r.start for _, r in kept]):.3f} ms; outside "
+        f"{ms([i - (r.end - r.start) for i, r in kept]):.3f} ms"
+    )
+    for label, group in (
+        ("with a finished request", [k for k in kept if k[1].finished]),
+        ("without", [k for k in kept if not k[1].finished]),
+    ):
+        print(
+            f"  {label}: {len(group)} steps, interval median {ms([i for i, _ in group]):.3f}"
+            f" ms, step() {ms([r.end - r.start for _, r in group]):.3f} ms"
+        )
     starts: dict[str, list[float]] = defaultdict(list)
     spans: dict[str, list[float]] = defaultdict(list)
-    for _, main, _ in kept:
+    for _, rec in kept:
         seen: dict[str, tuple[float, float]] = {}
-        for name, begin, end in main:
+        for name, begin, end in rec.main:
             first, length = seen.get(name, (begin, 0.0))
             seen[name] = (first, length + end - begin)
         for name, (first, length) in seen.items():
@@ -148,8 +192,8 @@ def report(kept: list[tuple[float, list[Any], list[Any]]]) -> None:
         print(f"{name:32s} {ms(starts[name]):9.3f} {ms(spans[name]):9.3f} {len(starts[name]):8d}")
     for name in ("sync_many", "prefill_rows"):
         summed, longest, ends = [], [], []
-        for _, _, worker in kept:
-            parts = [(end - begin, end) for n, _, begin, end in worker if n == name]
+        for _, rec in kept:
+            parts = [(end - begin, end) for n, _, begin, end in rec.worker if n == name]
             if parts:
                 summed.append(sum(p for p, _ in parts))
                 longest.append(max(p for p, _ in parts))
@@ -168,6 +212,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--unconstrained", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--chunks", type=int, help="grammar.ADVANCE_CHUNKS for this run")
+    parser.add_argument("--fill-threads", type=int, help="grammar.BATCH_FILL_THREADS for this run")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile the main thread over the timed steps"
+    )
+    parser.add_argument(
+        "--profile-filter", default=".", help="regex of the profile rows printed (by cumulative)"
+    )
     run(parser.parse_args())
 
 

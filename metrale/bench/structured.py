@@ -255,7 +255,8 @@ def engine_step_cost(
     profiler: Any = None,
 ) -> dict[str, float]:
     """Median seconds between `engine.step()` returns over the steady decode steps of `batch`
-    requests served by the engine itself (its pipeline: a decode step fed on the device is
+    requests served by the engine itself, called as the server's loops call it (`on_outputs`:
+    the outputs ready while the device computes are handed over before the wait; its pipeline: a decode step fed on the device is
     launched before the step before it is read back; under a grammar its sampler waits for
     that read-back and the mask, which the host fills while the forward runs). A request
     whose tool call completes is replaced by a fresh one; steps that planned a prefill (or
@@ -288,7 +289,10 @@ def engine_step_cost(
     previous_fed = False
     while taken < steps + 8 and engine.has_unfinished():
         fed_before = engine.fed_steps
-        outs = engine.step()
+        outs: list[Any] = []
+        # As the server's engine loops call it: the outputs built while the device
+        # computes are handed over at once, the rest returned after the wait.
+        outs += engine.step(on_outputs=outs.extend)
         now = time.perf_counter()
         fed = engine.fed_steps > fed_before
         if fed:
@@ -402,7 +406,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         out_dir=args.out_dir,
         notes="peer: the same engine's unconstrained decode step; target overhead <= 5%. "
-        "overhead_pct: the engine's steady decode step (engine.step, pipelined; a fed step "
+        "overhead_pct: the engine's steady decode step (engine.step with on_outputs as the "
+        "server's loops call it, since 2026-12-02 15:00; pipelined; a fed step "
         "that reads back a prefill step is left out: all_fed_step_ms_median keeps it); "
         "synchronous_step: forward, sample, read back and matcher advance in sequence "
         "(no overlap), the figure of earlier records",

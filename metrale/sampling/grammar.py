@@ -32,6 +32,10 @@ Invariants:
   `grammar_advance`) runs while the engine builds outputs; a prefilled row is used only while
   its state stays at the position (synced-list version, accepted count, termination) it was
   filled at, else the row is filled afresh.
+- A state's `_terminated` is the matcher's `is_terminated()` as of its last accept or
+  rollback (both go through `sync`, `sync_many` or `valid_prefix`, which restores it), so
+  the per-step checks on the main thread (`live`, `failed`, the prefilled row's position)
+  make no call into xgrammar.
 - Compiled off the step: `submit` parses the spec at once (a spec xgrammar refuses raises
   `InvalidRequestError` naming the request field and xgrammar's reason, the construct, before
   the request is queued) and compiles it over the vocabulary on a worker thread (xgrammar
@@ -271,6 +275,9 @@ class GrammarState:
         staging: MaskStaging | None = None,
     ) -> None:
         self._matcher = matcher
+        #: `matcher.is_terminated()` as of the last accept or rollback (kept here: the mask
+        #: and position checks of every step read it without a call into xgrammar).
+        self._terminated = bool(matcher.is_terminated())
         self._batch = batch
         #: The backend's mask upload buffers (None: a fresh tensor per mask).
         self.staging = staging
@@ -300,17 +307,17 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         """The grammar is complete and a stop token was accepted."""
-        return bool(self._matcher.is_terminated())
+        return self._terminated
 
     @property
     def failed(self) -> bool:
         """A token of the synced list was rejected by the grammar."""
-        return self._accepted < len(self._view) and not self._matcher.is_terminated()
+        return self._accepted < len(self._view) and not self._terminated
 
     @property
     def live(self) -> bool:
         """Neither failed nor terminated: its next tokens come from the grammar."""
-        return self._accepted == len(self._view) and not self._matcher.is_terminated()
+        return self._accepted == len(self._view) and not self._terminated
 
     def sync(self, tokens: Sequence[int], committed: int | None = None) -> None:
         """Make the matcher have accepted exactly `tokens` (up to a rejected token or the
@@ -334,14 +341,16 @@ class GrammarState:
             self._matcher.rollback(self._accepted - common)
             self.rollbacks += self._accepted - common
             self._accepted = common
+            self._terminated = bool(self._matcher.is_terminated())
         view.extend(int(t) for t in tokens[len(view) :])
         matcher = self._matcher
         while (
             self._accepted < len(view)
-            and not matcher.is_terminated()
+            and not self._terminated
             and matcher.accept_token(view[self._accepted])
         ):
             self._accepted += 1
+            self._terminated = bool(matcher.is_terminated())
 
     @staticmethod
     def sync_many(states: Sequence[GrammarState], outputs: Sequence[Sequence[int]]) -> None:
@@ -360,7 +369,7 @@ class GrammarState:
                 and len(output) == len(view) + 1
                 and state._accepted == len(view)
                 and (not view or output[len(view) - 1] == view[-1])
-                and not state._matcher.is_terminated()
+                and not state._terminated
             ):
                 batch_states.append(state)
                 tokens.append(int(output[-1]))
@@ -376,6 +385,7 @@ class GrammarState:
             state._view.append(token)
             if ok:
                 state._accepted += 1
+                state._terminated = bool(state._matcher.is_terminated())
 
     def valid_prefix(self, output: Sequence[int], drafts: Sequence[int]) -> int:
         """How many leading `drafts` the grammar allows after `output` (tried, then given
@@ -395,7 +405,7 @@ class GrammarState:
     def _position(self) -> tuple[int, int, bool]:
         """What a fill depends on: the synced list (its version), how much of it the matcher
         accepted, and termination."""
-        return self._version, self._accepted, bool(self._matcher.is_terminated())
+        return self._version, self._accepted, self._terminated
 
     @staticmethod
     def prefill_rows(
@@ -478,7 +488,7 @@ class GrammarState:
                 bitmask[row].fill_(-1)
             else:
                 bitmask[row].zero_()
-        elif self._matcher.is_terminated():
+        elif self._terminated:
             bitmask[row].zero_()
             for token in self._stop_token_ids:
                 bitmask[row, token // 32] |= _bit(token % 32)
