@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out_dir=args.out_dir,
         notes="peer: the same engine's unconstrained decode step; target overhead <= 5%. "
         "overhead_pct: the engine's steady decode step (engine.step with on_outputs as the "
-        "server's loops call it, since 2026-12-02 15:00; pipelined; a fed step "
+        "server's loops call it, since 2026-12-02 (fifth session); pipelined; a fed step "
         "that reads back a prefill step is left out: all_fed_step_ms_median keeps it); "
         "synchronous_step: forward, sample, read back and matcher advance in sequence "
         "(no overlap), the figure of earlier records",

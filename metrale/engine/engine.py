@@ -53,8 +53,9 @@ Invariants:
   sampled a grammar row is still fed on the device, but its sampler is queued only after
   that step is read back and the matchers advanced, so the host fills the mask while the
   forward runs (`late_sampled_steps`; the matchers advance and the rows fill on the grammar
-  worker thread while the step's outputs are built, `grammar_rows_prefilled`, and the
-  grammars that terminated end their sequences once it is done, before the sampler); a
+  worker threads while the main thread waits with the GIL released,
+  `grammar_rows_prefilled`, the grammars that terminated end their sequences once that is
+  done, then the sampler is queued, and only then are earlier steps' outputs built); a
   step that cannot be fed reads back first (`host_token_drains`), as a bad word of several
   tokens always does.
   A constrained row's drafts are cut before the first token its grammar refuses
@@ -354,7 +355,7 @@ class Engine(EngineIntake, EngineLora, EngineGrammar, EngineForward, EngineOutpu
         late_read: tuple[StepPlan, _Pending] | None = None
         if late_sample and previous is not None:
             # `previous` committed first; its matchers advance, then the mask rows of this
-            # step fill, on the grammar worker thread while the outputs below are built.
+            # step fill, on the grammar worker threads while this thread waits for them.
             read = self._read_back(previous, self._pending, touched, advance_grammars=False)
             states = [g for s in plan.sampled if (g := self._grammar_of.get(s.seq_id))]
             prefill = states if forward is not None else []
@@ -364,13 +365,6 @@ class Engine(EngineIntake, EngineLora, EngineGrammar, EngineForward, EngineOutpu
             grammar_work = self._advance_grammars_async(committed, prefill)
             self.grammar_rows_prefilled += len(prefill)
             previous = None
-        for pending in ready:
-            self._emit(pending, touched)
-        if on_outputs is not None and touched:
-            on_outputs(self._outputs(touched, build))
-            touched = {}
-        if previous is not None:
-            self._read_back(previous, self._pending, touched)
         if late_read is not None:  # its matchers advanced: end the terminated grammars
             read_plan, read = late_read
             try:
@@ -387,6 +381,17 @@ class Engine(EngineIntake, EngineLora, EngineGrammar, EngineForward, EngineOutpu
                 launched = self._sample_step(plan, _Forward(forward.logits, 0, None))
             except Exception as exc:
                 self._step_failed(plan, touched, exc)
+        # Earlier steps' outputs are built while the device computes: after a late-sampled
+        # step's sampler is queued (the main thread waits for the grammar workers with the GIL
+        # released, so their accepts and fills are not held back by this Python work), and
+        # before a drained step's read-back.
+        for pending in ready:
+            self._emit(pending, touched)
+        if on_outputs is not None and touched:
+            on_outputs(self._outputs(touched, build))
+            touched = {}
+        if previous is not None:
+            self._read_back(previous, self._pending, touched)
         if launched is not None:
             step = _InFlight(plan, launched, started)
             if self.async_scheduling:  # the next call may launch a fed step before reading it
