@@ -94,7 +94,8 @@ def main() -> None:
         engine = llm.engine
         prompt = list(range(6, 6 + args.isl))
         prompts = [prompt] * args.concurrency
-        params = SamplingParams(temperature=0, max_tokens=args.osl, min_tokens=args.osl)
+        # The ladder's requests: greedy, `ignore_eos` (no processing in the sampler).
+        params = SamplingParams(temperature=0, max_tokens=args.osl, ignore_eos=True)
         llm.generate(prompts, params)  # warm-up
         model_fwd = Timer(
             engine.model, "decode_batch_fed" if engine.async_scheduling else "decode_batch"

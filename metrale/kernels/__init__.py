@@ -146,8 +146,8 @@ def kernels_for(
             lean["silu_mul_linear"] = projections.silu_mul_linear
             lean["counters"] = projections.counters
         if os.environ.get("METRALE_CPU_OPS", "lean") == "torch":
-            logger.info("kernels: CPU norms, rotary and decode attention by the references "
-                        "(METRALE_CPU_OPS=torch)")  # fmt: skip
+            logger.info("kernels: CPU norms, rotary, decode attention and greedy sampling by "
+                        "the references (METRALE_CPU_OPS=torch)")  # fmt: skip
         else:
             from metrale.kernels import cpu_ops
 
@@ -158,15 +158,16 @@ def kernels_for(
                 rotary_write_kv=rotary.rotary_write_kv,
                 qk_norm_rotary_write_kv=rotary.qk_norm_rotary_write_kv,
                 paged_attention=rotary.paged_attention,
+                greedy_logprobs=rotary.greedy_logprobs,
             )
             impls.update(
                 dict.fromkeys(
                     ("rms_norm", "add_rms_norm", "rotary_write_kv", "qk_norm_rotary_write_kv",
-                     "paged_attention"),
+                     "paged_attention", "greedy_logprobs"),
                     "cpu-lean",
                 )
             )  # fmt: skip
-            logger.info("kernels: CPU norms, rotary + KV write and decode attention, lean forms "
-                        "(float32; others the references)")  # fmt: skip
+            logger.info("kernels: CPU norms, rotary + KV write, decode attention and greedy "
+                        "sampling, lean forms (float32; others the references)")  # fmt: skip
         return KernelOps(**lean, implementations=impls)
     return KernelOps(implementations=impls)

@@ -3,7 +3,7 @@
 
 Owner: kernels. `CpuOps` is built once per `KernelOps` on a CPU device (`kernels_for`); its
 methods are the CPU entries of `rms_norm`, `add_rms_norm`, `rotary_write_kv`,
-`qk_norm_rotary_write_kv` and `paged_attention`, unless the environment sets
+`qk_norm_rotary_write_kv`, `paged_attention` and the sampler's `greedy_logprobs`, unless the environment sets
 `METRALE_CPU_OPS=torch` (then the references; logged by `kernels_for`).
 
 Why (issue 26): on the CPU a small model's decode step is bound by torch's per-call cost
@@ -19,7 +19,9 @@ Invariants:
   plain float32 decode attention, when the C library builds, runs its kernel
   (`metrale_paged_decode_attention_f32` in `csrc/cpu_gemv.c`: blocks read in place, no
   gather; one read of k_t / v_t for the query heads of a KV head): the same function,
-  summation order aside (issue 26: the per-layer gather was ~1.3 ms of a 16-row step). Anything the
+  summation order aside (issue 26: the per-layer gather was ~1.3 ms of a 16-row step); and
+  float32 greedy rows' sampler result (`metrale_greedy_logprobs_f32`): the same token, rank
+  and samplable flag, the logprob's exponential sum in the kernel's order. Anything the
   lean form does not cover (another dtype, a float8 cache, partial rotary, a sliding window,
   verify or prefill rows, high-speed swap's host blocks) runs the reference, per call.
 - What depends only on the forward is computed once per forward and kept in the metadata's
@@ -39,7 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from metrale.kernels import reference
+from metrale.kernels import reference, sampling_reference
 from metrale.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class CpuOps:
     def __init__(self) -> None:
         #: The C decode attention (`metrale_paged_decode_attention_f32`), None where the C
         #: library cannot be built (then the gather + SDPA form runs; logged once).
-        self._attention = _load_attention()
+        self._attention, self._greedy = _load_c_kernels()
         self._scores = torch.empty(0, dtype=torch.float32)
         #: id(cos/sin table) -> (a weak reference to it, its version, the full-width
         #: `[P, 2, rotary_dim]` table); an entry leaves with its table.
@@ -267,21 +269,49 @@ class CpuOps:
         )  # fmt: skip
         return out
 
+    def greedy_logprobs(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_logprobs` (the sampler's result for plain greedy rows), float32 logits by
+        the C kernel when it is loaded: one call instead of ~15 torch ops (issue 26: ~50 us
+        of a 0.2 ms tiny-model step). The same tokens, ranks and samplable flags; the
+        logprob's exponential sum in its own fixed order (a few float32 ulp)."""
+        fn = self._greedy
+        if (
+            fn is None
+            or logits.dtype != torch.float32
+            or logits.dim() != 2
+            or logits.device.type != "cpu"
+            or logits.stride(-1) != 1
+        ):
+            return sampling_reference.greedy_logprobs(logits)
+        rows, vocab = logits.shape
+        ids = torch.empty(rows, dtype=torch.int64)
+        packed = torch.empty((rows, 4), dtype=torch.float64)
+        fn(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), packed.data_ptr())
+        return ids, packed
 
-def _load_attention() -> Any:
-    """`metrale_paged_decode_attention_f32` from the C library, or None (logged)."""
+
+def _load_c_kernels() -> tuple[Any, Any]:
+    """`metrale_paged_decode_attention_f32` and `metrale_greedy_logprobs_f32` from the C
+    library (one build), or (None, None) (logged: the torch forms run)."""
     from metrale.kernels import cpu_gemv
 
     ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
     try:
-        return cpu_gemv.kernel_function(
-            None, "metrale_paged_decode_attention_f32",
+        path = cpu_gemv.build()
+        attention = cpu_gemv.kernel_function(
+            path, "metrale_paged_decode_attention_f32",
             [ptr, long, ptr, ptr, long, long, long, long, long, ptr, ptr, long, f32, ptr, long,
              ptr, ctypes.c_int],
         )  # fmt: skip
+        greedy = cpu_gemv.kernel_function(
+            path, "metrale_greedy_logprobs_f32", [ptr, long, long, long, ptr, ptr]
+        )
     except cpu_gemv.GemvUnavailable as exc:
-        logger.info("CPU decode attention: the gather + SDPA form (no C kernel: %s)", exc)
-        return None
+        logger.info(
+            "CPU decode attention and greedy sampling: the torch forms (no C kernel: %s)", exc
+        )
+        return None, None
+    return attention, greedy
 
 
 def _plain_decode(

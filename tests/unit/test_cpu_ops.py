@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from metrale.kernels import cpu_ops, kernels_for, reference
+from metrale.kernels import cpu_ops, kernels_for, reference, sampling_reference
 from metrale.kernels.metadata import AttentionMetadata
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import RopeConfig
@@ -177,6 +177,36 @@ def test_c_decode_attention_equals_the_reference(threads: int) -> None:
     assert torch.equal(ops.paged_attention(q4, k_cache, v_cache, prefill, D**-0.5), want)
 
 
+@pytest.mark.parametrize("vocab", [512, 1000, 151936])
+def test_c_greedy_logprobs_equals_the_reference(vocab: int) -> None:
+    """`CpuOps.greedy_logprobs` (the C kernel) against `sampling_reference.greedy_logprobs`:
+    the same tokens (ties to the lowest id, NaN as -inf, +inf as the float32 max), ranks and
+    samplable flags, logprobs to float32 rounding, on rows read through a stride (a view of
+    wider logits), a row without a finite logit, and other dtypes by the reference."""
+    ops = cpu_ops.CpuOps()
+    if ops._greedy is None:
+        pytest.skip("the C library cannot be built here")
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(7, vocab + 9, generator=g) * 4
+    logits = wide[:, :vocab]  # stride vocab + 9, each row contiguous
+    logits[1, 5] = logits[1, 900 % vocab] = logits[1].max() + 1  # a tie: the lower id wins
+    logits[2, 3] = float("nan")
+    logits[2, vocab - 1] = float("inf")  # +inf reads as the float32 max, the argmax
+    logits[3] = float("-inf")  # no finite logit: id 0, logprob -inf, not samplable
+    logits[4, :] = float("nan")
+    logits[5, vocab - 2] = 80.0  # one dominant logit: logprob near 0
+    want_ids, want = sampling_reference.greedy_logprobs(logits)
+    ids, packed = ops.greedy_logprobs(logits)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(packed[:, [0, 2, 3]], want[:, [0, 2, 3]])
+    torch.testing.assert_close(packed[:, 1], want[:, 1], rtol=1e-5, atol=1e-5)
+    assert packed[3, 1] == float("-inf") and packed[4, 1] == float("-inf")
+    assert ids[1] == 5 and ids[2] == vocab - 1 and ids[3] == 0
+    half = logits.to(torch.bfloat16)
+    for got, ref in zip(ops.greedy_logprobs(half), sampling_reference.greedy_logprobs(half)):
+        assert torch.equal(got, ref)
+
+
 def test_prefill_rows_run_the_reference() -> None:
     g = torch.Generator().manual_seed(5)
     k_cache = torch.randn(6, BLOCK, HK, D, generator=g)
@@ -194,6 +224,7 @@ def test_kernels_for_cpu_selects_the_lean_ops_unless_told_not_to(
     ops = kernels_for(torch.device("cpu"))
     assert ops.rms_norm is cpu_ops.rms_norm and ops.implementations["rms_norm"] == "cpu-lean"
     assert ops.paged_attention.__func__ is cpu_ops.CpuOps.paged_attention
+    assert ops.greedy_logprobs.__func__ is cpu_ops.CpuOps.greedy_logprobs
     monkeypatch.setenv("METRALE_CPU_OPS", "torch")
     plain = kernels_for(torch.device("cpu"))
     assert plain.rms_norm is reference.rms_norm and plain.implementations["rms_norm"] == "torch"

@@ -288,6 +288,61 @@ void metrale_paged_decode_attention_f32(const float *q, long q_stride, const flo
                          scores, threads);
 }
 
+/* The sampler's whole result for greedy rows of unprocessed float32 logits [rows, stride]
+ * (metrale/kernels/cpu_ops.py, the CPU form of sampling_reference.greedy_logprobs): each logit
+ * read with NaN as -inf and +inf as FLT_MAX; ids[r] the first index of the row's largest value
+ * (0 for a row without a finite one); packed[r] = (id, logprob = max - (max + log(sum of
+ * exp(x - max))) in float32, -inf for a row without a finite logit; rank 1; samplable 1 or 0).
+ * The exponentials 16 lanes at a time (exp16_nonpositive), each chunk's lanes summed as
+ * lanes_sum and the chunks' sums (then the tail's expf terms, in order) added in double, the
+ * total rounded to float32 once: fixed arithmetic, within float32 rounding of torch's
+ * logsumexp at any vocabulary size. */
+void metrale_greedy_logprobs_f32(const float *x, long rows, long vocab, long stride, long *ids,
+                                 double *packed) {
+  const float big = 3.40282347e38f;
+  for (long r = 0; r < rows; r++) {
+    const float *row = x + r * stride;
+    float m = -INFINITY;
+    for (long t = 0; t < vocab; t++) {
+      float v = row[t];
+      v = v != v ? -INFINITY : (v > big ? big : v);
+      if (v > m) m = v;
+    }
+    long arg = 0;
+    double logprob = -INFINITY;
+    if (m > -INFINITY) {
+      for (long t = 0; t < vocab; t++) {
+        float v = row[t];
+        if ((v > big ? big : v) == m) {
+          arg = t;
+          break;
+        }
+      }
+      double total = 0.0;
+      long t = 0;
+      const v16 ninf = {0};
+      for (; t + 16 <= vocab; t += 16) {
+        v16 v = LD(row + t);
+        v = select16(v != v, ninf - INFINITY, v);
+        v = select16(v > big, ninf + big, v);
+        total += lanes_sum(exp16_nonpositive(v - m));
+      }
+      for (; t < vocab; t++) {
+        float v = row[t];
+        v = v != v ? -INFINITY : (v > big ? big : v);
+        total += expf(v - m);
+      }
+      float lse = m + logf((float)total);
+      logprob = m - lse;
+    }
+    ids[r] = arg;
+    packed[4 * r] = (double)arg;
+    packed[4 * r + 1] = logprob;
+    packed[4 * r + 2] = 1.0;
+    packed[4 * r + 3] = m > -INFINITY ? 1.0 : 0.0;
+  }
+}
+
 long metrale_decode_scratch(long rows, long hidden, long q_heads, long kv_heads, long dim,
                             long inter, long max_len) {
   return rows * (3 * hidden + (q_heads + 2 * kv_heads) * dim + q_heads * dim + 3 * inter) +
