@@ -5,6 +5,8 @@ Owner: cache (created by the model-engine factory, owned by `TransformerModel`, 
 in place by the recurrent layers through the slot indices in the batch metadata).
 
 Invariants:
+- A pool has at least one slot (a `ValueError` otherwise); the snapshot store, built on a
+  pool, relies on this check and makes none of its own.
 - Shapes and dtypes are fixed at construction: conv states `[num_slots, *conv_shape]` in the
   model dtype, SSM states `[num_slots, *state_shape]` always float32, whatever the model dtype.
 - A slot is free or held by exactly one `SlotGuard`. `SlotGuard.release()` returns it once;

@@ -111,8 +111,7 @@ class SsmSnapshotStore:
         cost: SnapshotCost,
         alpha: float = 1.0,
     ) -> None:
-        if num_slots < 1:
-            raise ValueError(f"an SSM snapshot store needs at least one slot, got {num_slots}")
+        # The pool refuses fewer than one slot (`SsmSlotPool` holds that rule).
         self.pool = SsmSlotPool(specs, num_slots, conv_dtype, device)
         self.num_slots = num_slots
         self.cost = cost

@@ -5,6 +5,8 @@ driver (`beam.py`) reaches a model through, `fork_state` (a forked sequence's KV
 
 Owner: model-engine. Invariants:
 - A `BeamParams` that exists is valid: a bad field raises `InvalidRequestError` naming it.
+  The `early_stopping` rule is `check_early_stopping`, its one home (the translation server
+  checks a request's value with it too).
 - A backend's `beam_start_batch` either starts every request or frees every sequence it
   made and raises; `beam_fork` gives the child one more reference to each shared block.
 - `DecoderOnlyBeamBackend` prefills a prompt but its last token through the model's prefix
@@ -25,6 +27,17 @@ from metrale.cache.block_pool import BlockPool
 from metrale.cache.kv_cache import PagedKVCache
 from metrale.errors import InvalidRequestError
 from metrale.model_engine.traits import SequenceState
+
+
+def check_early_stopping(value: object) -> None:
+    """`early_stopping` is True, False or "never" (transformers' values); anything else is an
+    `InvalidRequestError` naming it. `BeamParams` and the translation server (which forces
+    True for one beam, after checking the request's value) both check it here."""
+    if value not in (True, False, "never"):
+        raise InvalidRequestError(
+            f"early_stopping must be true, false or 'never', got {value!r}",
+            param="early_stopping",
+        )
 
 
 @dataclass(frozen=True)
@@ -51,10 +64,7 @@ class BeamParams:
             raise bad("num_beams", f"must be an integer >= 1, got {self.num_beams!r}")
         if not isinstance(self.n, int) or not 1 <= self.n <= self.num_beams:
             raise bad("n", f"must be between 1 and num_beams ({self.num_beams}), got {self.n!r}")
-        if self.early_stopping not in (True, False, "never"):
-            raise bad(
-                "early_stopping", f"must be true, false or 'never', got {self.early_stopping!r}"
-            )
+        check_early_stopping(self.early_stopping)
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

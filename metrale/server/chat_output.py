@@ -160,6 +160,12 @@ def _server_parsers(
     return parser, reasoning
 
 
+def _thinking_parser(reasoning: ReasoningParser | None) -> ReasoningParser:
+    """The reasoning split of a request that turns thinking on: the server's parser, else the
+    `<think>` tags (the qwen3 parser)."""
+    return reasoning or get_reasoning_parser("qwen3")
+
+
 def openai_plan(
     req: Any,
     tokenizer: Tokenizer,
@@ -203,7 +209,7 @@ def responses_plan(
     effort = (req.reasoning or {}).get("effort") if isinstance(req.reasoning, dict) else None
     if effort in ("low", "medium", "high"):
         kwargs["enable_thinking"] = True
-        reasoning = reasoning or get_reasoning_parser("qwen3")
+        reasoning = _thinking_parser(reasoning)
     elif effort in ("minimal", "none"):
         kwargs["enable_thinking"] = False
     elif effort is not None:
@@ -233,7 +239,7 @@ def anthropic_plan(
     budget: int | None = None
     if thinking is not None and thinking.get("type") == "enabled":
         kwargs["enable_thinking"] = True
-        reasoning = reasoning or get_reasoning_parser("qwen3")
+        reasoning = _thinking_parser(reasoning)
         budget = int(thinking["budget_tokens"])
         if generating and budget >= req.max_tokens:
             raise InvalidRequestError(

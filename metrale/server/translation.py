@@ -35,6 +35,7 @@ from metrale.engine.request import RequestOutput
 from metrale.engine.translate import TranslationService
 from metrale.errors import InvalidRequestError, MetraleError
 from metrale.model_engine.beam import BeamParams
+from metrale.model_engine.beam_backend import check_early_stopping
 from metrale.server.auth import ApiKeyMiddleware
 from metrale.server.errors import error_response
 
@@ -57,10 +58,7 @@ def beam_params(body: dict[str, Any]) -> BeamParams:
         if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
             raise InvalidRequestError(f"{name} must be a number, got {value!r}", param=name)
     early = body.get("early_stopping", False)
-    if early not in (True, False, "never"):
-        raise InvalidRequestError(
-            f"early_stopping must be true, false or 'never', got {early!r}", param="early_stopping"
-        )
+    check_early_stopping(early)  # before one beam's forced True could hide a bad value
 
     def get(name: str, default: Any) -> Any:
         value = body.get(name)
