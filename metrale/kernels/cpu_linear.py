@@ -5,13 +5,14 @@ they are), instead of `F.linear`'s MKL GEMM.
 Owner: kernels. `CpuLinear.linear` and `CpuLinear.silu_mul_linear` are the CPU entries of
 `KernelOps.linear` and `KernelOps.silu_mul_linear` (`kernels_for` on a CPU device builds one
 with `make`), and `CpuLinear.counters` their calls by path. The environment picks the mode,
-`METRALE_CPU_LINEAR` (`MODES`): `auto` (default: the C kernel for float32 batches of at most
-`cpu_gemv.MAX_ROWS` rows over weights of at least `MIN_ELEMENTS`, oneDNN for the rest of
-those weights), `gemv` (the C kernel for every float32 few-row batch, whatever the weight's
-size: the tests force it on tiny models so), `packed` (`auto` with the C kernel up to
-`PACKED_GEMV_MAX_ROWS` rows, and above them oneDNN reading weights it reordered into its own
-blocked layout, kept beside the dense ones: opt-in, since it holds a second copy of every such
-weight), `onednn` (no C kernel) or `torch` (`F.linear`).
+`METRALE_CPU_LINEAR` (`MODES`): `auto` (default: the C kernel for float32 batches of a few rows
+over weights of at least `MIN_ELEMENTS`, oneDNN for more rows of those weights, reading copies
+it reordered into its own blocked layout, kept beside the dense weights up to a budget
+(`auto_pack_budget`: 1 GiB, at most an eighth of the memory available at start); beside a
+copy the C kernel takes up to `PACKED_GEMV_MAX_ROWS` rows, beside a dense weight up to
+`cpu_gemv.MAX_ROWS`), `gemv` (the C kernel for every float32 few-row batch, whatever the
+weight's size: the tests force it on tiny models so), `packed` (`auto` with no budget),
+`onednn` (no C kernel, no copies) or `torch` (`F.linear`).
 
 Why: on the AMD EPYC (Zen 5, AVX-512) machines this project runs on, MKL's float32 GEMV reads
 weights at ~12 GB/s, oneDNN at ~15-20 GB/s, the C kernel at ~25-30 GB/s on one thread (what a
@@ -26,10 +27,12 @@ Invariants:
 - A weight below `MIN_ELEMENTS` (in `auto` mode), any dtype but float32/bfloat16, a dtype
   mismatch, an empty batch, a 1-D input or a non-contiguous weight runs `F.linear` (stated
   here, counted as `torch`). bfloat16 never takes the C kernel (oneDNN's bf16 path is fast).
-- `packed` mode: a weight is reordered on its first call above the few-row bound and the copy
-  is kept while the weight lives and is unchanged (weakly keyed with its version counter; an
-  inference-mode weight, which has no version counter, is not packed and runs the dense path).
-  Reordering changes the layout oneDNN reads, not the arithmetic it does (float32 still).
+- Copies (`auto`, `packed`): a weight is reordered on its first call above the few-row bound
+  and the copy is kept while the weight lives and is unchanged (weakly keyed with its version
+  counter; an inference-mode weight, which has no version counter, is not packed and runs the
+  dense path); `packed_bytes` counts the copies kept, and a weight whose copy would take them
+  past `pack_budget` stays dense (`unpacked_over_budget`, logged once). Reordering changes the
+  layout oneDNN reads, not the arithmetic it does (float32 still).
 - If the C kernel cannot be built (`cpu_gemv.GemvUnavailable`), `make` logs why once and the
   few-row batches it would have taken run oneDNN (or `F.linear`), each counted as
   `gemv_unavailable` besides its path: never silent.
@@ -64,6 +67,13 @@ PACK_BATCH = 16
 #: kernel against 4.23 packed, 3 rows 4.53 against 4.11, 4 rows 5.55 against 4.55; dense
 #: oneDNN 7.4-8.2; bench/records/20261202T042114-cpu-gemv-* and …T042125…).
 PACKED_GEMV_MAX_ROWS = 2
+#: `auto` mode keeps reordered copies up to this many bytes in all, and at most
+#: `PACK_BUDGET_SHARE` of the memory available at start (a weight beyond it runs on its dense
+#: layout, with the C kernel up to `cpu_gemv.MAX_ROWS` rows): a small model gains the blocked
+#: layout's speed for a second copy the machine can spare (issue 26: the small model served at
+#: C=16, 665/569 -> 766/936 tok/s in two interleaved pairs of runs; +103 MB).
+PACK_BUDGET_MAX_BYTES = 1 << 30
+PACK_BUDGET_SHARE = 0.125
 
 
 def available() -> bool:
@@ -89,15 +99,19 @@ class CpuLinear:
         gemv_min_elements: int = MIN_ELEMENTS,
         gemv_wanted: bool = True,
         packed: bool = False,
+        pack_budget: int | None = None,
     ) -> None:
         self.gemv = gemv
-        #: Batches of at most this many rows take the C kernel.
-        self.gemv_max_rows = PACKED_GEMV_MAX_ROWS if packed and onednn else cpu_gemv.MAX_ROWS
-        #: id(weight) -> (a weak reference to it, its version, oneDNN's reordered copy), in
-        #: `packed` mode (None otherwise); an entry leaves with its weight.
+        #: id(weight) -> (a weak reference to it, its version, oneDNN's reordered copy), when
+        #: packing (None otherwise); an entry leaves with its weight.
         self._packs: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] | None = (
             {} if packed and onednn else None
         )
+        #: The most bytes of reordered copies kept at once (None: no limit), and those kept.
+        self.pack_budget = pack_budget
+        self.packed_bytes = 0
+        #: Weights left on their dense layout because the budget was spent (logged once).
+        self.unpacked_over_budget = 0
         self.onednn = onednn
         self.gemv_min_elements = gemv_min_elements
         #: Few-row batches count as `gemv_unavailable` when the kernel was wanted but is None.
@@ -136,8 +150,17 @@ class CpuLinear:
         size = weight.numel()
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
+        pack = (
+            self._packs is not None
+            and self.onednn
+            and size >= MIN_ELEMENTS
+            and not weight.is_inference()
+            and self._packable(weight)
+        )
+        # Few rows take the C kernel: up to 2 beside a reordered copy, up to MAX_ROWS beside
+        # the dense layout (measured crossovers: see PACKED_GEMV_MAX_ROWS, cpu_gemv.MAX_ROWS).
         if (
-            flat.shape[0] <= self.gemv_max_rows
+            flat.shape[0] <= (PACKED_GEMV_MAX_ROWS if pack else cpu_gemv.MAX_ROWS)
             and x.dtype == torch.float32
             and size >= self.gemv_min_elements
         ):
@@ -153,13 +176,31 @@ class CpuLinear:
             return F.linear(x, weight, bias)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        if self._packs is not None and not weight.is_inference():
+        if pack:
             counts["onednn_packed"] += 1
             weight = self._packed(weight)
         else:
             counts["onednn"] += 1
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.reshape(*lead, weight.shape[0])
+
+    def _packable(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` has (or, within the budget, may take) a reordered copy."""
+        packs = self._packs
+        assert packs is not None
+        kept = packs.get(id(weight))
+        if (kept is not None and kept[0]() is weight) or self.pack_budget is None:
+            return True
+        if self.packed_bytes + _nbytes(weight) <= self.pack_budget:
+            return True
+        if not self.unpacked_over_budget:
+            logger.info(
+                "kernels: the reordered copies reached their budget (%.0f MiB): further "
+                "weights run on their dense layout, counted in unpacked_over_budget",
+                self.pack_budget / 2**20,
+            )  # fmt: skip
+        self.unpacked_over_budget += 1
+        return False
 
     def _packed(self, weight: torch.Tensor) -> torch.Tensor:
         packs = self._packs
@@ -168,12 +209,16 @@ class CpuLinear:
         kept = packs.get(key)
         if kept is not None and kept[0]() is weight and kept[1] == weight._version:
             return kept[2]
+        if kept is not None:
+            self.packed_bytes -= _nbytes(kept[2])
         reordered = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH)
+        self.packed_bytes += _nbytes(reordered)
 
         def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
             entry = packs.get(key)
             if entry is not None and entry[0] is ref:
                 del packs[key]
+                self.packed_bytes -= _nbytes(entry[2])
 
         packs[key] = (weakref.ref(weight, forget), weight._version, reordered)
         return reordered
@@ -183,6 +228,22 @@ class CpuLinear:
     ) -> torch.Tensor:
         """`linear(silu_and_mul(gate_up), weight, bias)`: a gated MLP's down projection."""
         return self.linear(reference.silu_and_mul(gate_up), weight, bias)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def auto_pack_budget() -> int:
+    """`auto` mode's budget for reordered copies: `PACK_BUDGET_MAX_BYTES`, at most
+    `PACK_BUDGET_SHARE` of the memory available now (`/proc/meminfo`; 0 where unreadable)."""
+    try:
+        with open("/proc/meminfo") as info:
+            fields = dict(line.split(":", 1) for line in info)
+        available_bytes = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+    return min(PACK_BUDGET_MAX_BYTES, int(available_bytes * PACK_BUDGET_SHARE))
 
 
 def make(mode: str) -> CpuLinear | None:
@@ -195,7 +256,9 @@ def make(mode: str) -> CpuLinear | None:
     if not onednn:
         logger.warning("kernels: oneDNN's linear is missing from this torch; F.linear (slower)")
     gemv = None
-    rows = PACKED_GEMV_MAX_ROWS if mode == "packed" and onednn else cpu_gemv.MAX_ROWS
+    budget = auto_pack_budget() if mode == "auto" else None
+    packing = onednn and (mode == "packed" or bool(budget))
+    rows = PACKED_GEMV_MAX_ROWS if packing else cpu_gemv.MAX_ROWS
     if mode in ("auto", "gemv", "packed"):
         start = time.perf_counter()
         try:
@@ -217,13 +280,15 @@ def make(mode: str) -> CpuLinear | None:
             )  # fmt: skip
     elif onednn:
         logger.info("kernels: CPU projections by oneDNN (METRALE_CPU_LINEAR=onednn)")
-    if mode == "packed" and onednn:
+    if packing:
         logger.info(
-            "kernels: oneDNN reads reordered copies of the weights above %d rows "
-            "(METRALE_CPU_LINEAR=packed: a second copy of each weight of >= %d elements)",
-            rows, MIN_ELEMENTS,
+            "kernels: oneDNN reads reordered copies of the weights above %d rows (a second "
+            "copy of each weight of >= %d elements, %s; METRALE_CPU_LINEAR=onednn or gemv "
+            "keep none)", rows, MIN_ELEMENTS,
+            "no limit: METRALE_CPU_LINEAR=packed" if budget is None
+            else f"up to {budget / 2**20:.0f} MiB of copies",
         )  # fmt: skip
     return CpuLinear(
         gemv, onednn, gemv_min_elements=0 if mode == "gemv" else MIN_ELEMENTS,
-        gemv_wanted=mode in ("auto", "gemv", "packed"), packed=mode == "packed",
+        gemv_wanted=mode in ("auto", "gemv", "packed"), packed=packing, pack_budget=budget,
     )  # fmt: skip

@@ -132,7 +132,8 @@ def test_small_weights_other_dtypes_and_empty_batches_run_f_linear(
 
 def test_kernels_for_cpu_selects_by_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     ops = kernels_for(torch.device("cpu"))
-    assert ops.implementations["linear"] == "gemv+onednn"
+    # auto: the C kernel, then oneDNN on reordered copies within the memory budget
+    assert ops.implementations["linear"] == "gemv+onednn-packed"
     assert ops.counters()["cpu_projection_gemv"] == 0
     x, w = torch.randn(1, 256), torch.randn(640, 256)
     torch.testing.assert_close(ops.linear(x, w), F.linear(x, w), **_F32)
@@ -173,7 +174,8 @@ def test_a_kernel_that_cannot_be_built_is_logged_and_counted(
     assert "unavailable" in caplog.text and "boom" in caplog.text
     x, w = torch.randn(2, 256), torch.randn(640, 256)
     torch.testing.assert_close(proj.linear(x, w), F.linear(x, w), **_F32)
-    assert proj.counts["gemv_unavailable"] == 1 and proj.counts["onednn"] == 1
+    assert proj.counts["gemv_unavailable"] == 1
+    assert proj.counts["onednn"] + proj.counts.get("onednn_packed", 0) == 1
 
 
 def test_build_is_cached_by_source_compiler_and_cpu(tmp_path: Path) -> None:
@@ -226,3 +228,28 @@ def test_an_unwritable_cache_falls_back_to_the_temporary_directory(
         pytest.skip(f"no C compiler here: {exc}")
     assert built.parent == tmp_path / "tmp" / f"metrale-cpu-kernels-{os.getuid()}"
     assert cpu_gemv.build() == built  # found there the next time
+
+
+def test_copies_stay_within_their_budget(gemv: cpu_gemv.CpuGemv) -> None:
+    """`auto` mode's budget: a weight whose copy would pass it stays on its dense layout (the C
+    kernel up to MAX_ROWS rows beside it, counted, logged once); a copy that leaves with its
+    weight gives its bytes back."""
+    g = torch.Generator().manual_seed(12)
+    first, second = (
+        torch.nn.Parameter(torch.randn(640, 256, generator=g), requires_grad=False)
+        for _ in range(2)
+    )
+    proj = cpu_linear.CpuLinear(gemv, onednn=True, packed=True, pack_budget=640 * 256 * 4)
+    x = torch.randn(9, 256, generator=g)
+    torch.testing.assert_close(proj.linear(x, first), F.linear(x, first), **_F32)
+    assert proj.packed_bytes == 640 * 256 * 4 and proj.counts["onednn_packed"] == 1
+    torch.testing.assert_close(proj.linear(x, second), F.linear(x, second), **_F32)
+    assert proj.counts["onednn"] == 1 and proj.unpacked_over_budget == 1
+    proj.linear(x[:3], second)  # dense beside it: 3 rows still take the C kernel
+    proj.linear(x[:3], first)  # beside a copy: 3 rows take oneDNN on the copy
+    assert proj.counts["gemv"] == 1 and proj.counts["onednn_packed"] == 2
+    del first
+    assert proj.packed_bytes == 0
+    proj.linear(x, second)
+    assert proj.counts["onednn_packed"] == 3 and proj.packed_bytes == 640 * 256 * 4
+    assert cpu_linear.auto_pack_budget() <= cpu_linear.PACK_BUDGET_MAX_BYTES
