@@ -50,5 +50,6 @@ def test_check_prompt_validates_without_queueing() -> None:
     assert set(model.forward_counters()) == {
         "graph_forwards", "eager_forwards", "cpu_projection_gemv", "cpu_projection_onednn",
         "cpu_projection_torch", "cpu_projection_gemv_unavailable", "cpu_fused_decode_forwards",
+        "cpu_projection_onednn_packed",
     }  # fmt: skip
     assert model.cache_only_blocks() == 0
