@@ -3,7 +3,7 @@ steps under the structured-output bench's tool-call schema, phase by phase.
 
     PYTHONPATH=. python3 tools/structured_phases.py [--config-dir bench/configs/qwen3-8b]
         [--device cuda] [--batch 64] [--steps 200] [--unconstrained] [--temperature T]
-        [--chunks N] [--fill-threads N] [--profile]
+        [--chunks N] [--fill-threads N] [--profile] [--plain-step]
 
 The bench's own loop runs (`metrale.bench.structured.engine_step_cost`: the same requests,
 a finished one replaced, the same steps kept: fed steps after a fed step, past the warm-up),
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> None:
     profiler = cProfile.Profile() if args.profile else None
     figures = structured.engine_step_cost(
         engine, args.batch, not args.unconstrained, args.temperature, args.context, args.steps,
-        profiler,
+        profiler, stream_outputs=not args.plain_step,
     )  # fmt: skip
     print(f"bench figure: step_ms_median {figures['step_ms_median']:.3f}")
     report(steps)
@@ -214,6 +214,10 @@ def main() -> None:
     parser.add_argument("--unconstrained", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--chunks", type=int, help="grammar.ADVANCE_CHUNKS for this run")
+    parser.add_argument(
+        "--plain-step", action="store_true",
+        help="engine.step() without on_outputs (every output returned at the step's end)",
+    )  # fmt: skip
     parser.add_argument("--fill-threads", type=int, help="grammar.BATCH_FILL_THREADS for this run")
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the main thread over the timed steps"

@@ -253,18 +253,21 @@ def engine_step_cost(
     context: int,
     steps: int,
     profiler: Any = None,
+    stream_outputs: bool = True,
 ) -> dict[str, float]:
     """Median seconds between `engine.step()` returns over the steady decode steps of `batch`
     requests served by the engine itself, called as the server's loops call it (`on_outputs`:
-    the outputs ready while the device computes are handed over before the wait; its pipeline: a decode step fed on the device is
-    launched before the step before it is read back; under a grammar its sampler waits for
-    that read-back and the mask, which the host fills while the forward runs). A request
-    whose tool call completes is replaced by a fresh one; steps that planned a prefill (or
-    otherwise drained the pipeline) are left out of the figure on both sides, and so is the
-    fed step after one (it reads that prefill step back, so its interval holds the prefill's
-    device time: a cost of the replaced requests, which the unconstrained side, whose
-    requests never end, does not have). `profiler`
-    (a `cProfile.Profile`) runs over the timed steps (`--profile`; it slows them, so the
+    the outputs ready while the device computes are handed over before the wait;
+    `stream_outputs=False`: a plain `engine.step()`, every output returned at its end, as
+    the records before 2026-12-02's fifth session measured it). The engine's pipeline: a
+    decode step fed on the device is launched before the step before it is read back; under
+    a grammar its sampler waits for that read-back and the mask, which the host fills while
+    the forward runs. A request whose tool call completes is replaced by a fresh one; steps
+    that planned a prefill (or otherwise drained the pipeline) are left out of the figure on
+    both sides, and so is the fed step after one (it reads that prefill step back, so its
+    interval holds the prefill's device time: a cost of the replaced requests, which the
+    unconstrained side, whose requests never end, does not have). `profiler` (a
+    `cProfile.Profile`) runs over the timed steps (`--profile`; it slows them, so the
     figures of a profiled run are not the record's)."""
     gen = torch.Generator().manual_seed(1000 + batch)
     vocab = engine.vocab_size
@@ -292,7 +295,7 @@ def engine_step_cost(
         outs: list[Any] = []
         # As the server's engine loops call it: the outputs built while the device
         # computes are handed over at once, the rest returned after the wait.
-        outs += engine.step(on_outputs=outs.extend)
+        outs += engine.step(on_outputs=outs.extend if stream_outputs else None)
         now = time.perf_counter()
         fed = engine.fed_steps > fed_before
         if fed:
