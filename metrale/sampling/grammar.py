@@ -329,6 +329,14 @@ class GrammarState:
         except where it held drafts: only that tail (or the last token) is compared, and
         appending costs the new tokens alone, whatever the output's length."""
         view = self._view
+        if (  # already synced (the engine's steady step: its worker thread synced it)
+            committed is None
+            and self._drafts_from is None
+            and len(tokens) == len(view)
+            and (not view or tokens[-1] == view[-1])
+            and self._accepted == len(view)
+        ):
+            return
         trusted = self._drafts_from if self._drafts_from is not None else len(view) - 1
         common = max(0, min(trusted, len(tokens), len(view)))
         while common < len(view) and common < len(tokens) and view[common] == tokens[common]:
@@ -430,6 +438,8 @@ class GrammarState:
         """`bitmask[j]` for every `states[j]` (each state once): rows prefilled at the
         state's current position copied, the other live ones in one batched xgrammar call
         (threads; `batch`, else the states' own matcher), the rest one by one."""
+        if GrammarState._copy_prefilled_block(bitmask, states):
+            return
         ahead: list[int] = []
         unfilled: list[int] = []
         #: id(prefilled block) -> (the block, the rows here, their rows there)
@@ -477,6 +487,30 @@ class GrammarState:
             rest = list(range(len(states)))
         for j in rest:
             states[j].fill(bitmask, j)
+
+    @staticmethod
+    def _copy_prefilled_block(bitmask: Tensor, states: Sequence[GrammarState]) -> bool:
+        """The engine's common case in one light pass: row j of one prefilled block holds
+        `states[j]`'s row at its current position, for every j; then one copy. False (and
+        nothing changed) otherwise."""
+        first = states[0]._prefilled if states else None
+        if first is None or first[1].shape != bitmask.shape:
+            return False
+        block = first[1]
+        for j, state in enumerate(states):
+            pre = state._prefilled
+            if (
+                pre is None
+                or pre[1] is not block
+                or pre[2] != j
+                or pre[0] != (state._version, state._accepted, state._terminated)
+            ):
+                return False
+        for state in states:
+            state._prefilled = None
+            state.prefill_hits += 1
+        bitmask.copy_(block)
+        return True
 
     def fill(self, bitmask: Tensor, row: int, committed: int | None = None) -> None:
         """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32).
