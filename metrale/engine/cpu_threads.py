@@ -91,16 +91,25 @@ def apply_engine_threads(config: EngineConfig, reserve: int) -> CpuThreadGoverno
 class CpuThreadGovernor:
     """The engine's torch threads per forward: `base` (the cores less the HTTP process's
     reserve) for small steps, `top` (every core) for a step of at least `MIN_WORK`
-    multiply-adds (tokens x the model's parameters: a second thread does not pay on less;
-    tiny models' decode steps stay on `base`) while the rest of the machine is nearly idle: the CPU time of the engine's cores (from
-    `/proc/stat`) less the engine process's own, over windows of `WINDOW_S`, below
-    `SPARE_BELOW` cores. A busy neighbour (another process spinning on a core) keeps the
-    engine at `base`, where an OpenMP region does not wait for a thread the neighbour
-    preempts; an idle machine gives prefill chunks and many-row decode steps the reserved core
-    (issue 26: C=16 on 2 cores 675 -> 947 tok/s with two threads, but a busy core took it to
-    225 tok/s and TTFT p90 to 6.8x p50)."""
+    multiply-adds (tokens x the model's parameters) while the rest of the machine is nearly
+    idle: the CPU time of the engine's cores (from `/proc/stat`) less the engine process's
+    own, over windows of `WINDOW_S`, below `SPARE_BELOW` cores. A busy neighbour (another
+    process spinning on a core) keeps the engine at `base`, where an OpenMP region does not
+    wait for a thread the neighbour preempts; an idle machine gives prefill chunks and
+    decode steps of a model of tens of millions of parameters the reserved core (issue 26:
+    C=16 on 2 cores 675 -> 947 tok/s with two threads, but a busy core took it to 225 tok/s
+    and TTFT p90 to 6.8x p50).
 
-    MIN_WORK = 2e8
+    `MIN_WORK` 2e7: the small model's (25.7M parameters) one-row decode step takes the second
+    core, a tiny model's (0.43M) decode steps never do below 46 rows. Served small model,
+    three interleaved pairs of runs against 2e8 (which kept its C=1 and C=4 steps on one
+    thread): TPOT p50 at C=1 4.89 / 3.36 / 3.68 -> 3.57 / 3.56 / 3.19 ms, at C=4 7.87 / 6.48 /
+    6.52 -> 6.97 / 5.45 / 5.93 ms; C=16 (above both) 810 / 1111 / 1032 -> 842 / 1147 / 912
+    tok/s, the machine's noise. In process a tiny model's 4-row step on two threads gained
+    10% and served it lost (the HTTP process keeps that core busy at thousands of tokens a
+    second, faster than a window notices), so tiny steps stay below the bound."""
+
+    MIN_WORK = 2e7
     WINDOW_S = 0.2
     SPARE_BELOW = 0.6
 

@@ -244,7 +244,7 @@ class _EngineCollector(Collector):
             yield counter(
                 "metrale_cpu_forwards_all_cores",
                 "CPU forwards run on every core, the HTTP process's reserved one included "
-                "(steps of >= 2e8 multiply-adds while nothing else keeps it busy)",
+                "(steps of >= 2e7 multiply-adds while nothing else keeps it busy)",
                 snap.cpu_forwards_all_cores,
             )
         yield from snapshot_metrics(snap.prefix_cache)
