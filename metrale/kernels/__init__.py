@@ -151,22 +151,9 @@ def kernels_for(
         else:
             from metrale.kernels import cpu_ops
 
-            rotary = cpu_ops.CpuOps()
-            lean.update(
-                rms_norm=cpu_ops.rms_norm,
-                add_rms_norm=cpu_ops.add_rms_norm,
-                rotary_write_kv=rotary.rotary_write_kv,
-                qk_norm_rotary_write_kv=rotary.qk_norm_rotary_write_kv,
-                paged_attention=rotary.paged_attention,
-                greedy_logprobs=rotary.greedy_logprobs,
-            )
-            impls.update(
-                dict.fromkeys(
-                    ("rms_norm", "add_rms_norm", "rotary_write_kv", "qk_norm_rotary_write_kv",
-                     "paged_attention", "greedy_logprobs"),
-                    "cpu-lean",
-                )
-            )  # fmt: skip
+            lean_ops = cpu_ops.CpuOps()
+            lean.update({name: getattr(lean_ops, name) for name in cpu_ops.LEAN_OPS})
+            impls.update(dict.fromkeys(cpu_ops.LEAN_OPS, "cpu-lean"))
             logger.info("kernels: CPU norms, rotary + KV write, decode attention and greedy "
                         "sampling, lean forms (float32; others the references)")  # fmt: skip
         return KernelOps(**lean, implementations=impls)

@@ -2,9 +2,9 @@
 + KV write, and plain decode attention, in fewer torch calls than the references.
 
 Owner: kernels. `CpuOps` is built once per `KernelOps` on a CPU device (`kernels_for`); its
-methods are the CPU entries of `rms_norm`, `add_rms_norm`, `rotary_write_kv`,
-`qk_norm_rotary_write_kv`, `paged_attention` and the sampler's `greedy_logprobs`, unless the environment sets
-`METRALE_CPU_OPS=torch` (then the references; logged by `kernels_for`).
+`LEAN_OPS` are the CPU entries of `rms_norm`, `add_rms_norm`, `rotary_write_kv`,
+`qk_norm_rotary_write_kv`, `paged_attention` and the sampler's `greedy_logprobs`, unless the
+environment sets `METRALE_CPU_OPS=torch` (then the references; logged by `kernels_for`).
 
 Why (issue 26): on the CPU a small model's decode step is bound by torch's per-call cost
 (a few microseconds each), not by arithmetic: the references spend ~50 calls per layer on
@@ -76,9 +76,19 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     return q.as_strided((t, hq + k.shape[1], d), q.stride())
 
 
+#: The `KernelOps` fields `CpuOps` provides (the CPU entries `kernels_for` installs).
+LEAN_OPS = (
+    "rms_norm", "add_rms_norm", "rotary_write_kv", "qk_norm_rotary_write_kv", "paged_attention",
+    "greedy_logprobs",
+)  # fmt: skip
+
+
 class CpuOps:
-    """The lean ops that keep a derived table or a loaded C kernel (see the module
-    docstring)."""
+    """The lean ops (`LEAN_OPS`; the norms are the module's functions, the others keep a
+    derived table or a loaded C kernel: see the module docstring)."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
 
     def __init__(self) -> None:
         #: The C decode attention (`metrale_paged_decode_attention_f32`), None where the C
