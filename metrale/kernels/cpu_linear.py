@@ -110,7 +110,7 @@ class CpuLinear:
         #: The most bytes of reordered copies kept at once (None: no limit), and those kept.
         self.pack_budget = pack_budget
         self.packed_bytes = 0
-        #: Weights left on their dense layout because the budget was spent (logged once).
+        #: Calls that read a dense weight because its copy would pass the budget (logged once).
         self.unpacked_over_budget = 0
         self.onednn = onednn
         self.gemv_min_elements = gemv_min_elements
@@ -150,32 +150,33 @@ class CpuLinear:
         size = weight.numel()
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        pack = (
-            self._packs is not None
-            and self.onednn
-            and size >= MIN_ELEMENTS
-            and not weight.is_inference()
-            and self._packable(weight)
-        )
+        rows = flat.shape[0]
         # Few rows take the C kernel: up to 2 beside a reordered copy, up to MAX_ROWS beside
-        # the dense layout (measured crossovers: see PACKED_GEMV_MAX_ROWS, cpu_gemv.MAX_ROWS).
+        # the dense layout (measured crossovers: see PACKED_GEMV_MAX_ROWS, cpu_gemv.MAX_ROWS);
+        # whether a weight has a copy is asked only where it decides (not for 1-2 rows).
+        pack: bool | None = None
         if (
-            flat.shape[0] <= (PACKED_GEMV_MAX_ROWS if pack else cpu_gemv.MAX_ROWS)
+            rows <= cpu_gemv.MAX_ROWS
             and x.dtype == torch.float32
             and size >= self.gemv_min_elements
         ):
-            if self.gemv is not None and (bias is None or bias.is_contiguous()):
-                if flat.stride(-1) != 1:
-                    flat = flat.contiguous()
-                counts["gemv"] += 1
-                return self.gemv(flat, weight, bias).reshape(*lead, weight.shape[0])
-            if self._gemv_missing:
-                counts["gemv_unavailable"] += 1
+            if rows > PACKED_GEMV_MAX_ROWS:
+                pack = self._pack_wanted(weight, size)
+            if not pack:
+                if self.gemv is not None and (bias is None or bias.is_contiguous()):
+                    if flat.stride(-1) != 1:
+                        flat = flat.contiguous()
+                    counts["gemv"] += 1
+                    return self.gemv(flat, weight, bias).reshape(*lead, weight.shape[0])
+                if self._gemv_missing:
+                    counts["gemv_unavailable"] += 1
         if not self.onednn or size < MIN_ELEMENTS:
             counts["torch"] += 1
             return F.linear(x, weight, bias)
         if not flat.is_contiguous():
             flat = flat.contiguous()
+        if pack is None:
+            pack = self._pack_wanted(weight, size)
         if pack:
             counts["onednn_packed"] += 1
             weight = self._packed(weight)
@@ -183,6 +184,17 @@ class CpuLinear:
             counts["onednn"] += 1
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.reshape(*lead, weight.shape[0])
+
+    def _pack_wanted(self, weight: torch.Tensor, size: int) -> bool:
+        """Whether oneDNN should read `weight` from a reordered copy (packing on, a large
+        weight with a version counter, within the budget)."""
+        return (
+            self._packs is not None
+            and self.onednn
+            and size >= MIN_ELEMENTS
+            and not weight.is_inference()
+            and self._packable(weight)
+        )
 
     def _packable(self, weight: torch.Tensor) -> bool:
         """Whether `weight` has (or, within the budget, may take) a reordered copy."""
