@@ -11,7 +11,7 @@ import xgrammar as xgr
 
 from metrale.engine.intake import BUNDLED_MODEL_DIR
 from metrale.errors import InvalidRequestError
-from metrale.sampling.grammar import GrammarBackend, apply_grammar_masks
+from metrale.sampling.grammar import GrammarBackend, GrammarState, apply_grammar_masks
 from metrale.sampling.params import SamplingParams
 from metrale.sampling.sampler import Sampler, SamplingRow
 from metrale.sampling.structured import GrammarSpec
@@ -304,3 +304,25 @@ def test_sync_many_equals_syncing_each(
             b.fill(mb, 0)
             assert torch.equal(ma, mb), (j, step)
     assert sum(batched) >= len(ids) and max(batched) >= 3  # the batched path ran
+
+
+def test_kept_termination_follows_accepts_and_rollbacks(
+    backend: GrammarBackend, tokenizer: Tokenizer
+) -> None:
+    """A state's termination (kept beside the matcher, so the step's checks make no xgrammar
+    call) is the matcher's after a stop token's accept, after a rollback behind it, and after
+    the batched accept (`sync_many`)."""
+    done = tokenizer.encode('{"k": "yes"}', add_special_tokens=False)
+    stop = min(tokenizer.eos_token_ids)
+    state = backend.state(SPEC)
+    state.sync(done)
+    assert not state.terminated and state.live
+    state.sync([*done, stop])
+    assert state.terminated and state._matcher.is_terminated() and not state.live
+    state.sync(done[:-1])  # rolled back behind the stop token and the closing brace
+    assert not state.terminated and not state._matcher.is_terminated() and state.live
+    other = backend.state(SPEC)
+    other.sync(done)
+    GrammarState.sync_many([state, other], [done, [*done, stop]])
+    assert not state.terminated and state.live
+    assert other.terminated and other._matcher.is_terminated()
