@@ -161,7 +161,7 @@ class CpuLinear:
             and size >= self.gemv_min_elements
         ):
             if rows > PACKED_GEMV_MAX_ROWS:
-                pack = self._pack_wanted(weight, size)
+                pack = self._pack_wanted(weight)
             if not pack:
                 if self.gemv is not None and (bias is None or bias.is_contiguous()):
                     if flat.stride(-1) != 1:
@@ -176,7 +176,7 @@ class CpuLinear:
         if not flat.is_contiguous():
             flat = flat.contiguous()
         if pack is None:
-            pack = self._pack_wanted(weight, size)
+            pack = self._pack_wanted(weight)
         if pack:
             counts["onednn_packed"] += 1
             weight = self._packed(weight)
@@ -185,16 +185,11 @@ class CpuLinear:
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, bias, "none", [], "")
         return out.reshape(*lead, weight.shape[0])
 
-    def _pack_wanted(self, weight: torch.Tensor, size: int) -> bool:
-        """Whether oneDNN should read `weight` from a reordered copy (packing on, a large
-        weight with a version counter, within the budget)."""
-        return (
-            self._packs is not None
-            and self.onednn
-            and size >= MIN_ELEMENTS
-            and not weight.is_inference()
-            and self._packable(weight)
-        )
+    def _pack_wanted(self, weight: torch.Tensor) -> bool:
+        """Whether oneDNN should read `weight` from a reordered copy (packing on, a weight
+        with a version counter, within the budget). Callers have checked its size: only a
+        weight of at least `MIN_ELEMENTS` reaches oneDNN, or the C kernel in packing modes."""
+        return self._packs is not None and not weight.is_inference() and self._packable(weight)
 
     def _packable(self, weight: torch.Tensor) -> bool:
         """Whether `weight` has (or, within the budget, may take) a reordered copy."""

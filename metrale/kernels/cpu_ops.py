@@ -91,8 +91,9 @@ class CpuOps:
     add_rms_norm = staticmethod(add_rms_norm)
 
     def __init__(self) -> None:
-        #: The C decode attention (`metrale_paged_decode_attention_f32`), None where the C
-        #: library cannot be built (then the gather + SDPA form runs; logged once).
+        #: The C decode attention (`metrale_paged_decode_attention_f32`) and greedy sampler
+        #: result (`metrale_greedy_logprobs_f32`); None where the C library cannot be built
+        #: (then the gather + SDPA form and the reference run; logged once).
         self._attention, self._greedy = _load_c_kernels()
         self._scores = torch.empty(0, dtype=torch.float32)
         #: id(cos/sin table) -> (a weak reference to it, its version, the full-width

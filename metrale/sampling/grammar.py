@@ -29,7 +29,8 @@ Invariants:
 - A step's live rows are filled in one call of xgrammar's `BatchGrammarMatcher` (its own
   threads, without the GIL), while the step's forward computes on CUDA. `advance_async` (the
   matchers' batched accept, then the next rows, in chunks of rows on worker threads:
-  `grammar_advance`) runs while the engine builds outputs; a prefilled row is used only while
+  `grammar_advance`) runs while the engine's main thread waits for it (the engine builds
+  earlier steps' outputs after the sampler is queued); a prefilled row is used only while
   its state stays at the position (synced-list version, accepted count, termination) it was
   filled at, else the row is filled afresh.
 - A state's `_terminated` is the matcher's `is_terminated()` as of its last accept or
@@ -245,8 +246,8 @@ class GrammarBackend:
         prefill: Sequence[GrammarState],
     ) -> Future[None]:
         """`GrammarState.sync_many(states, outputs)`, then `prefill`'s next rows filled ahead,
-        on the fill worker threads in chunks of rows (`grammar_advance`; xgrammar releases
-        the GIL in both); wait on the future before touching any of them."""
+        on the fill worker threads in chunks of rows (`grammar_advance`); wait on the future
+        before touching any of them."""
         return advance_in_chunks(
             self._fill_executor, self._chunk_batches, states, outputs, prefill,
             bitmask_words(self.vocab_size),
@@ -454,11 +455,6 @@ class GrammarState:
                 state.prefill_hits += 1
             else:
                 unfilled.append(j)
-        if not unfilled and len(by_block) == 1:
-            source, rows, from_rows = next(iter(by_block.values()))
-            if source.shape == bitmask.shape and rows == from_rows:
-                bitmask.copy_(source)  # the engine's common case: one copy, not a gather
-                return
         for source, rows, from_rows in by_block.values():  # one gather per block, not per row
             picked = source.index_select(0, torch.tensor(from_rows, dtype=torch.int64))
             bitmask.index_copy_(0, torch.tensor(rows, dtype=torch.int64), picked)
@@ -499,12 +495,7 @@ class GrammarState:
         block = first[1]
         for j, state in enumerate(states):
             pre = state._prefilled
-            if (
-                pre is None
-                or pre[1] is not block
-                or pre[2] != j
-                or pre[0] != (state._version, state._accepted, state._terminated)
-            ):
+            if pre is None or pre[1] is not block or pre[2] != j or pre[0] != state._position():
                 return False
         for state in states:
             state._prefilled = None
