@@ -297,6 +297,10 @@ void metrale_paged_decode_attention_f32(const float *q, long q_stride, const flo
  * lanes_sum and the chunks' sums (then the tail's expf terms, in order) added in double, the
  * total rounded to float32 once: fixed arithmetic, within float32 rounding of torch's
  * logsumexp at any vocabulary size. */
+static inline float read_logit(float v) { /* NaN as -inf, +inf as FLT_MAX */
+  return v != v ? -INFINITY : (v > 3.40282347e38f ? 3.40282347e38f : v);
+}
+
 void metrale_greedy_logprobs_f32(const float *x, long rows, long vocab, long stride, long *ids,
                                  double *packed) {
   const float big = 3.40282347e38f;
@@ -304,34 +308,27 @@ void metrale_greedy_logprobs_f32(const float *x, long rows, long vocab, long str
     const float *row = x + r * stride;
     float m = -INFINITY;
     for (long t = 0; t < vocab; t++) {
-      float v = row[t];
-      v = v != v ? -INFINITY : (v > big ? big : v);
+      float v = read_logit(row[t]);
       if (v > m) m = v;
     }
     long arg = 0;
     double logprob = -INFINITY;
     if (m > -INFINITY) {
-      for (long t = 0; t < vocab; t++) {
-        float v = row[t];
-        if ((v > big ? big : v) == m) {
+      for (long t = 0; t < vocab; t++)
+        if (read_logit(row[t]) == m) {
           arg = t;
           break;
         }
-      }
       double total = 0.0;
       long t = 0;
-      const v16 ninf = {0};
+      const v16 zero = {0};
       for (; t + 16 <= vocab; t += 16) {
         v16 v = LD(row + t);
-        v = select16(v != v, ninf - INFINITY, v);
-        v = select16(v > big, ninf + big, v);
+        v = select16(v != v, zero - INFINITY, v);
+        v = select16(v > big, zero + big, v);
         total += lanes_sum(exp16_nonpositive(v - m));
       }
-      for (; t < vocab; t++) {
-        float v = row[t];
-        v = v != v ? -INFINITY : (v > big ? big : v);
-        total += expf(v - m);
-      }
+      for (; t < vocab; t++) total += expf(read_logit(row[t]) - m);
       float lse = m + logf((float)total);
       logprob = m - lse;
     }
