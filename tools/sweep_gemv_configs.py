@@ -66,7 +66,7 @@ def _fp8_call(
         tf._gemv_fp8_kernel[(triton.cdiv(n, bn),)](
             x, q, scales[id(q)], out, out, n, k, x.stride(0), q.stride(0), 0, n, k,
             M=m, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, EVEN_K=k % bk == 0,
-            HAS_BIAS=False, ACT=False, BLOCK_SCALE=False, BO=bn, BI=1,
+            HAS_BIAS=False, ACT=False, BLOCK_SCALE=False, BO=bn, BI=1, G=0,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
 

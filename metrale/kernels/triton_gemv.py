@@ -143,7 +143,7 @@ def _gemv_kernel(
         )
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
         w_ptrs, x_ptrs, x_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half, M, BLOCK_N, BLOCK_K,
-        STAGES, EVEN_K, ACT, X2D, False, 1, PDL,
+        STAGES, EVEN_K, ACT, X2D, False, 1, PDL, 0,
     )  # fmt: skip
     out_ptr += pid_k.to(tl.int64) * stride_split
     if LORA and not PARTIAL:

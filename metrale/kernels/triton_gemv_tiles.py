@@ -58,9 +58,13 @@ def _fma_row(acc, w, ptrs, mask, half, sx, EVEN_K: tl.constexpr, ACT: tl.constex
 
 
 @triton.jit
-def _zero_accs(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The 8 row accumulators (`[BLOCK_N, BLOCK_K]` float32 zeros; rows past M stay unused)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+def _zero_accs(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, G: tl.constexpr):
+    """The 8 row accumulators (float32 zeros; rows past M stay unused): `[BLOCK_N, BLOCK_K]`,
+    or with G > 0 the grouped tile's `[BLOCK_N, G, BLOCK_K // G]`."""
+    if G > 0:
+        acc = tl.zeros([BLOCK_N, G, BLOCK_K // G], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     return acc, acc, acc, acc, acc, acc, acc, acc
 
 
@@ -173,14 +177,15 @@ def _stream_tiles(
     w_ptrs, x_ptrs, s_row_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half,
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, ACT: tl.constexpr, X2D: tl.constexpr, BLOCK_SCALE: tl.constexpr,
-    BI: tl.constexpr, PDL: tl.constexpr,
+    BI: tl.constexpr, PDL: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
     """The W tiles of K range `[k_lo, k_hi)` (and, BLOCK_SCALE, their K-column scales from
     `s_row_ptr`) applied to the M rows of x: the 8 row accumulators. The first tile is peeled
     off the loop and loaded before waiting on the previous kernel (PDL): W does not depend on
     it, so its latency hides behind that kernel's tail; once the loads are done the next
-    kernel may launch."""
-    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _zero_accs(BLOCK_N, BLOCK_K)
+    kernel may launch. G > 0: grouped tiles `[BLOCK_N, G, BLOCK_K // G]` (the caller's
+    pointers are shaped so, `offs_k` holds each group's first column, X2D)."""
+    acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _zero_accs(BLOCK_N, BLOCK_K, G)
     w = _load_w(w_ptrs, k_lo, offs_k, k_hi, EVEN_K)
     sx = _load_sx(s_row_ptr, k_lo, offs_k, k_hi, BLOCK_K, BI, BLOCK_SCALE)
     if PDL:

@@ -204,7 +204,7 @@ def _launch_fp8() -> None:
         for m in (1, 2, 4, 8):
             tf.gemv_fp8(torch.randn(m, k, dtype=torch.bfloat16), q, s, None, block, pdl=True)
         tf.gemv_fp8_silu_mul(torch.randn(1, 2 * k, dtype=torch.bfloat16), q, s, None, block)
-        for m in (16, 64, 300):
+        for m in (16, 32, 64, 200, 300):
             tf.gemm_fp8(torch.randn(m, k, dtype=torch.bfloat16), q, s, None, block)
 
 
