@@ -23,8 +23,8 @@ Method (the `metrale bench latency` instrument, `metrale.bench.offline`, run twi
 `--kernels` instead times the projections alone on Qwen3-8B's shapes (for tuning
 `triton_fp8.gemv_config` / `gemm_config` when the bars are missed): the bf16 GEMV against the
 FP8 GEMV with per-row and 128x128 block scales at M = 1, 2, 4, 8 (GB/s of the weight bytes
-each reads, % of the copy bandwidth), and the FP8 GEMM against cuBLAS bf16 at M = 64, 512,
-4096 (TFLOP/s), each a CUDA-graph replay of many calls rotating over weight copies that do
+each reads, % of the copy bandwidth), and the FP8 GEMM (block and per-row scales) against
+cuBLAS bf16 at M = 16, 64, 128, 512, 4096 (TFLOP/s), each a CUDA-graph replay of many calls rotating over weight copies that do
 not fit L2 (`tools/bench_gemv.time_per_call`). Record `fp8-kernels`.
 """
 
@@ -122,13 +122,14 @@ def _kernels(args: argparse.Namespace) -> int:
                     f"{name:8s} M={m} {impl:15s} {t * 1e6:8.2f} us {gbps:7.0f} GB/s "
                     f"{100 * gbps / copy_gbps:5.1f}% copy  {t16 / t:5.2f}x bf16"
                 )
-        for m in (64, 512, 4096):
+        for m in (16, 64, 128, 512, 4096):
             x = torch.randn(m, k, device="cuda").to(bf)
             t16 = bg.time_per_call(lambda w, x=x: F.linear(x, w), w16)
             tb = bg.time_per_call(
                 lambda q, x=x, sc=sc: tf.gemm_fp8(x, q, sc[id(q)], None, block), qb
             )
-            for impl, t in (("cuBLAS bf16", t16), ("fp8 gemm block", tb)):
+            tr = bg.time_per_call(lambda q, x=x, sc=sc: tf.gemm_fp8(x, q, sc[id(q)]), q8)
+            for impl, t in (("cuBLAS bf16", t16), ("fp8 gemm block", tb), ("fp8 gemm row", tr)):
                 tflops = 2 * m * n * k / t / 1e12
                 rows.append(
                     dict(shape=name, m=m, impl=impl, us=t * 1e6, tflops=tflops, vs_bf16=t16 / t)
