@@ -22,6 +22,8 @@
 #        HYBRID_LADDER overrides the rungs)
 #        fp8kv (issue 22, FP8 KV: tests/gpu/test_fp8_kv.py, then the serve rung C=128 on the
 #        qwen3-8b shape with --kv-cache-dtype auto and fp8, one server each; FP8KV_SERVE=0 skips it)
+#        fp8serve (issue 22: the C=128 serve rung on the qwen3-8b shape, bf16 weights and KV against
+#        --quantization fp8 --kv-cache-dtype fp8, one server each)
 #        moe (issue 23: the MoE GPU tests, then batch-1 decode latency of the Qwen3-30B-A3B and
 #        Mixtral-8x7B shapes, random bf16 weights, graphs on, roofline from the active bytes)
 #        moeserve (the C=1..64 serve ladder of the Qwen3-30B-A3B shape, ISL 128, OSL 512)
@@ -52,6 +54,33 @@ export PYTHONPATH=.:${PYTHONPATH:-}
 PARTS=${*:-quick latency8b latency06b throughput serve kerneltests kernels}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv >"$OUT/nvidia.csv" 2>&1
 stamp() { echo "=== $(date +%T) $*"; }
+# The serve rung C=128 (ISL 128, OSL 1024) on the qwen3-8b shape, one server with extra flags
+# $2, outputs under $OUT/$1.
+serve_rung_8b() {
+  local name=$1 flags=$2
+  if [ ! -d /tmp/qwen3-8b ]; then
+    cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
+    python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
+  fi
+  stamp "serve qwen3-8b C=128, $flags"
+  mkdir -p "$OUT/$name"
+  # shellcheck disable=SC2086
+  python3 -m metrale.cli serve /tmp/qwen3-8b --load-format dummy --max-model-len 2048 \
+    --max-num-seqs 128 $flags --served-model-name qwen3-8b --port 8888 \
+    --log-level INFO >"$OUT/$name/server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 1 180); do
+    curl -sf localhost:8888/health >/dev/null 2>&1 && break
+    sleep 1
+  done
+  timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
+    --shape qwen3-8b --vocab 151936 --concurrency 128 --isl 128 --osl 1024 --device cuda \
+    --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128 $flags" \
+    --out-dir "$OUT/$name" >"$OUT/$name/serve.log" 2>&1
+  echo "ladder rc=$?"; tail -4 "$OUT/$name/serve.log"
+  kill -TERM $server; wait $server; echo "server exit=$?"
+  grep -E "KV cache dtype|loaded .* KV|weights" "$OUT/$name/server.log" | head -4
+}
 
 for part in $PARTS; do
   case $part in
@@ -95,28 +124,15 @@ for part in $PARTS; do
       --timeout 300 >"$OUT/fp8kv_tests.log" 2>&1
     echo "rc=$?"; grep -E "fp8 KV vs|passed|failed|Error" "$OUT/fp8kv_tests.log" | tail -6
     if [ "${FP8KV_SERVE:-1}" = 1 ]; then
-      rm -rf /tmp/qwen3-8b && cp -r bench/configs/qwen3-8b /tmp/qwen3-8b
-      python3 -c "from metrale.bench.synthetic import write_synthetic_tokenizer as w; w('/tmp/qwen3-8b')"
       for kvd in auto fp8; do
-        stamp "fp8 KV: serve qwen3-8b C=128, --kv-cache-dtype $kvd"
-        mkdir -p "$OUT/fp8kv-$kvd"
-        python3 -m metrale.cli serve /tmp/qwen3-8b --load-format dummy --max-model-len 2048 \
-          --max-num-seqs 128 --kv-cache-dtype $kvd --served-model-name qwen3-8b --port 8888 \
-          --log-level INFO >"$OUT/fp8kv-$kvd/server.log" 2>&1 &
-        server=$!
-        for _ in $(seq 1 180); do
-          curl -sf localhost:8888/health >/dev/null 2>&1 && break
-          sleep 1
-        done
-        timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
-          --shape qwen3-8b --vocab 151936 --concurrency 128 --isl 128 --osl 1024 --device cuda \
-          --server-info "metrale serve --load-format dummy --max-model-len 2048 --max-num-seqs 128 --kv-cache-dtype $kvd" \
-          --out-dir "$OUT/fp8kv-$kvd" >"$OUT/fp8kv-$kvd/serve.log" 2>&1
-        echo "ladder rc=$?"; tail -4 "$OUT/fp8kv-$kvd/serve.log"
-        kill -TERM $server; wait $server; echo "server exit=$?"
-        grep -E "KV cache dtype|loaded .* KV" "$OUT/fp8kv-$kvd/server.log" | head -3
+        serve_rung_8b "fp8kv-$kvd" "--kv-cache-dtype $kvd"
       done
     fi
+    ;;
+  fp8serve)
+    # issue 22: C=128 with FP8 weights and FP8 KV against bf16 weights and KV, one run
+    serve_rung_8b fp8serve-bf16 "--kv-cache-dtype auto"
+    serve_rung_8b fp8serve-fp8 "--quantization fp8 --kv-cache-dtype fp8"
     ;;
   hybridttft)
     stamp "hybrid prefix cache: Nemotron-H-8B shape, 4k-token cached prefix, warm vs cold TTFT (issue 15)"
