@@ -3,7 +3,7 @@
 # latency/throughput instruments with the HF peer, and the serve ladder against a real
 # `metrale serve`. Every part is independent: a failing part is logged and the next one runs.
 #
-# Usage (from the repository root, with the server wheels in .whl/ — see README "GPU"):
+# Usage (from the repository root, with the server wheels in .whl/: bash tools/device_wheels.sh):
 #   OUT=/some/dir bash tools/gpu_session.sh [parts...]
 # parts: quick kerneltests kernels latency8b latency06b throughput serve  (default: all)
 #        mtp (MTP speculation: GPU tests, bundled-model speedup at C=1/32, qwen3-8b MTP step cost)
