@@ -34,7 +34,8 @@ Invariants:
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
   stream with `EngineDeadError` and refuses new requests.
-- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`) reaches
+- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`), with
+  the OpenMP spin count of a governed CPU engine (`cpu_threads.engine_process_env`), reaches
   the child only: this process's environment holds it, under a lock, just while the child
   starts (a spawned child copies the environment then), and is restored right after.
 - Threads (`engine.cpu_threads`): the child runs the engine's CPU policy, leaving one core to
@@ -66,7 +67,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
-from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
+from metrale.engine.cpu_threads import (
+    apply_engine_threads,
+    apply_frontend_threads,
+    engine_process_env,
+)
 from metrale.engine.handle import (
     STALL_WAIT_S,
     AddArgs,
@@ -88,6 +93,8 @@ logger = logging.getLogger(__name__)
 _SNAPSHOT_INTERVAL_S = 0.1
 #: How long `shutdown` waits for the child to exit before terminating it.
 _EXIT_WAIT_S = 10.0
+#: Cores the engine's CPU thread policy leaves to the HTTP process (`cpu_threads`).
+_RESERVE = 1
 
 
 # ----------------------------------------------------------------------------- child
@@ -103,7 +110,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from metrale.engine.engine import Engine
 
     try:
-        governor = apply_engine_threads(config, reserve=1)  # one core for the HTTP process
+        governor = apply_engine_threads(config, reserve=_RESERVE)
         engine = Engine(config, cpu_threads=governor)
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -261,7 +268,8 @@ class EngineProcess(HandleBase[Assembly]):
             name="metrale-engine",
             daemon=True,
         )
-        with _child_environ(child_env):
+        spin = engine_process_env(config, _RESERVE, child_env)  # how its OpenMP workers wait
+        with _child_environ({**spin, **(child_env or {})}):
             self._process.start()
         child_conn.close()
         apply_frontend_threads()
