@@ -68,6 +68,9 @@ class ForwardBatch:
     logits_spans: list[tuple[int, int]]
     #: LoRA routing of the rows (per-token slot tensor + per-slot row groups); None: base only.
     lora: LoraBatch | None = None
+    #: `logits_indices` is every hidden row in order (one-token decode rows): the hidden
+    #: states are the logits rows as they are.
+    logits_every_row: bool = False
 
 
 def build_forward_batch(
@@ -211,4 +214,5 @@ def _decode_batch(rows: list[ForwardRow], block_size: int) -> ForwardBatch:
         meta=meta,
         logits_indices=torch.arange(n, dtype=torch.int64),
         logits_spans=[(i, 1) for i in range(n)],
+        logits_every_row=True,
     )

@@ -411,8 +411,14 @@ class TransformerModel(
             raise ValueError("a row selects a LoRA slot but the model serves no adapters")
         if feed is not None:
             tokens, from_rows = feed
-            index = torch.tensor(from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-            batch.input_ids[: len(from_rows)] = tokens.index_select(0, index)
+            n = len(from_rows)
+            if n == tokens.shape[0] == batch.input_ids.shape[0] and from_rows == list(range(n)):
+                batch.input_ids = tokens  # every row fed from its own row: read in place
+            else:
+                index = torch.tensor(from_rows, dtype=torch.int64).to(
+                    self.device, non_blocking=True
+                )
+                batch.input_ids[:n] = tokens.index_select(0, index)
         batch.meta.host_kv = self.hss
         if self.hss is not None and self.hss.cuda:  # the Triton kernels read device blocks
             tables = [r.seq.block_table for r in rows]
@@ -451,7 +457,10 @@ class TransformerModel(
             self._mtp_prefill_catch_up([r for r in rows if r.prefill])
         if any(r.prefill and r.seq.pooling is not None for r in rows):
             pool_prompt_rows(rows, hidden)
-        selected = hidden.index_select(0, batch.logits_indices)
+        if batch.logits_every_row:
+            selected = hidden
+        else:
+            selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
 
