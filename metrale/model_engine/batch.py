@@ -76,7 +76,7 @@ class ForwardBatch:
 def build_forward_batch(
     rows: list[ForwardRow], num_decode: int, block_size: int, device: torch.device
 ) -> ForwardBatch:
-    if device.type == "cpu" and num_decode == len(rows) and _plain_decode(rows):
+    if device.type == "cpu" and num_decode == len(rows) and plain_decode_rows(rows):
         return _decode_batch(rows, block_size)
     query_lens = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=len(rows))
     starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
@@ -169,7 +169,7 @@ def _sequential_rows(
     return len(marked), capture
 
 
-def _plain_decode(rows: list[ForwardRow]) -> bool:
+def plain_decode_rows(rows: list[ForwardRow]) -> bool:
     """Whether every row is a one-token decode row wanting its logits, on the base model,
     with no recurrent state (what `_decode_batch` builds)."""
     for r in rows:
