@@ -24,6 +24,15 @@ Invariants:
   `/proc/stat`), else on the reserved count; counted in `forwards_at_top`.
 - Nothing changes for an engine on CUDA (its host threads are not the bottleneck), except
   that an explicit `cpu_threads` is still applied.
+- An engine process that will run a governor starts with `GOMP_SPINCOUNT` =
+  `GOVERNED_SPIN_COUNT` (`engine_process_env`; libgomp reads it once, when torch loads),
+  unless its environment already sets `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`: an OpenMP
+  worker spins that long after a parallel region before it sleeps, and the default (300,000
+  pauses, ~11 ms on the 2-core EPYC VM of issue 26) left the reserved core spinning after
+  every forward the governor gave it. At one stream of the tiny model each prompt's prefill
+  (2.75e7 multiply-adds, above `MIN_WORK`) was such a forward among base-count decode steps:
+  the worker's spin was 0.17 ms of the engine process's 0.72 ms of CPU per output token, on
+  the core the HTTP process needs.
 """
 
 from __future__ import annotations
@@ -31,13 +40,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from metrale.config import EngineConfig
 
 logger = logging.getLogger(__name__)
+
+
+#: Pauses an OpenMP worker of a governed engine spins after a parallel region before it
+#: sleeps (`GOMP_SPINCOUNT`; libgomp's default is 300,000): ~1 ms on the machine of issue 26,
+#: which still bridges a forward's regions and the host work between two forwards at `top`
+#: threads (then the worker is not woken through the kernel), and leaves the core to the
+#: others soon after the last one (the module docstring).
+GOVERNED_SPIN_COUNT = 30_000
+#: The variables that set how OpenMP workers wait; one set by the user is left alone.
+_WAIT_VARIABLES = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
 def available_cores() -> int:
@@ -65,6 +84,23 @@ def engine_threads(config: EngineConfig, reserve: int) -> tuple[int | None, str]
     if reserve:
         return max(1, cores - reserve), f"{cores} cores, {reserve} left to the HTTP process"
     return cores, f"{cores} cores"
+
+
+def engine_process_env(
+    config: EngineConfig, reserve: int, child_env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """What the environment of an engine process built from `config` (leaving `reserve`
+    cores, with `child_env` set over this process's environment) gets from here:
+    `GOMP_SPINCOUNT` where it will run a `CpuThreadGovernor` (a CPU engine whose count
+    `apply_engine_threads` chooses, below the cores) and nothing sets how OpenMP waits."""
+    env = {**os.environ, **(child_env or {})}
+    if any(env.get(name) for name in _WAIT_VARIABLES) or not reserve:
+        return {}
+    if config.cpu_threads is not None or env.get("OMP_NUM_THREADS") or not _on_cpu(config):
+        return {}
+    if available_cores() <= reserve:
+        return {}
+    return {"GOMP_SPINCOUNT": str(GOVERNED_SPIN_COUNT)}
 
 
 def apply_engine_threads(config: EngineConfig, reserve: int) -> CpuThreadGovernor | None:

@@ -34,7 +34,8 @@ Invariants:
 - Every add is answered (accepted or its error), and every accepted request's stream ends with
   a finished output or an exception: a child that dies, crashes or stops ends every open
   stream with `EngineDeadError` and refuses new requests.
-- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`) reaches
+- `child_env` (a data-parallel replica's `CUDA_VISIBLE_DEVICES` / `OMP_NUM_THREADS`), with
+  the OpenMP spin count of a governed CPU engine (`cpu_threads.engine_process_env`), reaches
   the child only: this process's environment holds it, under a lock, just while the child
   starts (a spawned child copies the environment then), and is restored right after.
 - Threads (`engine.cpu_threads`): the child runs the engine's CPU policy, leaving one core to
@@ -57,6 +58,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import select
 import signal
 import threading
 import time
@@ -66,7 +68,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from metrale.config import EngineConfig
-from metrale.engine.cpu_threads import apply_engine_threads, apply_frontend_threads
+from metrale.engine.cpu_threads import (
+    apply_engine_threads,
+    apply_frontend_threads,
+    engine_process_env,
+)
 from metrale.engine.handle import (
     STALL_WAIT_S,
     AddArgs,
@@ -88,6 +94,8 @@ logger = logging.getLogger(__name__)
 _SNAPSHOT_INTERVAL_S = 0.1
 #: How long `shutdown` waits for the child to exit before terminating it.
 _EXIT_WAIT_S = 10.0
+#: Cores the engine's CPU thread policy leaves to the HTTP process (`cpu_threads`).
+_RESERVE = 1
 
 
 # ----------------------------------------------------------------------------- child
@@ -103,7 +111,7 @@ def _child_main(config: EngineConfig, conn: Connection, log_level: int) -> None:
     from metrale.engine.engine import Engine
 
     try:
-        governor = apply_engine_threads(config, reserve=1)  # one core for the HTTP process
+        governor = apply_engine_threads(config, reserve=_RESERVE)
         engine = Engine(config, cpu_threads=governor)
     except BaseException as exc:
         with contextlib.suppress(Exception):
@@ -137,6 +145,11 @@ class _ChildLoop:
     def __init__(self, engine: Any, conn: Connection) -> None:
         self.engine = engine
         self.conn = conn
+        #: Whether a command (or the pipe's end) is waiting: one poll object for the loop's
+        #: life (`run` registers the pipe), where `Connection.poll` builds, registers and
+        #: closes a selector every call (once per step: ~2% of a tiny model's served step,
+        #: issue 26).
+        self._commands = select.poll()
         self.encoder = DeltaEncoder()
         self.snapshots = SnapshotTaker(engine)
         self.snapshot_sent_at = float("-inf")
@@ -145,13 +158,14 @@ class _ChildLoop:
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
+        self._commands.register(conn.fileno(), select.POLLIN)
         stalled = False
         while True:
             if not engine.has_unfinished():
-                conn.poll(None)  # idle: sleep until a command arrives
+                self._command_waiting(None)  # idle: sleep until a command arrives
             elif stalled:
-                conn.poll(STALL_WAIT_S)
-            while conn.poll(0):
+                self._command_waiting(STALL_WAIT_S)
+            while self._command_waiting(0):
                 if not self._apply(conn.recv()):
                     return
             stalled = False
@@ -165,10 +179,18 @@ class _ChildLoop:
                     self._send(outputs, snapshot)
                 stalled = self.sent == sent_before and engine.num_steps == steps_before
 
+    def _command_waiting(self, timeout: float | None) -> bool:
+        """Whether the parent's pipe can be read (a command, or its end: `recv` then raises
+        `EOFError`), waiting up to `timeout` seconds (None: until it can)."""
+        return bool(self._commands.poll(None if timeout is None else 1000 * timeout))
+
     def _send(self, deltas: list[tuple[Any, ...]], snapshot: EngineSnapshot | None = None) -> None:
-        """One "out" message: the step's wire deltas (`DeltaEncoder.encode_state`)."""
+        """One "out" message: the step's wire deltas (`DeltaEncoder.encode_state`), pickled
+        by `pickle` itself (what `Connection.send` does through a fresh `ForkingPickler`,
+        whose reducers a message of plain values and snapshots never needs; the parent's
+        `recv` reads either)."""
         self.sent += len(deltas)
-        self.conn.send(("out", deltas, snapshot))
+        self.conn.send_bytes(pickle.dumps(("out", deltas, snapshot), pickle.HIGHEST_PROTOCOL))
 
     def _snapshot_if_due(self, force: bool) -> EngineSnapshot | None:
         now = time.monotonic()
@@ -261,7 +283,8 @@ class EngineProcess(HandleBase[Assembly]):
             name="metrale-engine",
             daemon=True,
         )
-        with _child_environ(child_env):
+        spin = engine_process_env(config, _RESERVE, child_env)  # how its OpenMP workers wait
+        with _child_environ({**spin, **(child_env or {})}):
             self._process.start()
         child_conn.close()
         apply_frontend_threads()

@@ -55,6 +55,10 @@ class KernelOps:
     argmax: Callable = reference.argmax
     # Greedy rows of unprocessed logits: token, raw logprob, rank and samplable in one pass.
     greedy_logprobs: Callable = reference.greedy_logprobs
+    # Greedy rows whose only processing is banned ids (min_tokens' stop ids), `(logits,
+    # banned ids per row)`: the torch path's result (`reference.stop_masked_greedy`) in one
+    # pass but its logsumexp. None: the sampler's torch path (the C kernel is the CPU's only).
+    stop_masked_greedy: Callable | None = None
     top_k_top_p_sample: Callable = reference.top_k_top_p_sample
     # The sampler's candidate draw: the draw on each row's top-k candidates, then the drawn
     # token's raw logprob and rank in one pass.

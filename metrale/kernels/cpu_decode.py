@@ -5,7 +5,8 @@ Qwen3) for a batch of one-token rows in one C call (`metrale_decode_stack_f32` i
 Owner: kernels (the call and its arithmetic). `model_engine/cpu_fused_decode.py` decides which
 models take it and gathers their weights (`DecoderWeights`); `TransformerModel` holds one
 (`cpu_decode`, built by the factory on the CPU) and runs a forward through it when `takes`
-says so; everything else (prefill and mixed steps, verify rows, LoRA, vision, MTP) keeps the
+says so, or, for a forward of one-token decode rows it takes whole, straight from the rows'
+host lists (`decode_rows`: the same arguments, no metadata tensors built); everything else (prefill and mixed steps, verify rows, LoRA, vision, MTP) keeps the
 layer-by-layer path.
 
 Why (issue 26): a small model's CPU decode step is bound by torch's per-call cost (~30 calls
@@ -173,8 +174,52 @@ class CpuDecodeStack:
     def __call__(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden state after the final norm, `[rows, hidden]`, for one-token rows."""
         rows = input_ids.shape[0]
+        positions = meta.positions[:rows].contiguous()  # the copies live through the call
+        slots = meta.slot_mapping[:rows].contiguous()
+        seq_lens = meta.seq_lens[:rows].to(torch.int32).contiguous()
+        tables = meta.block_tables[:rows].to(torch.int32).contiguous()
+        return self._run(
+            input_ids, max(meta.seq_lens_host[:rows]), positions.data_ptr(), slots.data_ptr(),
+            seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
+        )  # fmt: skip
+
+    def decode_rows(
+        self, input_ids: torch.Tensor, positions: list[int], tables: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """`__call__` from the host lists of one-token decode rows (row `i` at position
+        `positions[i]`, its blocks `tables[i]`, every one resident), without building their
+        `AttentionMetadata`: the same arguments reach the C step, as ctypes arrays (the
+        metadata's seven tensors and their int32 copies cost more than a tiny model's layers,
+        issue 26)."""
+        rows, block = len(positions), self.block_size
+        width = max(len(t) for t in tables)
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            if len(t) < width:
+                flat += [0] * (width - len(t))
+        slots = [t[p // block] * block + p % block for t, p in zip(tables, positions)]
+        lens = [p + 1 for p in positions]
+        return self._run(
+            input_ids, max(lens), (ctypes.c_long * rows)(*positions),
+            (ctypes.c_long * rows)(*slots), (ctypes.c_int * rows)(*lens),
+            (ctypes.c_int * len(flat))(*flat), width,
+        )  # fmt: skip
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        max_len: int,
+        positions: Any,
+        slots: Any,
+        seq_lens: Any,
+        tables: Any,
+        table_stride: int,
+    ) -> torch.Tensor:
+        """The C step over rows `input_ids`; the others are pointers (or ctypes arrays) to
+        int64 positions and slots, int32 lengths and block tables (rows `table_stride` apart)."""
+        rows = input_ids.shape[0]
         h = self.embed.index_select(0, input_ids)
-        max_len = max(meta.seq_lens_host[:rows])
         need = self._scratch_floats(
             rows, self.hidden, self.q_heads, self.kv_heads, self.dim, self.inter, max_len
         )
@@ -182,19 +227,14 @@ class CpuDecodeStack:
             self._scratch = torch.empty(need, dtype=torch.float32)
         self.rotary.ensure_positions(max_len)
         cos_sin = self.rotary.cos_sin
-        positions = meta.positions[:rows].contiguous()
-        slots = meta.slot_mapping[:rows].contiguous()
-        seq_lens = meta.seq_lens[:rows].to(torch.int32).contiguous()
-        tables = meta.block_tables[:rows].to(torch.int32).contiguous()
         kv = (ctypes.c_void_p * (2 * len(self.kv_layers)))(
             *(t.data_ptr() for pair in self.kv_layers for t in pair)
         )
         self._fn(
             h.data_ptr(), rows, self.hidden, len(self.kv_layers), self._weight_ptrs, kv,
             self.final_norm.data_ptr(), self.eps, self.q_heads, self.kv_heads, self.dim,
-            self.inter, self.block_size, positions.data_ptr(), slots.data_ptr(),
-            seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), cos_sin.data_ptr(),
-            self.scale, self._scratch.data_ptr(), torch.get_num_threads(),
+            self.inter, self.block_size, positions, slots, seq_lens, tables, table_stride,
+            cos_sin.data_ptr(), self.scale, self._scratch.data_ptr(), torch.get_num_threads(),
             int(self.weights_bf16),
         )  # fmt: skip
         self.fused_forwards += 1

@@ -3,7 +3,8 @@
 
 Owner: kernels. `CpuOps` is built once per `KernelOps` on a CPU device (`kernels_for`); its
 `LEAN_OPS` are the CPU entries of `rms_norm`, `add_rms_norm`, `rotary_write_kv`,
-`qk_norm_rotary_write_kv`, `paged_attention` and the sampler's `greedy_logprobs`, unless the
+`qk_norm_rotary_write_kv`, `paged_attention` and the sampler's `greedy_logprobs` and
+`stop_masked_greedy`, unless the
 environment sets `METRALE_CPU_OPS=torch` (then the references; logged by `kernels_for`).
 
 Why (issue 26): on the CPU a small model's decode step is bound by torch's per-call cost
@@ -21,7 +22,9 @@ Invariants:
   gather; one read of k_t / v_t for the query heads of a KV head): the same function,
   summation order aside (issue 26: the per-layer gather was ~1.3 ms of a 16-row step); and
   float32 greedy rows' sampler result (`metrale_greedy_logprobs_f32`): the same token, rank
-  and samplable flag, the logprob's exponential sum in the kernel's order. Anything the
+  and samplable flag, the logprob's exponential sum in the kernel's order; and greedy rows
+  under min_tokens' stop-id mask (`metrale_stop_masked_greedy_f32` after torch's logsumexp:
+  the reference's values bit for bit, logits with a NaN or +inf by the reference). Anything the
   lean form does not cover (another dtype, a float8 cache, partial rotary, a sliding window,
   verify or prefill rows, high-speed swap's host blocks) runs the reference, per call.
 - What depends only on the forward is computed once per forward and kept in the metadata's
@@ -36,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -79,7 +83,7 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 #: The `KernelOps` fields `CpuOps` provides (the CPU entries `kernels_for` installs).
 LEAN_OPS = (
     "rms_norm", "add_rms_norm", "rotary_write_kv", "qk_norm_rotary_write_kv", "paged_attention",
-    "greedy_logprobs",
+    "greedy_logprobs", "stop_masked_greedy",
 )  # fmt: skip
 
 
@@ -92,9 +96,10 @@ class CpuOps:
 
     def __init__(self) -> None:
         #: The C decode attention (`metrale_paged_decode_attention_f32`) and greedy sampler
-        #: result (`metrale_greedy_logprobs_f32`); None where the C library cannot be built
-        #: (then the gather + SDPA form and the reference run; logged once).
-        self._attention, self._greedy = _load_c_kernels()
+        #: results (`metrale_greedy_logprobs_f32`, `metrale_stop_masked_greedy_f32`); None
+        #: where the C library cannot be built (then the gather + SDPA form and the
+        #: references run; logged once).
+        self._attention, self._greedy, self._stop_masked = _load_c_kernels()
         self._scores = torch.empty(0, dtype=torch.float32)
         #: id(cos/sin table) -> (a weak reference to it, its version, the full-width
         #: `[P, 2, rotary_dim]` table); an entry leaves with its table.
@@ -300,10 +305,46 @@ class CpuOps:
         fn(logits.data_ptr(), rows, vocab, logits.stride(0), ids.data_ptr(), packed.data_ptr())
         return ids, packed
 
+    def stop_masked_greedy(
+        self, logits: torch.Tensor, banned: Sequence[Sequence[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`stop_masked_greedy` (the sampler's result for greedy rows whose only processing is
+        min_tokens' stop-id mask): torch's logsumexp of each row, as the reference computes
+        it, then the C kernel (comparisons and the one float32 subtraction), so every value is
+        the reference's, bit for bit, in two calls instead of ~25 (issue 26: a served
+        benchmark's every token takes this path while its min_tokens holds). Logits with a
+        NaN or +inf (the kernel says so) take the reference."""
+        fn = self._stop_masked
+        if (
+            fn is None
+            or logits.dtype != torch.float32
+            or logits.dim() != 2
+            or logits.device.type != "cpu"
+            or not logits.is_contiguous()
+        ):
+            return sampling_reference.stop_masked_greedy(logits, banned)
+        rows, vocab = logits.shape
+        starts = [0]
+        flat: list[int] = []
+        for ids in banned:
+            flat.extend(ids)
+            starts.append(len(flat))
+        lse = torch.logsumexp(logits, dim=-1)  # the reference's, its logits having no NaN / +inf
+        ids_t = torch.empty(rows, dtype=torch.int64)
+        packed = torch.empty((rows, 4), dtype=torch.float64)
+        if fn(
+            logits.data_ptr(), rows, vocab, vocab, (ctypes.c_long * len(starts))(*starts),
+            (ctypes.c_long * len(flat))(*flat), lse.data_ptr(), ids_t.data_ptr(),
+            packed.data_ptr(),
+        ):  # fmt: skip
+            return sampling_reference.stop_masked_greedy(logits, banned)
+        return ids_t, packed
 
-def _load_c_kernels() -> tuple[Any, Any]:
-    """`metrale_paged_decode_attention_f32` and `metrale_greedy_logprobs_f32` from the C
-    library (one build), or (None, None) (logged: the torch forms run)."""
+
+def _load_c_kernels() -> tuple[Any, Any, Any]:
+    """`metrale_paged_decode_attention_f32`, `metrale_greedy_logprobs_f32` and
+    `metrale_stop_masked_greedy_f32` from the C library (one build), or (None, None, None)
+    (logged: the torch forms run)."""
     from metrale.kernels import cpu_gemv
 
     ptr, long, f32 = ctypes.c_void_p, ctypes.c_long, ctypes.c_float
@@ -317,12 +358,18 @@ def _load_c_kernels() -> tuple[Any, Any]:
         greedy = cpu_gemv.kernel_function(
             path, "metrale_greedy_logprobs_f32", [ptr, long, long, long, ptr, ptr]
         )
+        stop_masked = cpu_gemv.kernel_function(
+            path,
+            "metrale_stop_masked_greedy_f32",
+            [ptr, long, long, long, ptr, ptr, ptr, ptr, ptr],
+            long,
+        )
     except cpu_gemv.GemvUnavailable as exc:
         logger.info(
             "CPU decode attention and greedy sampling: the torch forms (no C kernel: %s)", exc
         )
-        return None, None
-    return attention, greedy
+        return None, None, None
+    return attention, greedy, stop_masked
 
 
 def _plain_decode(

@@ -34,6 +34,7 @@ from metrale.kernels.sampling_reference import (  # noqa: F401
     greedy_logprobs,
     masked_argmax,
     row_topk,
+    stop_masked_greedy,
     token_logprobs,
     top_k_top_p_filter,
     top_k_top_p_sample,

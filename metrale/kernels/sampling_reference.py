@@ -9,6 +9,8 @@ references live; the invariants of each function are in its docstring.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -30,6 +32,35 @@ def greedy_logprobs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = torch.stack(
         [ids.double(), logprobs.double(), torch.ones_like(logprobs).double(), samplable.double()],
         dim=1,
+    )
+    return ids, packed
+
+
+def stop_masked_greedy(
+    logits: torch.Tensor, banned: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampler's torch-path result for greedy rows whose logits only `banned[r]` change
+    (those ids at -inf: min_tokens' stop ids, each in `[0, V)`) and that want no alternatives,
+    in `greedy_logprobs`' form: `(token_ids [B] int64, packed [B, 4] float64)` of (token, raw
+    logprob, rank, samplable). The token is `argmax` of the masked row (NaN as -inf, +inf kept,
+    ties the lowest id), samplable when its value is above -inf, else the raw row's argmax
+    (NaN as -inf, +inf as the float32 max); logprob and rank are the token's under the raw
+    row read that way (`draw.finish`'s `log_softmax` terms, the rank 1 + the larger logits)."""
+    f32 = torch.finfo(torch.float32)
+    raw = logits.float()
+    masked = raw.clone()
+    for r, ids in enumerate(banned):
+        masked[r, list(ids)] = float("-inf")
+    ids, values = argmax(masked)
+    samplable = values > float("-inf")
+    clean = torch.nan_to_num(raw, nan=float("-inf"), posinf=f32.max, neginf=float("-inf"))
+    ids = torch.where(samplable, ids, clean.argmax(dim=-1))
+    chosen = clean.gather(1, ids.unsqueeze(1))
+    logprobs = (chosen - torch.logsumexp(clean, dim=-1, keepdim=True)).squeeze(1)
+    logprobs = torch.where(torch.isnan(logprobs), float("-inf"), logprobs)
+    ranks = (clean > chosen).sum(dim=-1) + 1
+    packed = torch.stack(
+        [ids.double(), logprobs.double(), ranks.double(), samplable.double()], dim=1
     )
     return ids, packed
 

@@ -68,12 +68,15 @@ class ForwardBatch:
     logits_spans: list[tuple[int, int]]
     #: LoRA routing of the rows (per-token slot tensor + per-slot row groups); None: base only.
     lora: LoraBatch | None = None
+    #: `logits_indices` is every hidden row in order (one-token decode rows): the hidden
+    #: states are the logits rows as they are.
+    logits_every_row: bool = False
 
 
 def build_forward_batch(
     rows: list[ForwardRow], num_decode: int, block_size: int, device: torch.device
 ) -> ForwardBatch:
-    if device.type == "cpu" and num_decode == len(rows) and _plain_decode(rows):
+    if device.type == "cpu" and num_decode == len(rows) and plain_decode_rows(rows):
         return _decode_batch(rows, block_size)
     query_lens = np.fromiter((len(r.tokens) for r in rows), dtype=np.int64, count=len(rows))
     starts = np.fromiter((r.start for r in rows), dtype=np.int64, count=len(rows))
@@ -166,7 +169,7 @@ def _sequential_rows(
     return len(marked), capture
 
 
-def _plain_decode(rows: list[ForwardRow]) -> bool:
+def plain_decode_rows(rows: list[ForwardRow]) -> bool:
     """Whether every row is a one-token decode row wanting its logits, on the base model,
     with no recurrent state (what `_decode_batch` builds)."""
     for r in rows:
@@ -211,4 +214,5 @@ def _decode_batch(rows: list[ForwardRow], block_size: int) -> ForwardBatch:
         meta=meta,
         logits_indices=torch.arange(n, dtype=torch.int64),
         logits_spans=[(i, 1) for i in range(n)],
+        logits_every_row=True,
     )

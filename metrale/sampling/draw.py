@@ -152,7 +152,26 @@ def grammar_greedy(row: SamplingRow) -> bool:
     )
 
 
-def _unprocessed_greedy(row: SamplingRow) -> bool:
+def stop_masked_greedy(row: SamplingRow) -> bool:
+    """A greedy row whose logits only min_tokens' stop-id mask may change (`plain_greedy` but
+    for that mask; `stop_mask` lists its ids): its token is the argmax of the raw logits
+    without them."""
+    return row.grammar is None and _unprocessed_greedy(row, stops_masked=True)
+
+
+def stop_mask(row: SamplingRow, vocab: int) -> list[int]:
+    """The ids `process_logits` masks for a `stop_masked_greedy` row: its stop ids while
+    `stop_tokens_allowed` is False (those in `[0, vocab)`), else none."""
+    params = row.params
+    if params.stop_tokens_allowed(row.step):
+        return []
+    masked = params.masked_stop_token_ids(row.eos_token_ids)
+    return sorted(token for token in masked if 0 <= token < vocab)
+
+
+def _unprocessed_greedy(row: SamplingRow, stops_masked: bool = False) -> bool:
+    """A greedy row that nothing processes first (`stops_masked`: but min_tokens' stop-id
+    mask, if it holds)."""
     params = row.params
     return (
         params.is_greedy
@@ -160,7 +179,7 @@ def _unprocessed_greedy(row: SamplingRow) -> bool:
         and not params.logit_bias
         and params.allowed_token_ids is None
         and not params.bad_words_token_ids
-        and params.stop_tokens_allowed(row.step)
+        and (stops_masked or params.stop_tokens_allowed(row.step))
         and not params.logprobs
     )
 

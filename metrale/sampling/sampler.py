@@ -40,7 +40,10 @@ once). `candidate_k_max=None` turns it off.
 Kernels: given `ops` (a `KernelOps`; the engine passes the model's, Triton on CUDA), a batch
 of greedy rows that nothing processes and that want no alternatives takes one
 `ops.greedy_logprobs` launch for the whole result (its logsumexp sums in another order than
-torch's); otherwise greedy rows take `ops.argmax`. Of the batches the candidate draw does not
+torch's); a batch of greedy rows that only min_tokens' stop-id mask processes (plain rows
+beside them) and that want no alternatives takes `ops.stop_masked_greedy` where the ops have
+it (the CPU's C kernel: the torch path's values bit for bit, in a few calls); otherwise
+greedy rows take `ops.argmax`. Of the batches the candidate draw does not
 take, one of at least `KERNEL_MIN_ROWS` non-greedy rows that the torch path would fully sort
 (a top-p row without top-k) takes `ops.top_k_top_p_sample` (no vocabulary sort) after the
 temperature; other batches keep the torch path, which measured faster for them on the H200 (see `KERNEL_MIN_ROWS`). Both paths
@@ -94,6 +97,8 @@ from metrale.sampling.draw import finish as _finish
 from metrale.sampling.draw import grammar_greedy as _grammar_greedy
 from metrale.sampling.draw import greedy as _greedy
 from metrale.sampling.draw import plain_greedy as _plain_greedy
+from metrale.sampling.draw import stop_mask as _stop_mask
+from metrale.sampling.draw import stop_masked_greedy as _stop_masked_greedy
 from metrale.sampling.draw import temper as _temper
 from metrale.sampling.params import SamplingParams, mix_seed
 from metrale.sampling.processing import process_logits, to_device
@@ -202,7 +207,8 @@ class Sampler:
                 f"got {candidate_k_max}"
             )
         self._candidate_k_max = candidate_k_max
-        #: Batches by the path they took ("greedy_kernel", "candidates", "kernel", "torch"),
+        #: Batches by the path they took ("greedy_kernel", "stop_masked_greedy_kernel",
+        #: "grammar_greedy_kernel", "candidates", "kernel", "torch"),
         #: "candidate_rerouted_rows" (rows of candidate draws that the full-row draw took,
         #: counted when read back), and "full_row:<reason>" (batches with a sampled row that
         #: the candidate draw could not take). Read by metrics and the benchmark.
@@ -251,6 +257,13 @@ class Sampler:
             # (1: nothing beats the argmax of unprocessed logits) and samplable, packed.
             token_ids, packed = self._ops.greedy_logprobs(logits)
             self._count("greedy_kernel")
+            return SampledBatch.from_kernel(token_ids, packed)
+        stop_masked = None if self._ops is None else self._ops.stop_masked_greedy
+        if stop_masked is not None and max_top == 0 and all(map(_stop_masked_greedy, rows)):
+            # Greedy rows that only min_tokens' stop-id mask changes (and plain ones beside
+            # them): the torch path's values, bit for bit, in one pass but its logsumexp.
+            token_ids, packed = stop_masked(logits, [_stop_mask(row, vocab) for row in rows])
+            self._count("stop_masked_greedy_kernel")
             return SampledBatch.from_kernel(token_ids, packed)
         if self._ops is not None and max_top == 0 and all(map(_grammar_greedy, rows)):
             # Greedy rows under a grammar: the argmax over the bitmask's allowed tokens, read

@@ -14,6 +14,7 @@ import pytest
 
 from metrale import Engine, EngineConfig, SamplingParams
 from metrale.kernels import cpu_decode
+from metrale.model_engine.transformer_model import TransformerModel
 from tests.helpers.checkpoints import DENSE_VARIANTS, build
 from tests.helpers.fused_decode import agreement, greedy_run, keep_finished
 
@@ -51,6 +52,29 @@ def test_fused_step_equals_the_layer_path(name: str, monkeypatch: pytest.MonkeyP
     for rid, (tokens, lps) in layers.items():
         assert fused[rid][0] == tokens, rid
         assert max(abs(a - b) for a, b in zip(fused[rid][1], lps)) < 1e-5, rid
+
+
+def test_rows_straight_from_the_host_lists_equal_the_metadata_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`decode_rows` (the fused step from the rows' host lists, what `TransformerModel` runs
+    for the forwards it takes whole) gives exactly what the step called with the forward's
+    `AttentionMetadata` gives: the same tokens and logprobs, bit for bit."""
+    calls = []
+    decode_rows = cpu_decode.CpuDecodeStack.decode_rows
+
+    def counted(self: cpu_decode.CpuDecodeStack, *args: Any) -> Any:
+        calls.append(1)
+        return decode_rows(self, *args)
+
+    monkeypatch.setattr(cpu_decode.CpuDecodeStack, "decode_rows", counted)
+    direct, engine = _run("qwen3-qknorm", "fused", monkeypatch)
+    taken = engine.model.forward_counters()["cpu_fused_decode_forwards"]
+    assert len(calls) == taken
+    monkeypatch.setattr(TransformerModel, "_fused_decode_rows", lambda *args: None)
+    through_meta, engine = _run("qwen3-qknorm", "fused", monkeypatch)
+    assert engine.model.forward_counters()["cpu_fused_decode_forwards"] == taken > 10
+    assert direct == through_meta
 
 
 def test_declines_what_it_does_not_compute(monkeypatch: pytest.MonkeyPatch) -> None:

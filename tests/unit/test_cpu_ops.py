@@ -229,3 +229,44 @@ def test_kernels_for_cpu_selects_the_lean_ops_unless_told_not_to(
     plain = kernels_for(torch.device("cpu"))
     assert plain.rms_norm is reference.rms_norm and plain.implementations["rms_norm"] == "torch"
     assert plain.qk_norm_rotary_write_kv is reference.qk_norm_rotary_write_kv
+
+
+@pytest.mark.parametrize("vocab", [512, 1000])
+def test_c_stop_masked_greedy_equals_the_reference_bit_for_bit(
+    vocab: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`CpuOps.stop_masked_greedy` (torch's logsumexp, then the C kernel) against
+    `sampling_reference.stop_masked_greedy`: every packed value equal, logprobs included: a
+    banned argmax (the next logit wins, rank 2), ties, -inf logits, a row whose only finite
+    logits are banned (the raw argmax, not samplable), a row without a finite logit, rows
+    banning nothing; logits with a NaN or +inf, strided logits and other dtypes run the
+    reference itself."""
+    ops = cpu_ops.CpuOps()
+    if ops._stop_masked is None:
+        pytest.skip("the C library cannot be built here")
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(8, vocab, generator=g) * 4
+    banned = [[2], [2], [2, 7], [1, 2], [3], [], [2], [0, 9]]
+    logits[0, 2] = logits[0].max() + 1  # the banned argmax: the next one wins
+    logits[1, 5] = logits[1, 300] = logits[1].max() + 1  # a tie: the lower id
+    logits[2, 11] = logits[2, 40] = float("-inf")
+    logits[3, :] = float("-inf")
+    logits[3, 1] = 4.0  # only banned finite logits: the raw argmax, not samplable
+    logits[4, :] = float("-inf")  # no finite logit: logprob -inf
+    logits[6, 2] = 90.0
+    logits[7, 0] = logits[7, 9] = logits[7].max() + 2  # both maxima banned
+    want_ids, want = sampling_reference.stop_masked_greedy(logits, banned)
+    with monkeypatch.context() as patched:  # the clean batch never reaches the reference
+        patched.setattr(sampling_reference, "stop_masked_greedy", None)
+        ids, packed = ops.stop_masked_greedy(logits, banned)
+    assert torch.equal(ids, want_ids) and torch.equal(packed, want)
+    assert want[0, 0] != 2 and want[0, 2] == 2 and ids[1] == 5
+    assert want[3, 3] == 0 and ids[3] == 1 and want[4, 1] == float("-inf") and ids[4] == 0
+    dirty = logits.clone()
+    dirty[2, 7] = float("inf")
+    dirty[5, 11] = float("nan")
+    wide = torch.cat([logits, logits[:, :5]], dim=1)[:, :vocab]
+    for other in (dirty, wide, logits.to(torch.bfloat16)):
+        got = ops.stop_masked_greedy(other, banned)
+        ref = sampling_reference.stop_masked_greedy(other, banned)
+        assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -70,6 +70,29 @@ def test_a_served_automatic_count_gets_a_governor(monkeypatch: pytest.MonkeyPatc
         torch.set_num_threads(before)
 
 
+def test_a_governed_engine_process_starts_with_a_short_openmp_spin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`engine_process_env`: `GOMP_SPINCOUNT` only for an engine process that will run a
+    governor, and never over the user's own OpenMP wait settings."""
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
+    for name in ("OMP_NUM_THREADS", "GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    cpu = EngineConfig(device="cpu")
+    spin = {"GOMP_SPINCOUNT": str(cpu_threads.GOVERNED_SPIN_COUNT)}
+    assert cpu_threads.engine_process_env(cpu, reserve=1) == spin
+    assert cpu_threads.engine_process_env(cpu, reserve=0) == {}
+    assert cpu_threads.engine_process_env(EngineConfig(device="cpu", cpu_threads=1), 1) == {}
+    assert cpu_threads.engine_process_env(EngineConfig(device="cuda"), 1) == {}
+    assert cpu_threads.engine_process_env(cpu, 1, {"OMP_NUM_THREADS": "1"}) == {}  # a replica
+    assert cpu_threads.engine_process_env(cpu, 1, {"CUDA_VISIBLE_DEVICES": ""}) == spin
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert cpu_threads.engine_process_env(cpu, reserve=1) == {}
+    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 1)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert cpu_threads.engine_process_env(cpu, reserve=1) == {}
+
+
 def test_governor_takes_every_core_for_large_steps_only_while_the_others_are_idle() -> None:
     """`CpuThreadGovernor`: nothing changes before a window has passed; then a step of
     `MIN_WORK` multiply-adds or more runs on `top` threads while the other processes keep less

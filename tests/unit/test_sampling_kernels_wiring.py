@@ -201,3 +201,38 @@ def test_top_p_keeps_the_reference_set(top_k: int, ties: bool) -> None:
     got = apply_top_p(no_top_p, ps, candidates)
     assert torch.equal(got > 0, want > 0)
     assert torch.equal(got, want)
+
+
+def test_stop_masked_greedy_rows_take_the_op_with_the_torch_path_results() -> None:
+    """Greedy rows under min_tokens' stop-id mask (with plain greedy rows beside them) take
+    `ops.stop_masked_greedy`, one call for the batch, and get exactly the torch path's tokens,
+    logprobs, ranks and samplable flags; a row that processes anything else, or wants
+    alternatives, keeps the torch path."""
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(4, 64, generator=g) * 3
+    logits[0, 2] = logits[0].max() + 1  # EOS the argmax: masked, the next one wins
+    logits[2, 5] = logits[2].max() + 1  # a stop id the argmax, allowed past min_tokens
+    eos = frozenset({2})
+    masked = SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[5], ignore_eos=True)
+    rows = [
+        SamplingRow(params=masked, output_token_ids=[1, 1], eos_token_ids=eos),
+        SamplingRow(params=SamplingParams(temperature=0.0), eos_token_ids=eos),
+        SamplingRow(params=masked, output_token_ids=[1, 1, 1, 1], eos_token_ids=eos),
+        SamplingRow(params=masked, output_token_ids=[1], eos_token_ids=eos, pending=1),
+    ]
+    op = _Counting(reference.stop_masked_greedy)
+    kernel = Sampler(ops=KernelOps(stop_masked_greedy=op))
+    got = kernel.sample(logits, rows).to_host()
+    want = Sampler().sample(logits, rows).to_host()
+    assert op.calls == 1 and kernel.stats == {"stop_masked_greedy_kernel": 1}
+    assert got == want
+    assert want.token_ids[0] != 2 and want.ranks[0] == 2 and want.token_ids[2] == 5
+    for other in (
+        SamplingParams(temperature=0.0, min_tokens=4, logprobs=2),
+        SamplingParams(temperature=0.0, min_tokens=4, repetition_penalty=1.2),
+        SamplingParams(temperature=0.7, min_tokens=4, seed=3),
+    ):
+        op.calls = 0
+        row = SamplingRow(params=other, output_token_ids=[1], eos_token_ids=eos)
+        kernel.sample(logits[:1], [row]).to_host()
+        assert op.calls == 0

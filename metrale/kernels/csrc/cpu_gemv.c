@@ -340,6 +340,58 @@ void metrale_greedy_logprobs_f32(const float *x, long rows, long vocab, long str
   }
 }
 
+/* The sampler's result for greedy rows whose logits only a few banned ids change (min_tokens'
+ * stop ids: metrale/kernels/cpu_ops.py, `stop_masked_greedy`), as the torch path computes it
+ * from float32 logits [rows, stride] none of which is NaN or +inf (else it returns 1 at once,
+ * and the caller runs the torch form): the token the first index of the largest logit, the
+ * row's banned ids (banned[starts[r] .. starts[r + 1]), each in [0, vocab)) read as -inf;
+ * samplable when that logit is above -inf, else the token the first index of the row's
+ * largest logit (the raw argmax fallback). packed[r] = (token, logprob = its logit - lse[r]
+ * in float32 (torch's logsumexp of the row, computed by the caller; NaN, a row of -inf only,
+ * as -inf), rank = 1 + the logits above the token's, samplable 1 or 0). Comparisons and one
+ * float32 subtraction: exactly the torch path's values. Returns 0. */
+long metrale_stop_masked_greedy_f32(const float *x, long rows, long vocab, long stride,
+                                    const long *starts, const long *banned, const float *lse,
+                                    long *ids, double *packed) {
+  for (long r = 0; r < rows; r++) {
+    const float *row = x + r * stride;
+    for (long t = 0; t < vocab; t++)
+      if (row[t] != row[t] || row[t] > 3.40282347e38f) return 1;
+  }
+  for (long r = 0; r < rows; r++) {
+    const float *row = x + r * stride;
+    long b0 = starts[r], b1 = starts[r + 1];
+    float m = -INFINITY, best = -INFINITY;
+    long arg = 0, raw_arg = 0;
+    for (long t = 0; t < vocab; t++) {
+      float v = row[t];
+      if (v > best) {
+        best = v;
+        raw_arg = t;
+      }
+      if (v > m) {
+        int is_banned = 0;
+        for (long b = b0; b < b1; b++) is_banned |= banned[b] == t;
+        if (!is_banned) {
+          m = v;
+          arg = t;
+        }
+      }
+    }
+    int samplable = m > -INFINITY;
+    if (!samplable) arg = raw_arg;
+    float c = row[arg], lp = c - lse[r];
+    long above = 0;
+    for (long t = 0; t < vocab; t++) above += row[t] > c;
+    ids[r] = arg;
+    packed[4 * r] = (double)arg;
+    packed[4 * r + 1] = lp != lp ? -INFINITY : (double)lp;
+    packed[4 * r + 2] = (double)(above + 1);
+    packed[4 * r + 3] = samplable ? 1.0 : 0.0;
+  }
+  return 0;
+}
+
 long metrale_decode_scratch(long rows, long hidden, long q_heads, long kv_heads, long dim,
                             long inter, long max_len) {
   return rows * (3 * hidden + (q_heads + 2 * kv_heads) * dim + q_heads * dim + 3 * inter) +
