@@ -87,6 +87,12 @@ LEAN_OPS = (
 )  # fmt: skip
 
 
+def _cpu_f32_rows(logits: torch.Tensor) -> bool:
+    """Whether `logits` is the C sampler kernels' input: float32 rows `[rows, vocab]` on the
+    CPU (each kernel states its own stride rule)."""
+    return logits.dtype == torch.float32 and logits.dim() == 2 and logits.device.type == "cpu"
+
+
 class CpuOps:
     """The lean ops (`LEAN_OPS`; the norms are the module's functions, the others keep a
     derived table or a loaded C kernel: see the module docstring)."""
@@ -291,13 +297,7 @@ class CpuOps:
         of a 0.2 ms tiny-model step). The same tokens, ranks and samplable flags; the
         logprob's exponential sum in its own fixed order (a few float32 ulp)."""
         fn = self._greedy
-        if (
-            fn is None
-            or logits.dtype != torch.float32
-            or logits.dim() != 2
-            or logits.device.type != "cpu"
-            or logits.stride(-1) != 1
-        ):
+        if fn is None or not _cpu_f32_rows(logits) or logits.stride(-1) != 1:
             return sampling_reference.greedy_logprobs(logits)
         rows, vocab = logits.shape
         ids = torch.empty(rows, dtype=torch.int64)
@@ -315,13 +315,7 @@ class CpuOps:
         benchmark's every token takes this path while its min_tokens holds). Logits with a
         NaN or +inf (the kernel says so) take the reference."""
         fn = self._stop_masked
-        if (
-            fn is None
-            or logits.dtype != torch.float32
-            or logits.dim() != 2
-            or logits.device.type != "cpu"
-            or not logits.is_contiguous()
-        ):
+        if fn is None or not _cpu_f32_rows(logits) or not logits.is_contiguous():
             return sampling_reference.stop_masked_greedy(logits, banned)
         rows, vocab = logits.shape
         starts = [0]
