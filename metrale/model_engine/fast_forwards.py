@@ -1,6 +1,7 @@
 """The forward paths that spare the host: the device token feed (a decode step whose input
-tokens are the previous step's sampled ids, still on the device) and decode-graph replays,
-which also take a forward of one-token prompt chunks.
+tokens are the previous step's sampled ids, still on the device), decode-graph replays,
+which also take a forward of one-token prompt chunks, and on the CPU the fused decode step
+run straight from the rows' host lists (no forward batch built).
 
 Owner: model-engine (a mixin of `TransformerModel`; the graphs are `cuda_graphs.py`'s).
 
@@ -21,16 +22,35 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from metrale.cache.hss import HostKvPool
 from metrale.cache.ssm_pool import SsmSlotPool
-from metrale.model_engine.batch import ForwardRow
+from metrale.kernels.cpu_decode import MAX_ROWS as FUSED_MAX_ROWS
+from metrale.kernels.cpu_decode import CpuDecodeStack
+from metrale.model_engine.batch import ForwardRow, plain_decode_rows
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
+from metrale.model_engine.lora import LoraManager
 from metrale.model_engine.traits import FED_TOKEN, FeedSource, SequenceState, Stream
 
 
+def fed_ids(tokens: torch.Tensor, from_rows: list[int]) -> torch.Tensor:
+    """The input ids of fed decode rows: row `i` reads `tokens[from_rows[i]]` (the previous
+    step's sampled ids, on the device), read in place when every row reads its own."""
+    n = len(from_rows)
+    if tokens.shape[0] == n and from_rows == list(range(n)):
+        return tokens
+    index = torch.tensor(from_rows, dtype=torch.int64).to(tokens.device, non_blocking=True)
+    return tokens.index_select(0, index)
+
+
 class FastForwards:
-    """The device token feed and decode-graph replays of a `TransformerModel`."""
+    """The device token feed, decode-graph replays and the CPU's fused step from host lists
+    of a `TransformerModel`."""
 
     graph_runner: DecodeGraphRunner | None
+    cpu_decode: CpuDecodeStack | None
+    device: torch.device
+    hss: HostKvPool | None
+    lora: LoraManager | None
     ssm_pool: SsmSlotPool | None
     mtp_enabled: bool
     graphed_prompt_chunks: int
@@ -130,3 +150,36 @@ class FastForwards:
         if self.mtp_enabled:
             self._keep_mtp_rows(rows, runner.head_hidden(len(rows), 1), owned=False)
         return logits
+
+    def _fused_decode_rows(
+        self,
+        rows: list[ForwardRow],
+        num_decode: int,
+        feed: tuple[torch.Tensor, list[int]] | None,
+    ) -> torch.Tensor | None:
+        """The final hidden states of a forward the CPU's fused step takes whole (one-token
+        decode rows of resident blocks, on the base text model: what `_forward` would run
+        through it from the batch it builds), computed from the rows' host lists without
+        that batch; None for any other forward (it takes the general path)."""
+        fused = self.cpu_decode
+        if (
+            fused is None
+            or num_decode != len(rows)
+            or not 0 < len(rows) <= FUSED_MAX_ROWS
+            or self.device.type != "cpu"
+            or self.hss is not None
+            or self.ssm_pool is not None
+            or self.lora is not None
+            or self.mtp_enabled
+            or (feed is not None and len(feed[1]) != len(rows))
+            or self._vision_rows_present(rows)
+            or not plain_decode_rows(rows)
+        ):
+            return None
+        if feed is None:
+            input_ids = torch.tensor([r.tokens[0] for r in rows], dtype=torch.int64)
+        else:
+            input_ids = fed_ids(*feed)
+        return fused.decode_rows(
+            input_ids, [r.start for r in rows], [r.seq.block_table for r in rows]
+        )

@@ -58,11 +58,10 @@ from metrale.cache.ssm_pool import SsmSlotPool
 from metrale.cache.ssm_snapshots import SnapshotCost, SsmSnapshotStore
 from metrale.errors import InvalidRequestError, KVCacheExhausted
 from metrale.kernels import KernelOps
-from metrale.kernels.cpu_decode import MAX_ROWS as FUSED_MAX_ROWS
 from metrale.kernels.cpu_decode import CpuDecodeStack
-from metrale.model_engine.batch import ForwardRow, build_forward_batch, plain_decode_rows
+from metrale.model_engine.batch import ForwardRow, build_forward_batch
 from metrale.model_engine.cuda_graphs import DecodeGraphRunner
-from metrale.model_engine.fast_forwards import FastForwards
+from metrale.model_engine.fast_forwards import FastForwards, fed_ids
 from metrale.model_engine.kv_lifecycle import PagedKvLifecycle
 from metrale.model_engine.lora import LoraAdapters
 from metrale.model_engine.mtp import MtpDrafting, require_mtp_head
@@ -414,16 +413,12 @@ class TransformerModel(
         batch = build_forward_batch(rows, num_decode, self.block_size, self.device)
         if batch.lora is not None and self.lora is None:
             raise ValueError("a row selects a LoRA slot but the model serves no adapters")
-        if feed is not None:
-            tokens, from_rows = feed
-            n = len(from_rows)
-            if n == tokens.shape[0] == batch.input_ids.shape[0] and from_rows == list(range(n)):
-                batch.input_ids = tokens  # every row fed from its own row: read in place
+        if feed is not None:  # the decode rows come first
+            ids = fed_ids(*feed)
+            if ids.shape[0] == batch.input_ids.shape[0]:
+                batch.input_ids = ids
             else:
-                index = torch.tensor(from_rows, dtype=torch.int64).to(
-                    self.device, non_blocking=True
-                )
-                batch.input_ids[:n] = tokens.index_select(0, index)
+                batch.input_ids[: ids.shape[0]] = ids
         batch.meta.host_kv = self.hss
         if self.hss is not None and self.hss.cuda:  # the Triton kernels read device blocks
             tables = [r.seq.block_table for r in rows]
@@ -468,43 +463,6 @@ class TransformerModel(
             selected = hidden.index_select(0, batch.logits_indices)
         self._last_hidden = selected
         return self.module.compute_logits(selected).float(), batch.logits_spans
-
-    def _fused_decode_rows(
-        self,
-        rows: list[ForwardRow],
-        num_decode: int,
-        feed: tuple[torch.Tensor, list[int]] | None,
-    ) -> torch.Tensor | None:
-        """The final hidden states of a forward the CPU's fused step takes whole (one-token
-        decode rows of resident blocks, on the base text model: what `_forward` would run
-        through it from the batch it builds), computed from the rows' host lists without
-        that batch; None for any other forward (it takes the general path)."""
-        fused = self.cpu_decode
-        if (
-            fused is None
-            or num_decode != len(rows)
-            or not 0 < len(rows) <= FUSED_MAX_ROWS
-            or self.device.type != "cpu"
-            or self.hss is not None
-            or self.ssm_pool is not None
-            or self.lora is not None
-            or self.mtp_enabled
-            or (feed is not None and len(feed[1]) != len(rows))
-            or self._vision_rows_present(rows)
-            or not plain_decode_rows(rows)
-        ):
-            return None
-        if feed is None:
-            input_ids = torch.tensor([r.tokens[0] for r in rows], dtype=torch.int64)
-        else:
-            tokens, from_rows = feed
-            if tokens.shape[0] == len(rows) and from_rows == list(range(len(rows))):
-                input_ids = tokens  # every row fed from its own row: read in place
-            else:
-                input_ids = tokens.index_select(0, torch.tensor(from_rows, dtype=torch.int64))
-        return fused.decode_rows(
-            input_ids, [r.start for r in rows], [r.seq.block_table for r in rows]
-        )
 
     # ------------------------------------------------------------------- logits
 
