@@ -12,7 +12,7 @@ returns, split into the step itself and the time outside it (the bench's loop: r
 finished requests), with and without a finished request in the step; for each main-thread
 phase (the engine's methods, wrapped with any signature) the median start and duration
 from the step's start; for the worker threads, the median of each step's matcher accepts
-(`GrammarState.sync_many`) and rows filled ahead (`GrammarState.prefill_rows`), summed over
+(`GrammarState.sync_many`) and rows filled ahead (`grammar_rows.prefill_rows`), summed over
 the chunks and as the longest chunk. Writes nothing (a profiling tool, not a benchmark:
 the timers cost a little).
 """
@@ -84,8 +84,8 @@ def instrument(timeline: Timeline) -> None:
     for name in MAIN_PHASES:
         setattr(Engine, name, timeline.timed(name, getattr(Engine, name)))
     Future.result = timeline.timed("wait: grammar work", Future.result)  # type: ignore[method-assign]
-    for name in ("sync_many", "prefill_rows"):
-        setattr(GrammarState, name, staticmethod(timeline.timed(name, getattr(GrammarState, name))))
+    GrammarState.sync_many = staticmethod(timeline.timed("sync_many", GrammarState.sync_many))  # type: ignore[method-assign]
+    grammar_advance.prefill_rows = timeline.timed("prefill_rows", grammar_advance.prefill_rows)
 
 
 def run(args: argparse.Namespace) -> None:

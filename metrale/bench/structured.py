@@ -10,7 +10,7 @@ each at greedy and at temperature 0.7. Dummy weights of a config shape (e.g.
 `bench/configs/qwen3-8b`), so what the grammar allows, not what the model would pick, drives
 the matchers: a row whose grammar ends starts again on a fresh matcher (a new request with
 the same schema), so every step keeps C constrained rows. Also timed alone: the host's
-bitmask fill for the C rows (`GrammarState.fill_rows`), which on CUDA overlaps the forward.
+bitmask fill for the C rows (`grammar_rows.fill_rows`), which on CUDA overlaps the forward.
 
 The tokenizer decides the grammar's cost: `--tokenizer DIR` (a real checkpoint's
 `tokenizer.json`, e.g. Qwen3's 151k byte-level BPE) is the realistic figure; without it a
@@ -40,7 +40,8 @@ from metrale.bench.record import write_record
 from metrale.bench.spec_cost import prefilled_seqs
 from metrale.config import EngineConfig
 from metrale.engine.engine import Engine
-from metrale.sampling.grammar import GrammarState, bitmask_words
+from metrale.sampling.grammar import bitmask_words
+from metrale.sampling.grammar_rows import fill_rows
 from metrale.sampling.params import SamplingParams
 from metrale.sampling.sampler import SamplingRow
 from metrale.sampling.structured import GrammarSpec
@@ -209,7 +210,7 @@ def step_cost(
             times.append(time.perf_counter() - start)
             if states is not None:
                 begin = time.perf_counter()
-                GrammarState.fill_rows(host, states)
+                fill_rows(host, states)
                 fills.append(time.perf_counter() - begin)
     for seq in seqs:
         model.free_sequence(seq)

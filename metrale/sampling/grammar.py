@@ -4,7 +4,7 @@ Owner: sampling. `GrammarBackend` (one per engine) turns a `GrammarSpec` into an
 `CompiledGrammar` over the model's vocabulary (a `TokenizerInfo` built from our `Tokenizer`)
 and caches it by the spec's key; `GrammarState` (one per sequence) is a matcher that follows
 the sequence's accepted tokens and fills bitmask rows; the step's bitmask (sent to the
-device and applied there) is `grammar_mask`'s.
+device and applied there) is `grammar_mask`'s, its rows `grammar_rows`'s.
 
 Invariants:
 - A `GrammarState`'s matcher has accepted exactly the sequence's output tokens: `sync(tokens)`
@@ -295,8 +295,8 @@ class GrammarState:
         self.rollbacks = 0
         #: Bumped whenever the synced list changes (a prefilled row's validity).
         self._version = 0
-        #: A bitmask row filled ahead (`prefill_rows`): the position it is valid at, the
-        #: block of rows it was filled in and its row there.
+        #: A bitmask row filled ahead (`grammar_rows.prefill_rows`): the position it is valid
+        #: at, the block of rows it was filled in and its row there.
         self._prefilled: tuple[tuple[int, int, bool], Tensor, int] | None = None
         #: Rows taken from a prefill instead of filled at sample time (tests, metrics).
         self.prefill_hits = 0
@@ -415,93 +415,6 @@ class GrammarState:
         """What a fill depends on: the synced list (its version), how much of it the matcher
         accepted, and termination."""
         return self._version, self._accepted, self._terminated
-
-    @staticmethod
-    def prefill_rows(
-        states: Sequence[GrammarState],
-        words: int,
-        block: Tensor | None = None,
-        start: int = 0,
-        batch: Any = None,
-    ) -> None:
-        """Fill each state's next bitmask row now (`states[j]` in row `start + j` of `block`,
-        a fresh one when None) and keep it with the position it is valid at; a later
-        `fill_rows` at that same position copies it instead of filling. `batch`: the xgrammar
-        batch matcher to fill with (None: the states' own)."""
-        if block is None:
-            block = torch.empty((len(states), words), dtype=torch.int32)
-        GrammarState.fill_rows(block[start : start + len(states)], states, batch)
-        for j, state in enumerate(states):
-            state._prefilled = (state._position(), block, start + j)
-
-    @staticmethod
-    def fill_rows(bitmask: Tensor, states: Sequence[GrammarState], batch: Any = None) -> None:
-        """`bitmask[j]` for every `states[j]` (each state once): rows prefilled at the
-        state's current position copied, the other live ones in one batched xgrammar call
-        (threads; `batch`, else the states' own matcher), the rest one by one."""
-        if GrammarState._copy_prefilled_block(bitmask, states):
-            return
-        ahead: list[int] = []
-        unfilled: list[int] = []
-        #: id(prefilled block) -> (the block, the rows here, their rows there)
-        by_block: dict[int, tuple[Tensor, list[int], list[int]]] = {}
-        for j, state in enumerate(states):
-            pre, state._prefilled = state._prefilled, None
-            if pre is not None and pre[0] == state._position():
-                entry = by_block.setdefault(id(pre[1]), (pre[1], [], []))
-                entry[1].append(j)
-                entry[2].append(pre[2])
-                ahead.append(j)
-                state.prefill_hits += 1
-            else:
-                unfilled.append(j)
-        for source, rows, from_rows in by_block.values():  # one gather per block, not per row
-            picked = source.index_select(0, torch.tensor(from_rows, dtype=torch.int64))
-            bitmask.index_copy_(0, torch.tensor(rows, dtype=torch.int64), picked)
-        if ahead:  # fill the others into a scratch and put each row in its place
-            if unfilled:
-                sub = torch.empty((len(unfilled), bitmask.shape[1]), dtype=bitmask.dtype)
-                GrammarState.fill_rows(sub, [states[j] for j in unfilled], batch)
-                bitmask.index_copy_(0, torch.tensor(unfilled, dtype=torch.int64), sub)
-            return
-        live = [j for j, state in enumerate(states) if state.live]
-        if live and batch is None:
-            batch = states[live[0]]._batch
-        if batch is not None and len(live) > 1:
-            batch.batch_fill_next_token_bitmask([states[j]._matcher for j in live], bitmask, live)
-            by_extra: dict[int, tuple[Tensor, list[int]]] = {}
-            for j in live:  # rows sharing an extra mask (JSON's no-control row) in one op
-                extra = states[j]._extra_mask
-                if extra is not None:
-                    by_extra.setdefault(id(extra), (extra, []))[1].append(j)
-            for extra, rows in by_extra.values():
-                index = torch.tensor(rows, dtype=torch.int64)
-                bitmask.index_copy_(0, index, bitmask.index_select(0, index) & extra)
-            live_set = set(live)
-            rest = [j for j in range(len(states)) if j not in live_set]
-        else:
-            rest = list(range(len(states)))
-        for j in rest:
-            states[j].fill(bitmask, j)
-
-    @staticmethod
-    def _copy_prefilled_block(bitmask: Tensor, states: Sequence[GrammarState]) -> bool:
-        """The engine's common case in one light pass: row j of one prefilled block holds
-        `states[j]`'s row at its current position, for every j; then one copy. False (and
-        nothing changed) otherwise."""
-        first = states[0]._prefilled if states else None
-        if first is None or first[1].shape != bitmask.shape:
-            return False
-        block = first[1]
-        for j, state in enumerate(states):
-            pre = state._prefilled
-            if pre is None or pre[1] is not block or pre[2] != j or pre[0] != state._position():
-                return False
-        for state in states:
-            state._prefilled = None
-            state.prefill_hits += 1
-        bitmask.copy_(block)
-        return True
 
     def fill(self, bitmask: Tensor, row: int, committed: int | None = None) -> None:
         """Write this sequence's allowed next tokens into `bitmask[row]` (CPU int32).

@@ -2,7 +2,7 @@
 
 Owner: sampling. `advance_in_chunks` is `GrammarBackend.advance_async`'s body: the constrained
 rows' matchers accept their newest tokens (`GrammarState.sync_many`), then the next step's
-bitmask rows are filled ahead (`GrammarState.prefill_rows`), both in chunks of rows, one
+bitmask rows are filled ahead (`grammar_rows.prefill_rows`), both in chunks of rows, one
 worker thread and one xgrammar batch matcher per chunk, so a 64-row step does not run its
 accepts one after another (xgrammar's batched accept is a serial loop: ~2.4-2.9 ms for 64
 rows of a JSON-schema tool call on the H200 host, ~1.4-1.6 ms in four chunks).
@@ -11,7 +11,7 @@ Invariants:
 - A state's accept and its prefilled row are in the same chunk, the accept first: a row is
   filled only once its matcher has taken the step's token. Each state is in one chunk.
 - The prefilled rows of one call share one host block, in `prefill` order, so the sampler's
-  common case (every row prefilled, in order) is one copy (`GrammarState.fill_rows`).
+  common case (every row prefilled, in order) is one copy (`grammar_rows.fill_rows`).
 - The returned future is done once every chunk is; it raises the first chunk's error.
 """
 
@@ -23,6 +23,8 @@ from concurrent.futures import Executor, Future
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from metrale.sampling.grammar_rows import prefill_rows
 
 if TYPE_CHECKING:
     from metrale.sampling.grammar import GrammarState
@@ -65,7 +67,7 @@ def advance_in_chunks(
             GrammarState.sync_many(sync_states, sync_outputs)
         start, end = bounds[k], bounds[k + 1]
         if end > start:
-            GrammarState.prefill_rows(prefill[start:end], words, block, start, batches[k])
+            prefill_rows(prefill[start:end], words, block, start, batches[k])
 
     return _joined([executor.submit(work, k) for k in range(count)])
 

@@ -2,7 +2,7 @@
 
 Owner: sampling. `grammar_bitmask` syncs each constrained row's `GrammarState` to its output,
 fills one bitmask row per state on the host (prefilled rows copied, the rest in one batched
-xgrammar call: `GrammarState.fill_rows`) and sends the `[rows, ceil(V / 32)]` int32 words to
+xgrammar call: `grammar_rows.fill_rows`) and sends the `[rows, ceil(V / 32)]` int32 words to
 the device; `apply_grammar_masks` sets every token the grammar forbids to -inf through the
 `apply_token_bitmask` op (the torch reference, or one Triton launch on CUDA), and the sampler's
 greedy grammar rows skip the masked logits altogether (`KernelOps.masked_argmax` reads the
@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from metrale.sampling.grammar_rows import fill_rows
 
 if TYPE_CHECKING:
     from metrale.kernels import KernelOps
@@ -95,7 +97,6 @@ def grammar_bitmask(
     after `tokens[j]` (that sequence's output, which the state is synced to first). A verify
     row's positions share one state: `tokens[j]` is then the output plus the drafts before
     that position, `committed[j]` the output's length (see `GrammarState.fill`)."""
-    from metrale.sampling.grammar import GrammarState
     from metrale.sampling.processing import to_device
 
     words = bitmask_words(vocab)
@@ -108,7 +109,7 @@ def grammar_bitmask(
     if not shared and (committed is None or all(c is None for c in committed)):
         for state, output in zip(states, tokens, strict=True):
             state.sync(output)
-        GrammarState.fill_rows(host, states)
+        fill_rows(host, states)
     else:
         for j, (state, output) in enumerate(zip(states, tokens, strict=True)):
             own = committed[j] if committed is not None else None

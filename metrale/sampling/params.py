@@ -65,6 +65,16 @@ def mix_seed(seed: int, *parts: int) -> int:
     return h
 
 
+def row_uniform(seed: int, step: int) -> float:
+    """The uniform in (0, 1) of a seeded row's draw number `step` (pure function of both)."""
+    return uniform_from_bits(mix_seed(seed, step) >> 11)
+
+
+def uniform_from_bits(bits53: int) -> float:
+    """53 random bits as a float in (0, 1): the bin's midpoint, never 0 nor 1."""
+    return (bits53 + 0.5) * 2.0**-53
+
+
 def derive_choice_seed(seed: int | None, choice_index: int) -> int | None:
     """The effective seed of choice `choice_index` of a request seeded with `seed`.
 

@@ -100,7 +100,7 @@ from metrale.sampling.draw import plain_greedy as _plain_greedy
 from metrale.sampling.draw import stop_mask as _stop_mask
 from metrale.sampling.draw import stop_masked_greedy as _stop_masked_greedy
 from metrale.sampling.draw import temper as _temper
-from metrale.sampling.params import SamplingParams, mix_seed
+from metrale.sampling.params import SamplingParams, mix_seed, row_uniform, uniform_from_bits
 from metrale.sampling.processing import process_logits, to_device
 from metrale.sampling.result import SampledBatch, SamplerOutput
 
@@ -166,16 +166,6 @@ class SamplingRow:
     def step(self) -> int:
         """Index of the token being sampled within the output (the seeded draw's counter)."""
         return len(self.output_token_ids) + self.pending
-
-
-def row_uniform(seed: int, step: int) -> float:
-    """The uniform in (0, 1) of a seeded row's draw number `step` (pure function of both)."""
-    return _uniform_from_bits(mix_seed(seed, step) >> 11)
-
-
-def _uniform_from_bits(bits53: int) -> float:
-    """53 random bits as a float in (0, 1): the bin's midpoint, never 0 nor 1."""
-    return (bits53 + 0.5) * 2.0**-53
 
 
 class Sampler:
@@ -498,7 +488,7 @@ class Sampler:
     def _uniform(self, row: SamplingRow) -> float:
         seed = row.effective_seed
         if seed is None:
-            return _uniform_from_bits(self._rng.getrandbits(53))
+            return uniform_from_bits(self._rng.getrandbits(53))
         return row_uniform(seed, row.step)
 
 
