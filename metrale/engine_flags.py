@@ -91,7 +91,8 @@ FLAG_HELP = {
     "load_format": "auto | dummy (random weights of the config's shapes)",
     "quantization": "fp8: quantize a float checkpoint's attention/MLP projections to FP8 E4M3 "
     "(per-channel scales) at load and run FP8 kernels (CUDA only; FP8 checkpoints need no "
-    "flag) (default: none)",
+    "flag) | fp8-block: the same with one scale per 128x128 block, the layout of FP8 "
+    "checkpoints such as Qwen3-*-FP8 (default: none)",
     "generation_config": "auto: unset temperature / top_p / top_k / min_p / repetition_penalty "
     "take the model's generation_config.json values (as vLLM) | none: the engine's defaults",
     "async_scheduling": "launch each plain decode step before the previous one is read back "

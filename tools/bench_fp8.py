@@ -7,7 +7,9 @@ Usage (CUDA only; about two minutes on an H200 for Qwen3-8B, two engine start-up
 Method (the `metrale bench latency` instrument, `metrale.bench.offline`, run twice):
 - The same shape is loaded with `--load-format dummy` in bf16, then with `--quantization fp8`
   (the random bf16 weights quantized at load, per-channel scales: the attention and MLP
-  projections in FP8, embeddings / lm_head / norms in bf16). Each engine decodes `--tokens`
+  projections in FP8, embeddings / lm_head / norms in bf16), then (unless `--no-block`) with
+  `--quantization fp8-block` (128x128 block scales: the layout of FP8 checkpoints, recorded
+  beside the bars, not one of them). Each engine decodes `--tokens`
   tokens after a `--prompt-len` prompt at batch 1 (CUDA graphs as served), after a 16-token
   warm-up; tok/s = (generated - 1) / (last token - first token).
 - Roofline of each: measured copy bandwidth / bytes one decode step reads, where the bytes
@@ -164,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kernels", action="store_true", help="time the projections alone (see the docstring)"
     )
+    parser.add_argument(
+        "--block", action=argparse.BooleanOptionalAction, default=True,
+        help="also measure --quantization fp8-block (128x128 scales, FP8 checkpoints' layout)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
@@ -173,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return _kernels(args)
     bf16 = _measure(args, None)
     fp8 = _measure(args, "fp8")
+    block = _measure(args, "fp8-block") if args.block else None
     speedup = fp8["tok_s"] / bf16["tok_s"]
     bars = {
         "fp8_roofline_ratio": fp8["roofline_ratio"],
@@ -183,13 +190,20 @@ def main(argv: list[str] | None = None) -> int:
         "fp8_vs_bf16_pass": speedup >= SPEEDUP_BAR,
         "kv_blocks_ratio": fp8["kv_blocks"] / bf16["kv_blocks"],
     }
+    if block is not None:  # not a bar: what an FP8 checkpoint's layout runs at
+        bars["fp8_block_roofline_ratio"] = block["roofline_ratio"]
+        bars["fp8_block_vs_bf16"] = block["tok_s"] / bf16["tok_s"]
     shape = args.shape or Path(args.config_dir).name
     path = write_record(
-        "fp8-latency", model_shape=shape, figures={"bf16": bf16, "fp8": fp8, "bars": bars},
+        "fp8-latency", model_shape=shape,
+        figures={"bf16": bf16, "fp8": fp8, "fp8_block": block, "bars": bars},
         device=args.device, config=offline.vars_of(args), out_dir=args.out_dir,
-        notes="batch-1 decode, random weights; fp8 = --quantization fp8 (per-channel scales)",
+        notes="batch-1 decode, random weights; fp8 = --quantization fp8 (per-channel scales), "
+        "fp8_block = --quantization fp8-block (128x128 scales)",
     )  # fmt: skip
-    for name, figures in (("bf16", bf16), ("fp8", fp8)):
+    for name, figures in (("bf16", bf16), ("fp8", fp8), ("block", block)):
+        if figures is None:
+            continue
         print(
             f"{name:5s} {figures['tok_s']:8.1f} tok/s  roofline {figures['roofline_tok_s']:8.1f} "
             f"({figures['roofline_ratio']:.2f})  step {figures['step_ms_median']:.3f} ms  "

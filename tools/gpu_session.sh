@@ -323,7 +323,7 @@ print(peer)" >"$OUT/serve_hybrid_peer.log" 2>&1
     ;;
   fp8)
     stamp "fp8 weights: qwen3-8b batch-1 decode, bf16 vs --quantization fp8, each vs its roofline"
-    timeout 420 python3 tools/bench_fp8.py --config-dir bench/configs/qwen3-8b --out-dir "$OUT" \
+    timeout 560 python3 tools/bench_fp8.py --config-dir bench/configs/qwen3-8b --out-dir "$OUT" \
       >"$OUT/fp8.log" 2>&1
     echo "rc=$?"; tail -16 "$OUT/fp8.log"; grep -iE "weights:|Error" "$OUT/fp8.log" | tail -4
     ;;

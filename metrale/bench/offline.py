@@ -291,7 +291,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     add_model_flags(parser, config_required=True, config_help=COMMITTED_CONFIG_HELP)
     add_engine_flags(parser, max_model_len=4096)
     parser.add_argument(
-        "--quantization", default=None, choices=["fp8"],
+        "--quantization", default=None, choices=["fp8", "fp8-block"],
         help="fp8: the projections quantized to FP8 at load (the roofline counts them at 1 byte)",
     )  # fmt: skip
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)

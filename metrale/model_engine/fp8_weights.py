@@ -14,7 +14,9 @@ Invariants:
   are converted (a projection it lists as not converted, the lm_head and the embeddings stay
   in the model dtype).
 - `--quantization fp8` on a float checkpoint quantizes every attention / MLP projection with
-  one scale per output row (`reference.quantize_fp8(w, None)`).
+  one scale per output row (`reference.quantize_fp8(w, None)`); `fp8-block` with one scale
+  per 128 x 128 block (`ONLINE_BLOCK`), the layout FP8 checkpoints ship, so their kernels
+  can be measured on any float or dummy checkpoint.
 - The memory the float projections held is returned to the device before the KV budget is
   read, so the KV pool gets it.
 """
@@ -37,6 +39,9 @@ from metrale.models.quantization import WeightQuant
 
 logger = logging.getLogger(__name__)
 
+#: The scale blocks of `--quantization fp8-block` (those of Qwen3-*-FP8 / DeepSeek checkpoints).
+ONLINE_BLOCK = (128, 128)
+
 
 @dataclass(frozen=True)
 class Fp8Plan:
@@ -44,17 +49,19 @@ class Fp8Plan:
 
     #: Scale layout: `(bo, bi)` blocks, or None (one scale per output row).
     block: tuple[int, int] | None
-    #: True: quantize float weights at load (`--quantization fp8`); False: the checkpoint's.
+    #: True: quantize float weights at load (`--quantization fp8[-block]`); False: the
+    #: checkpoint's.
     online: bool
 
 
 def plan(config: EngineConfig, quant: WeightQuant | None, device: torch.device) -> Fp8Plan | None:
     """The FP8 plan for this load, None when every weight takes the model dtype."""
     if device.type != "cuda":
-        if config.quantization == "fp8":
+        if config.quantization is not None:
             raise InvalidRequestError(
-                "quantization 'fp8' runs on CUDA only (the CPU has no FP8 kernels); leave it "
-                "unset on the CPU (an FP8 checkpoint is then dequantized at load)",
+                f"quantization '{config.quantization}' runs on CUDA only (the CPU has no FP8 "
+                "kernels); leave it unset on the CPU (an FP8 checkpoint is then dequantized "
+                "at load)",
                 param="quantization",
             )
         return None
@@ -69,6 +76,8 @@ def plan(config: EngineConfig, quant: WeightQuant | None, device: torch.device) 
         return Fp8Plan(block, online=False)
     if config.quantization == "fp8":
         return Fp8Plan(None, online=True)
+    if config.quantization == "fp8-block":
+        return Fp8Plan(ONLINE_BLOCK, online=True)
     return None
 
 

@@ -229,10 +229,14 @@ def test_fp8_block_checkpoint_on_cuda_tracks_the_cpu_dequantized_run(tmp_path: P
     assert identical >= 0.9 * len(prompts), f"only {identical}/{len(prompts)} identical"
 
 
-def test_online_fp8_quantization_on_cuda() -> None:
-    """`--quantization fp8` on the bundled trained model (real margins): the projections are
-    FP8 with per-row scales, the weights take fewer bytes, and the bf16 run's greedy tokens
-    are kept or first left at one of its top-5 tokens."""
+@pytest.mark.parametrize(
+    ("method", "scales"), [("fp8", "per-channel"), ("fp8-block", "block 128x128")]
+)
+def test_online_fp8_quantization_on_cuda(method: str, scales: str) -> None:
+    """`--quantization fp8` (per-row scales) and `fp8-block` (128x128 block scales) on the
+    bundled trained model (real margins): the projections are FP8 with those scales, the
+    weights take fewer bytes, and the bf16 run's greedy tokens are kept or first left at one
+    of its top-5 tokens."""
     _cuda_only()
     from metrale import LLM, SamplingParams
     from tests.helpers.parity import count_identical_or_near_ties
@@ -241,8 +245,8 @@ def test_online_fp8_quantization_on_cuda() -> None:
              "# Copyright", "from typing import", "def main():\n", "x = ["]  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16, logprobs=5)
     base = LLM(None, device="cuda", dtype="bfloat16", num_kv_blocks=300)
-    fp8 = LLM(None, device="cuda", dtype="bfloat16", num_kv_blocks=300, quantization="fp8")
-    assert fp8.engine.load_report.weight_dtype.startswith("fp8 e4m3 (per-channel")
+    fp8 = LLM(None, device="cuda", dtype="bfloat16", num_kv_blocks=300, quantization=method)
+    assert fp8.engine.load_report.weight_dtype.startswith(f"fp8 e4m3 ({scales}")
     assert fp8.engine.load_report.weights_bytes < base.engine.load_report.weights_bytes
     prompts = [base.get_tokenizer().encode(t) for t in texts]
     identical = count_identical_or_near_ties(

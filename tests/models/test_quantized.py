@@ -239,15 +239,22 @@ def test_online_fp8_quantizer_round_trip_error_is_bounded(block: tuple[int, int]
         torch.testing.assert_close(back[rows, cols], w[rows, cols], rtol=1e-6, atol=0)
 
 
-def test_online_fp8_is_refused_on_the_cpu() -> None:
-    with pytest.raises(InvalidRequestError, match="CUDA only"):
-        LLM(str(build(QWEN3)), device="cpu", quantization="fp8")
+@pytest.mark.parametrize("method", ["fp8", "fp8-block"])
+def test_online_fp8_is_refused_on_the_cpu(method: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"quantization '{method}' runs on CUDA only"):
+        LLM(str(build(QWEN3)), device="cpu", quantization=method)
 
 
-def test_online_fp8_layer_path_tracks_the_float_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--quantization fp8`'s load path (projections quantized per row after loading, then run
-    through `linear_fp8`, here the reference) on the bundled trained model: the weights take
-    fewer bytes, and greedy tokens equal the float32 run's or first leave them at a near tie."""
+@pytest.mark.parametrize(
+    ("method", "scales"), [("fp8", "per-channel"), ("fp8-block", "block 128x128")]
+)
+def test_online_fp8_layer_path_tracks_the_float_run(
+    monkeypatch: pytest.MonkeyPatch, method: str, scales: str
+) -> None:
+    """`--quantization fp8`'s load path (projections quantized per row, or per 128x128 block
+    with `fp8-block`, after loading, then run through `linear_fp8`, here the reference) on the
+    bundled trained model: the weights take fewer bytes, and greedy tokens equal the float32
+    run's or first leave them at a near tie."""
     real_plan = fp8_weights.plan
     monkeypatch.setattr(
         fp8_weights,
@@ -255,9 +262,9 @@ def test_online_fp8_layer_path_tracks_the_float_run(monkeypatch: pytest.MonkeyPa
         lambda config, quant, device: real_plan(config, quant, torch.device("cuda")),
     )
     base = LLM(None, device="cpu", dtype="float32", num_kv_blocks=100)
-    fp8 = LLM(None, device="cpu", dtype="float32", num_kv_blocks=100, quantization="fp8")
+    fp8 = LLM(None, device="cpu", dtype="float32", num_kv_blocks=100, quantization=method)
     report = fp8.engine.load_report
-    assert report.weight_dtype.startswith("fp8 e4m3 (per-channel scales, quantized at load")
+    assert report.weight_dtype.startswith(f"fp8 e4m3 ({scales} scales, quantized at load")
     assert report.weights_bytes < 0.6 * base.engine.load_report.weights_bytes
     tok = base.get_tokenizer()
     prompts = [tok.encode(t) for t in ("def fibonacci(n):\n", "import os\n\n", "class Stack:\n")]
