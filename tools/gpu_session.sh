@@ -71,6 +71,8 @@ serve_rung_8b() {
   local server=$!
   for _ in $(seq 1 180); do
     curl -sf localhost:8888/health >/dev/null 2>&1 && break
+    # a server that died (an import error, a bad flag) ends the wait: no device time lost
+    kill -0 $server 2>/dev/null || { echo "server died:"; tail -3 "$OUT/$name/server.log"; return 1; }
     sleep 1
   done
   timeout 300 python3 -m metrale.cli bench serve --url http://127.0.0.1:8888 --model qwen3-8b \
