@@ -33,9 +33,11 @@ PREEMPTION_MODES = ("recompute", "swap")
 #: vLLM's rule), then arrival, and preemption takes the lowest priority first.
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOAD_FORMATS = ("auto", "dummy")
-#: Online weight quantization methods (`quantization`): "fp8" one scale per output channel,
-#: "fp8-block" one per 128 x 128 block (the layout of Qwen3-*-FP8 and DeepSeek checkpoints).
-QUANTIZATIONS = ("fp8", "fp8-block")
+#: Online weight quantization methods (`quantization`) and the FP8 scale blocks of each:
+#: "fp8" one scale per output channel (None), "fp8-block" one per 128 x 128 block (the layout
+#: of Qwen3-*-FP8 and DeepSeek checkpoints).
+QUANTIZATION_BLOCKS: dict[str, tuple[int, int] | None] = {"fp8": None, "fp8-block": (128, 128)}
+QUANTIZATIONS = tuple(QUANTIZATION_BLOCKS)
 #: "auto": the checkpoint's generation_config.json supplies default sampling parameters;
 #: "none" (or vLLM's spelling "vllm"): the engine's own defaults.
 GENERATION_CONFIGS = ("auto", "none", "vllm")

@@ -58,10 +58,15 @@ _ACC_BUDGET = 128 * 32 * 4
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, k: int) -> None:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"fp8 linear: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    _check_weight(weight, scale, x.dtype)
+
+
+def _check_weight(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+    """The FP8 weight and its scales, for activations (or a dequantized weight) of `dtype`."""
     if weight.dtype != torch.float8_e4m3fn:
         raise TypeError(f"fp8 linear: weight is {weight.dtype}, expected float8_e4m3fn")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"fp8 linear: activations are {x.dtype}")
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"fp8 linear: activations are {dtype}")
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         raise TypeError("fp8 linear: the scale must be a contiguous float32 tensor")
     if weight.stride(1) != 1:
@@ -131,9 +136,10 @@ def gemv_config(m: int, k: int, block: tuple[int, int] | None) -> tuple[int, int
     Block scales: BLOCK_K is also halved until it divides K (not below 16), and the tile is
     grouped, `G = BLOCK_K // min(BLOCK_K, bi)` groups of columns each inside one column
     block (G = 0, the flat tile with a per-column scale gather, only when K is not a multiple
-    of 16). On the H200 at M == 1 the grouped tile took 10.1 / 8.0 / 29.8 / 16.3 us on the
-    Qwen3-8B qkv / o_proj / gate_up / down shapes with 128 x 128 blocks, against 15.7 / 11.4 /
-    58.4 / 29.4 us with the gather (`bench/records/...-fp8-kernels-qwen3-8b.json`)."""
+    of 16). On the H200 at M == 1 the grouped tile took 9.7 / 7.8 / 29.1 / 15.7 us on the
+    Qwen3-8B qkv / o_proj / gate_up / down shapes with 128 x 128 blocks
+    (`bench/records/20261202T135054-fp8-kernels-qwen3-8b.json`), against 16.0 / 11.5 / 57.7 /
+    29.4 us with the gather (`…T003701-fp8-kernels…`)."""
     block_n = _row_block(block, 16 if m == 1 else 8)
     block_k = min(512, max(16, triton.next_power_of_2(max(k, 1))))
     while m * block_n * block_k > _ACC_BUDGET and block_k > 16:
@@ -248,10 +254,12 @@ def _gemm_fp8_kernel(
 
 
 #: Most rows the Triton GEMM takes with block scales / per-row scales; beyond, the weight is
-#: dequantized (`dequantize`) and multiplied by cuBLAS. H200, Qwen3-8B shapes, 128 x 128
-#: blocks: at 256 rows dequantize + cuBLAS took 44 / 30 / 150 / 86 us (qkv / o_proj /
-#: gate_up / down) against the Triton GEMM's 49 / 35 / 144 / 99; with row scales the GEMM
-#: still won at 256 rows (43 / 29 / 126 / 82) and lost at 512.
+#: dequantized (`dequantize`) and multiplied by cuBLAS. Chosen from a scratch sweep on the
+#: H200 (2026-12-02, not a record; Qwen3-8B shapes, 128 x 128 blocks): at 256 rows
+#: dequantize + cuBLAS took 44 / 30 / 150 / 86 us (qkv / o_proj / gate_up / down) against
+#: the Triton GEMM's 49 / 35 / 144 / 99; with row scales the GEMM still won at 256 rows
+#: (43 / 29 / 126 / 82) and lost at 512. The committed record of the chosen paths is
+#: `bench/records/20261202T135054-fp8-kernels-qwen3-8b.json` (16, 64, 128, 512, 4096 rows).
 GEMM_MAX_ROWS_BLOCK = 128
 GEMM_MAX_ROWS_ROW = 256
 
@@ -335,7 +343,9 @@ def dequantize(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype
 ) -> torch.Tensor:
     """`reference.dequantize_fp8(weight, scale, block).to(dtype)` in one kernel."""
-    _check(torch.empty(0, weight.shape[1], dtype=dtype), weight, scale, weight.shape[1])
+    if weight.dim() != 2:
+        raise ValueError(f"fp8 dequantize: bad weight shape {tuple(weight.shape)}")
+    _check_weight(weight, scale, dtype)
     n, k = weight.shape
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     if n == 0 or k == 0:

@@ -15,7 +15,7 @@ Invariants:
   in the model dtype).
 - `--quantization fp8` on a float checkpoint quantizes every attention / MLP projection with
   one scale per output row (`reference.quantize_fp8(w, None)`); `fp8-block` with one scale
-  per 128 x 128 block (`ONLINE_BLOCK`), the layout FP8 checkpoints ship, so their kernels
+  per 128 x 128 block (`config.QUANTIZATION_BLOCKS`), the layout FP8 checkpoints ship, so their kernels
   can be measured on any float or dummy checkpoint.
 - The memory the float projections held is returned to the device before the KV budget is
   read, so the KV pool gets it.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from metrale.config import EngineConfig
+from metrale.config import QUANTIZATION_BLOCKS, EngineConfig
 from metrale.errors import InvalidRequestError
 from metrale.kernels import KernelOps
 from metrale.kernels.reference import fp8_block_supported
@@ -38,9 +38,6 @@ from metrale.models.loader import WeightMapping, checkpoint_files, target_name
 from metrale.models.quantization import WeightQuant
 
 logger = logging.getLogger(__name__)
-
-#: The scale blocks of `--quantization fp8-block` (those of Qwen3-*-FP8 / DeepSeek checkpoints).
-ONLINE_BLOCK = (128, 128)
 
 
 @dataclass(frozen=True)
@@ -74,10 +71,8 @@ def plan(config: EngineConfig, quant: WeightQuant | None, device: torch.device) 
             )
             return None
         return Fp8Plan(block, online=False)
-    if config.quantization == "fp8":
-        return Fp8Plan(None, online=True)
-    if config.quantization == "fp8-block":
-        return Fp8Plan(ONLINE_BLOCK, online=True)
+    if config.quantization is not None:
+        return Fp8Plan(QUANTIZATION_BLOCKS[config.quantization], online=True)
     return None
 
 
