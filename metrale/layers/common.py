@@ -32,7 +32,7 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.fp8_linear import project, project_silu_mul
+from metrale.layers.fp8_linear import Fp8Linear, project, project_silu_mul
 from metrale.layers.lora import LoraLayer
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
@@ -86,6 +86,28 @@ def pre_norm(
     return norm.forward_add(x, residual)
 
 
+def project_normed(
+    ops: KernelOps, proj: nn.Module, norm: nn.Module, x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`pre_norm(norm, x, residual)` and the projection of its normed rows: `(project(ops,
+    proj, normed), residual')`. One op (`add_rms_norm_linear`, `_fp8` for an `Fp8Linear`)
+    where the ops fuse the norm into the projection and `norm` is a plain `RMSNorm`; else
+    the two steps."""
+    if type(norm) is RMSNorm:
+        if isinstance(proj, Fp8Linear) and ops.add_rms_norm_linear_fp8 is not None:
+            return ops.add_rms_norm_linear_fp8(
+                x, residual, norm.weight, norm.eps, proj.weight, proj.weight_scale, proj.bias,
+                proj.block,
+            )  # fmt: skip
+        if isinstance(proj, nn.Linear) and ops.add_rms_norm_linear is not None:
+            return ops.add_rms_norm_linear(
+                x, residual, norm.weight, norm.eps, proj.weight, proj.bias
+            )
+    normed, summed = pre_norm(norm, x, residual)
+    return project(ops, proj, normed), summed
+
+
 class PreNormLayer(nn.Module, ABC):
     """A decoder layer's frame: `norm -> mixer -> fused residual-add norm -> MLP`.
 
@@ -104,6 +126,19 @@ class PreNormLayer(nn.Module, ABC):
     ) -> torch.Tensor:
         """The layer's mixer on the pre-normed hidden rows."""
 
+    def norm_and_mix(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(mix(pre-normed rows), residual')`. A layer whose mixer takes the norm into its
+        first projection (`project_normed`) overrides this."""
+        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
+        return self.mix(positions, hidden, meta, cache), residual
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -112,12 +147,14 @@ class PreNormLayer(nn.Module, ABC):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
-        hidden = self.mix(positions, hidden, meta, cache)
+        hidden, residual = self.norm_and_mix(positions, hidden, residual, meta, cache)
         if self.post_norm_name is None:
             return hidden, residual
-        hidden, residual = getattr(self, self.post_norm_name).forward_add(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+        post_norm, mlp = getattr(self, self.post_norm_name), getattr(self, self.mlp_name)
+        if isinstance(mlp, GatedMLP):
+            return mlp.forward_normed(post_norm, hidden, residual)
+        hidden, residual = post_norm.forward_add(hidden, residual)
+        return mlp(hidden), residual
 
 
 class GatedMLP(nn.Module):
@@ -135,6 +172,18 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.ops = ops
+
+    def forward_normed(
+        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(forward(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken
+        into the gate/up projection (`project_normed`) when no LoRA adapter is active."""
+        lora = self.lora
+        if lora is not None and lora.active():
+            normed, residual = pre_norm(norm, x, residual)
+            return self.forward(normed), residual
+        h, residual = project_normed(self.ops, self.gate_up_proj, norm, x, residual)
+        return project_silu_mul(self.ops, self.down_proj, h), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
@@ -186,10 +235,21 @@ class PagedSelfAttention(AttentionProjections):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
 
+    def forward_normed(
+        self, positions: torch.Tensor, norm: nn.Module, x: torch.Tensor,
+        residual: torch.Tensor | None, meta: AttentionMetadata, kv: KvCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """`(forward(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken
+        into the QKV projection (`project_normed`) when no LoRA adapter is active."""
+        if self.lora is not None and self.lora.active():
+            normed, residual = pre_norm(norm, x, residual)
+            return self.forward(positions, normed, meta, kv), residual
+        qkv, residual = project_normed(self.ops, self.qkv_proj, norm, x, residual)
+        return self._attend(positions, qkv, meta, kv, None), residual
+
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
     ) -> torch.Tensor:
-        tokens = x.shape[0]
         lora = self.lora if self.lora is not None and self.lora.active() else None
         if lora is not None:
             q_n, kv_n = self.q_size, self.kv_size
@@ -199,6 +259,14 @@ class PagedSelfAttention(AttentionProjections):
             )  # fmt: skip
         else:
             qkv = project(self.ops, self.qkv_proj, x)
+        return self._attend(positions, qkv, meta, kv, lora)
+
+    def _attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, kv: KvCache,
+        lora: LoraLayer | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attention and the output projection from the QKV projection's rows."""
+        tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)

@@ -53,6 +53,19 @@ class DecoderLayer(PreNormLayer):
         assert cache is not None
         return self.self_attn(positions, x, meta, cache)
 
+    def norm_and_mix(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+        cache: LayerCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert cache is not None
+        return self.self_attn.forward_normed(
+            positions, self.input_layernorm, hidden, residual, meta, cache
+        )
+
 
 class DecoderStack(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer
