@@ -236,6 +236,10 @@ def _aligned(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     )
 
 
+#: Widest slice of a row the NORM prologue loads at once (columns; the rest in a loop).
+NORM_MAX_BLOCK = 4096
+
+
 @dataclass(frozen=True)
 class NormPrologue:
     """The pre-norm a NORM GEMV applies to x while loading it: `rms_norm(residual + x,
@@ -280,7 +284,7 @@ class NormPrologue:
             "eps": self.eps,
             "NORM": True,
             "ADD": self.residual is not None,
-            "NORM_BLOCK": min(2048, triton.next_power_of_2(k)),
+            "NORM_BLOCK": min(NORM_MAX_BLOCK, triton.next_power_of_2(k)),
         }
 
 

@@ -152,7 +152,7 @@ class PreNormLayer(nn.Module, ABC):
             return hidden, residual
         post_norm, mlp = getattr(self, self.post_norm_name), getattr(self, self.mlp_name)
         if isinstance(mlp, GatedMLP):
-            return mlp.forward_normed(post_norm, hidden, residual)
+            return mlp(hidden, norm=post_norm, residual=residual)
         hidden, residual = post_norm.forward_add(hidden, residual)
         return mlp(hidden), residual
 
@@ -173,11 +173,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.ops = ops
 
-    def forward_normed(
+    def _forward_normed(
         self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(forward(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken
-        into the gate/up projection (`project_normed`) when no LoRA adapter is active."""
         lora = self.lora
         if lora is not None and lora.active():
             normed, residual = pre_norm(norm, x, residual)
@@ -185,7 +183,15 @@ class GatedMLP(nn.Module):
         h, residual = project_normed(self.ops, self.gate_up_proj, norm, x, residual)
         return project_silu_mul(self.ops, self.down_proj, h), residual
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of the normed rows `x`; with `norm`, x is the un-normed rows and the result
+        is `(MLP(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken into
+        the gate/up projection (`project_normed`) when no LoRA adapter is active. Either way
+        through the module's call, so its hooks (tensor parallel's all-reduce) see it."""
+        if norm is not None:
+            return self._forward_normed(norm, x, residual)
         ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
         lora = self.lora
         if lora is None or not lora.active():
@@ -235,31 +241,32 @@ class PagedSelfAttention(AttentionProjections):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
 
-    def forward_normed(
-        self, positions: torch.Tensor, norm: nn.Module, x: torch.Tensor,
-        residual: torch.Tensor | None, meta: AttentionMetadata, kv: KvCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """`(forward(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken
-        into the QKV projection (`project_normed`) when no LoRA adapter is active."""
-        if self.lora is not None and self.lora.active():
-            normed, residual = pre_norm(norm, x, residual)
-            return self.forward(positions, normed, meta, kv), residual
-        qkv, residual = project_normed(self.ops, self.qkv_proj, norm, x, residual)
-        return self._attend(positions, qkv, meta, kv, None), residual
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
-    ) -> torch.Tensor:
+    def forward(  # type: ignore[override]
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache,
+        norm: nn.Module | None = None, residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Attention of the normed rows `x`; with `norm`, x is the un-normed rows and the
+        result is `(attention(normed), residual')` of `pre_norm(norm, x, residual)`, the
+        norm taken into the QKV projection (`project_normed`) when no LoRA adapter is active.
+        Either way through the module's call, so its hooks (tensor parallel's all-reduce)
+        see it."""
         lora = self.lora if self.lora is not None and self.lora.active() else None
-        if lora is not None:
-            q_n, kv_n = self.q_size, self.kv_size
-            qkv = lora.project(
-                self.ops, self.qkv_proj, x,
-                [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)],
-            )  # fmt: skip
-        else:
-            qkv = project(self.ops, self.qkv_proj, x)
+        if norm is not None:
+            if lora is None:
+                qkv, residual = project_normed(self.ops, self.qkv_proj, norm, x, residual)
+                return self._attend(positions, qkv, meta, kv, None), residual
+            x, residual = pre_norm(norm, x, residual)
+            return self._attend(positions, self._qkv(x, lora), meta, kv, lora), residual
+        qkv = self._qkv(x, lora) if lora is not None else project(self.ops, self.qkv_proj, x)
         return self._attend(positions, qkv, meta, kv, lora)
+
+    def _qkv(self, x: torch.Tensor, lora: LoraLayer) -> torch.Tensor:
+        """The QKV projection with each row's LoRA deltas."""
+        q_n, kv_n = self.q_size, self.kv_size
+        return lora.project(
+            self.ops, self.qkv_proj, x,
+            [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)],
+        )  # fmt: skip
 
     def _attend(
         self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, kv: KvCache,

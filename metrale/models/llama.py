@@ -62,8 +62,8 @@ class DecoderLayer(PreNormLayer):
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         assert cache is not None
-        return self.self_attn.forward_normed(
-            positions, self.input_layernorm, hidden, residual, meta, cache
+        return self.self_attn(
+            positions, hidden, meta, cache, norm=self.input_layernorm, residual=residual
         )
 
 

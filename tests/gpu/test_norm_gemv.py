@@ -37,8 +37,8 @@ DTYPES = [torch.float32] if INTERPRET else [torch.float32, torch.bfloat16, torch
 ATOL = {torch.float32: 2e-6, torch.bfloat16: 2**-7, torch.float16: 2**-10}
 #: `||out - ref64|| / ||ref64||` (dominated by the output rounding).
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
-#: `(N, K)`: ragged against every tile; K below, at and above the norm's 2048-column block.
-SHAPES = [(300, 1007), (33, 200), (64, 512), (40, 2500)]
+#: `(N, K)`: ragged against every tile; K below, at and above the norm prologue's 4096-column block.
+SHAPES = [(300, 1007), (33, 200), (64, 512), (40, 4500)]
 
 
 def _cuda_only() -> None:
