@@ -311,10 +311,7 @@ def shard_module(module: nn.Module, plan: ShardPlan, tp: TensorParallel) -> None
     embed.to(device=old.weight.device, dtype=old.weight.dtype)
     stack.embed_tokens = embed
 
-    def reduce(_module: nn.Module, _args: Any, output: Any) -> Any:
-        # a block called with its pre-norm (`norm=`) returns `(output, residual')`
-        if isinstance(output, tuple):
-            return (tp.all_reduce(output[0]), *output[1:])
+    def reduce(_module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
         return tp.all_reduce(output)
 
     for layer in stack.layers:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -43,13 +43,6 @@ class KernelOps:
     # checkpoints dequantized at load, so it only runs in tests).
     linear_fp8: Callable = reference.linear_fp8
     silu_mul_linear_fp8: Callable = reference.silu_mul_linear_fp8
-    # A pre-norm block's entry fused into its first projection, `(x, residual, norm_weight,
-    # eps, weight, bias) -> (projection of rms_norm(residual + x), residual + x)`
-    # (`reference.add_rms_norm_linear`; the `_fp8` form takes `scale, bias, block` as
-    # `linear_fp8`). None: the layers call the norm, then the projection (the CPU's path);
-    # CUDA fuses the norm into the GEMV's loads for decode rows.
-    add_rms_norm_linear: Callable | None = None
-    add_rms_norm_linear_fp8: Callable | None = None
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
     # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm; the `_write_kv`
@@ -142,12 +135,6 @@ def kernels_for(
                 if not pdl:
                     logger.info("programmatic dependent launch off (unsupported or METRALE_PDL=0)")
             ops = triton_kernel_ops(pdl=pdl)
-            if os.environ.get("METRALE_NORM_GEMV", "1") == "0":
-                # the A/B switch of the pre-norm fused into the decode GEMV: norm, then GEMV
-                ops = replace(ops, add_rms_norm_linear=None, add_rms_norm_linear_fp8=None,
-                              implementations={**ops.implementations, "add_rms_norm_linear": "torch",
-                                               "add_rms_norm_linear_fp8": "torch"})  # fmt: skip
-                logger.info("the pre-norm runs apart from the decode GEMV (METRALE_NORM_GEMV=0)")
             logger.info("kernels: %s", ops.implementations)
             return ops
     names = [f.name for f in fields(KernelOps) if f.name not in ("implementations", "counters")]

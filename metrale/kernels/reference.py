@@ -73,23 +73,6 @@ def silu_mul_linear(
     return F.linear(silu_and_mul(gate_up), weight, bias)
 
 
-def add_rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A pre-norm block's entry and its first projection: `(linear(rms_norm(residual + x)),
-    residual + x)`; without a residual (the first layer) `(linear(rms_norm(x)), x)`."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), summed
-
-
 #: Largest finite E4M3 (`torch.float8_e4m3fn`) value.
 FP8_MAX = 448.0
 
@@ -139,24 +122,6 @@ def silu_mul_linear_fp8(
 ) -> torch.Tensor:
     """`linear_fp8(silu_and_mul(gate_up), weight, scale, bias, block)`."""
     return linear_fp8(silu_and_mul(gate_up), weight, scale, bias, block)
-
-
-def add_rms_norm_linear_fp8(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_linear` with an FP8 weight (`linear_fp8`)."""
-    if residual is None:
-        normed, summed = rms_norm(x, norm_weight, eps), x
-    else:
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear_fp8(normed, weight, scale, bias, block), summed
 
 
 def quantize_fp8(

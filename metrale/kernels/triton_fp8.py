@@ -45,9 +45,7 @@ import triton.language as tl
 
 from metrale.kernels.reference import fp8_block_supported as block_supported
 from metrale.kernels.triton_attention_common import pdl_options
-from metrale.kernels.triton_gemv import NormPrologue
 from metrale.kernels.triton_gemv_tiles import _store_rows, _stream_tiles
-from metrale.kernels.triton_linear import norm_fits, pre_norm_rows
 from metrale.kernels.triton_norm import silu_and_mul
 
 #: Most rows sent to the FP8 GEMV (its register budget allows 8; with the weight stream
@@ -94,13 +92,11 @@ def _gemv_fp8_kernel(
     M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_SCALE: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, G: tl.constexpr,
-    PDL: tl.constexpr = False, r_ptr=None, nw_ptr=None, sum_ptr=None, eps=0.0,
-    NORM: tl.constexpr = False, ADD: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 16,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Grid `(cdiv(N, BLOCK_N),)`: rows `[pid * BLOCK_N, +BLOCK_N)` of W over all of K. G > 0
     (block scales, K a multiple of BLOCK_K): tiles `[BLOCK_N, G, BLOCK_K // G]` whose groups
-    of columns each lie in one column block, so each thread loads its group's one scale.
-    NORM: the pre-norm applied while loading x, as `triton_gemv._gemv_kernel`'s."""
+    of columns each lie in one column block, so each thread loads its group's one scale."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -120,9 +116,8 @@ def _gemv_fp8_kernel(
     # BLOCK_N divides BO: the program's rows share one row block of scales.
     s_row_ptr = s_ptr + ((pid_n * BLOCK_N) // BO).to(tl.int64) * stride_sn
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
-        w_ptrs, x_ptrs, s_row_ptr, 0, K, offs_k, x_offs, stride_xm, half, x_ptr, r_ptr, nw_ptr,
-        sum_ptr, K, eps, pid_n == 0, M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, ACT, G > 0,
-        BLOCK_SCALE, BI, PDL, G, NORM, ADD, NORM_BLOCK,
+        w_ptrs, x_ptrs, s_row_ptr, 0, K, offs_k, x_offs, stride_xm, half, M, BLOCK_N, BLOCK_K,
+        STAGES, EVEN_K, ACT, G > 0, BLOCK_SCALE, BI, PDL, G,
     )  # fmt: skip
     if G > 0:  # each group's partial sums (rows past M are never stored)
         acc0, acc1, acc2, acc3 = tl.sum(acc0, 2), tl.sum(acc1, 2), tl.sum(acc2, 2), tl.sum(acc3, 2)
@@ -167,7 +162,6 @@ def _gemv_launch(
     k: int,
     act: bool,
     pdl: bool,
-    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     _check(x, weight, scale, k)
     m, n = x.shape[0], weight.shape[0]
@@ -175,7 +169,7 @@ def _gemv_launch(
         raise ValueError(f"gemv_fp8 takes 1..{FP8_GEMV_MAX_ROWS} rows, got {m}")
     if not block_supported(block):
         raise ValueError(f"gemv_fp8: block {block} is not powers of two >= 16")
-    if x.stride(1) != 1 or (norm is not None and not x.is_contiguous()):
+    if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -188,7 +182,6 @@ def _gemv_launch(
         HAS_BIAS=bias is not None, ACT=act, BLOCK_SCALE=block is not None,
         BO=block[0] if block is not None else block_n, BI=block[1] if block is not None else 1,
         G=groups, PDL=pdl, num_warps=4, num_stages=stages, **pdl_options(pdl),
-        **(norm.kernel_args(x) if norm is not None else {}),
     )  # fmt: skip
     return out
 
@@ -199,21 +192,6 @@ def gemv_fp8(
 ) -> torch.Tensor:  # fmt: skip
     """`reference.linear_fp8` for `x [M, K]` with 1 <= M <= 8."""
     return _gemv_launch(x, weight, scale, bias, block, x.shape[-1], False, pdl)
-
-
-def gemv_fp8_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None, *, pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`reference.add_rms_norm_linear_fp8` for `x [M, K]` with 1 <= M <= 8: the pre-norm
-    applied while x is loaded (`triton_gemv.gemv_norm`'s), then the FP8 GEMV."""
-    if x.dim() != 2:
-        raise ValueError(f"gemv_fp8_norm: x must be [M, K], got {tuple(x.shape)}")
-    x = x.contiguous()
-    norm = NormPrologue.for_rows(x, residual, norm_weight, eps)
-    out = _gemv_launch(x, weight, scale, bias, block, x.shape[-1], False, pdl, norm)
-    return out, norm.sums
 
 
 def gemv_fp8_silu_mul(
@@ -402,19 +380,6 @@ def linear_fp8(
     else:
         out = gemm_fp8(flat, weight, scale, bias, block)
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def add_rms_norm_linear_fp8(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-    weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-    block: tuple[int, int] | None = None, *, pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`KernelOps.add_rms_norm_linear_fp8`: for GEMV rows the norm applied while the FP8 GEMV
-    loads x (`gemv_fp8_norm`), one launch; else the norm kernel, then `linear_fp8`."""
-    if norm_fits(x, residual, norm_weight, FP8_GEMV_MAX_ROWS):
-        return gemv_fp8_norm(x, residual, norm_weight, eps, weight, scale, bias, block, pdl=pdl)
-    normed, summed = pre_norm_rows(x, residual, norm_weight, eps, pdl)
-    return linear_fp8(normed, weight, scale, bias, block, pdl=pdl), summed
 
 
 def silu_mul_linear_fp8(

@@ -35,9 +35,6 @@ are in `triton_gemv_tiles`, shared with `triton_fp8`'s GEMV.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -105,13 +102,6 @@ def _gemv_kernel(
     SPLITS_P2: tl.constexpr = 1,
     BLOCK_R: tl.constexpr = 16,
     BLOCK_TR: tl.constexpr = 16,
-    r_ptr=None,
-    nw_ptr=None,
-    sum_ptr=None,
-    eps=0.0,
-    NORM: tl.constexpr = False,
-    ADD: tl.constexpr = False,
-    NORM_BLOCK: tl.constexpr = 16,
 ):
     """Grid `(cdiv(N, BLOCK_N), split_k)`: rows `[pid_n * BLOCK_N, +BLOCK_N)` of W over the
     K range `[pid_k * k_per_split, +k_per_split)` (`k_per_split` a multiple of BLOCK_K).
@@ -131,11 +121,7 @@ def _gemv_kernel(
     LoRA delta (`triton_lora_epilogue.lora_store_rows`: the shrink's partials at `part_ptr`,
     B at `lb_ptr`, the rows' slots and the scales; `R`, `n1`, `n2` and the strides: the
     group's rank, target bounds and B / scales strides). Each row's B tile is loaded first,
-    before the PDL wait (B and the slots are no kernel's output), the partials at the end.
-
-    NORM (`gemv_norm`; no LORA): x is `rms_norm(residual + x)` with the norm weights at
-    `nw_ptr` (residual at `r_ptr` with ADD), program (0, 0) writing the sums to `sum_ptr`
-    (`triton_gemv_tiles._stream_tiles`)."""
+    before the PDL wait (B and the slots are no kernel's output), the partials at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -156,9 +142,8 @@ def _gemv_kernel(
             lb_ptr, slots_ptr, offs_n, n_mask, R, stride_bs, stride_br, M, BLOCK_R
         )
     acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = _stream_tiles(
-        w_ptrs, x_ptrs, x_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half, x_ptr, r_ptr, nw_ptr,
-        sum_ptr, K, eps, (pid_n == 0) & (pid_k == 0), M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, ACT,
-        X2D, False, 1, PDL, 0, NORM, ADD, NORM_BLOCK,
+        w_ptrs, x_ptrs, x_ptr, k_lo, k_hi, offs_k, x_offs, stride_xm, half, M, BLOCK_N, BLOCK_K,
+        STAGES, EVEN_K, ACT, X2D, False, 1, PDL, 0,
     )  # fmt: skip
     out_ptr += pid_k.to(tl.int64) * stride_split
     if LORA and not PARTIAL:
@@ -236,58 +221,6 @@ def _aligned(x: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
     )
 
 
-#: Widest slice of a row the NORM prologue loads at once (columns; the rest in a loop).
-NORM_MAX_BLOCK = 4096
-
-
-@dataclass(frozen=True)
-class NormPrologue:
-    """The pre-norm a NORM GEMV applies to x while loading it: `rms_norm(residual + x,
-    weight, eps)` (`rms_norm(x, ...)` without a residual), the rounded sums written to `sums`
-    (`[M, K]`, x's dtype; unused without a residual)."""
-
-    residual: torch.Tensor | None
-    weight: torch.Tensor
-    eps: float
-    sums: torch.Tensor
-
-    @staticmethod
-    def for_rows(
-        x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-    ) -> NormPrologue:
-        """Checked for a contiguous `[M, K]` x: residual of x's shape and dtype, weight `[K]`
-        of x's dtype (the norm's output dtype is then x's); `sums` allocated."""
-        k = x.shape[-1]
-        if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-            raise ValueError(
-                f"gemv_norm: residual {tuple(residual.shape)} {residual.dtype} must match x "
-                f"{tuple(x.shape)} {x.dtype}"
-            )
-        if weight.shape != (k,) or weight.dtype != x.dtype:
-            raise ValueError(
-                f"gemv_norm: norm weight {tuple(weight.shape)} {weight.dtype} must be [{k}] "
-                f"{x.dtype}"
-            )
-        if k == 0:
-            raise ValueError("gemv_norm: the norm needs K > 0")
-        if residual is not None:
-            residual = residual.contiguous()
-        sums = torch.empty_like(x) if residual is not None else x
-        return NormPrologue(residual, weight.contiguous(), float(eps), sums)
-
-    def kernel_args(self, x: torch.Tensor) -> dict[str, Any]:
-        k = x.shape[-1]
-        return {
-            "r_ptr": self.residual if self.residual is not None else x,
-            "nw_ptr": self.weight,
-            "sum_ptr": self.sums,
-            "eps": self.eps,
-            "NORM": True,
-            "ADD": self.residual is not None,
-            "NORM_BLOCK": min(NORM_MAX_BLOCK, triton.next_power_of_2(k)),
-        }
-
-
 def _launch(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -297,7 +230,6 @@ def _launch(
     config: GemvConfig | None,
     pdl: bool = False,
     lora: LoraEpilogue | None = None,
-    norm: NormPrologue | None = None,
 ) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != k:
         raise ValueError(f"gemv: bad shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}")
@@ -308,13 +240,11 @@ def _launch(
         raise TypeError(f"gemv: x {x.dtype} and weight {weight.dtype} must share a float dtype")
     if weight.stride(1) != 1 and k > 1:
         raise ValueError("gemv: the weight must be contiguous along K (torch Linear layout)")
-    if x.stride(1) != 1 or (norm is not None and not x.is_contiguous()):
+    if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if norm is not None and lora is not None:
-        raise ValueError("gemv: a norm prologue and a LoRA epilogue do not combine")
     if n == 0:
         return out
     if lora is not None and k == 0:
@@ -361,7 +291,6 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **pdl_options(pdl and not partial),
-        **(norm.kernel_args(x) if norm is not None else {}),
     )
     if partial:
         # a LoRA epilogue holds a [rank, BLOCK] tile of B: 256 columns keep it at 32 a thread
@@ -397,28 +326,6 @@ def gemv(
     launches it as a programmatic dependent of the previous kernel (sm_90+); `lora` (from
     `triton_lora_epilogue.lora_shrink` of this x) adds each row's LoRA delta as it stores."""
     return _launch(x, weight, bias, x.shape[-1], False, config, pdl, lora)
-
-
-def gemv_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    config: GemvConfig | None = None,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.add_rms_norm_linear`: `(gemv(rms_norm(residual + x, norm_weight, eps),
-    weight, bias), residual + x)` in one launch, the norm applied while x is loaded (without
-    a residual: the norm of x, and x). The sum and the normalised row are rounded to x's
-    dtype as `add_rms_norm` rounds them; `norm_weight` must have x's dtype."""
-    if x.dim() != 2:
-        raise ValueError(f"gemv_norm: x must be [M, K], got {tuple(x.shape)}")
-    x = x.contiguous()
-    norm = NormPrologue.for_rows(x, residual, norm_weight, eps)
-    return _launch(x, weight, bias, x.shape[-1], False, config, pdl, None, norm), norm.sums
 
 
 def gemv_silu_mul(

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from metrale.kernels import triton_lora
-from metrale.kernels.triton_gemv import MAX_M, gemv, gemv_norm, gemv_silu_mul
+from metrale.kernels.triton_gemv import MAX_M, gemv, gemv_silu_mul
 from metrale.kernels.triton_lora_epilogue import lora_shrink
-from metrale.kernels.triton_norm import add_rms_norm, rms_norm, silu_and_mul
+from metrale.kernels.triton_norm import silu_and_mul
 
 #: Most rows sent to the GEMV kernel (measured on the H200: at 4 rows cuBLAS was faster for
 #: qkv and gate_up, 0.80x and 0.74x).
@@ -50,51 +50,6 @@ def linear(
     if _gemv_fits(x, weight):
         return gemv(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
-
-
-def norm_fits(
-    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, max_rows: int
-) -> bool:
-    """Whether a pre-norm can run inside a GEMV's loads: 1..`max_rows` rows of a 2-D x, the
-    residual (if any) and the norm weight of x's dtype and shape."""
-    return (
-        x.dim() == 2
-        and 0 < x.shape[0] <= max_rows
-        and norm_weight.dtype == x.dtype
-        and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape))
-    )
-
-
-def pre_norm_rows(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    pdl: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(rms_norm(residual + x), residual + x)` by the norm kernels (`(rms_norm(x), x)`
-    without a residual): the unfused entry of `add_rms_norm_linear`."""
-    if residual is None:
-        return rms_norm(x, norm_weight, eps, pdl=pdl), x
-    return add_rms_norm(x, residual, norm_weight, eps, pdl=pdl)
-
-
-def add_rms_norm_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    pdl: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.add_rms_norm_linear`: for GEMV rows one launch, the norm applied while the
-    GEMV loads x (`gemv_norm`); else the norm kernel, then `linear`."""
-    if norm_fits(x, residual, norm_weight, GEMV_MAX_ROWS) and x.dtype == weight.dtype:
-        return gemv_norm(x, residual, norm_weight, eps, weight, bias, pdl=pdl)
-    normed, summed = pre_norm_rows(x, residual, norm_weight, eps, pdl)
-    return linear(normed, weight, bias, pdl=pdl), summed
 
 
 def silu_mul_linear(

@@ -5,9 +5,7 @@ Owner: kernels.
 
 Invariants:
 - `TRITON_OPS` is the registry: op name -> (module, function) of the Triton implementation,
-  each computing the same function as the `reference` entry of the same name (an op whose
-  `KernelOps` default is None, e.g. `add_rms_norm_linear`, is composed by the layers from
-  the ops it fuses where it has no kernel) and tested
+  each computing the same function as the `reference` entry of the same name and tested
   against it in `tests/gpu/test_kernels.py` (the LoRA ops in `tests/gpu/test_lora_kernels.py`
   and, `lora_linear`, `tests/gpu/test_lora_epilogue.py`; `row_topk` in
   `tests/gpu/test_sampler_kernels.py`;
@@ -35,8 +33,6 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
     "silu_mul_linear": ("metrale.kernels.triton_linear", "silu_mul_linear"),
     "linear_fp8": ("metrale.kernels.triton_fp8", "linear_fp8"),
     "silu_mul_linear_fp8": ("metrale.kernels.triton_fp8", "silu_mul_linear_fp8"),
-    "add_rms_norm_linear": ("metrale.kernels.triton_linear", "add_rms_norm_linear"),
-    "add_rms_norm_linear_fp8": ("metrale.kernels.triton_fp8", "add_rms_norm_linear_fp8"),
     "write_kv": ("metrale.kernels.triton_attention", "write_kv"),
     "paged_attention": ("metrale.kernels.triton_attention", "paged_attention"),
     "rotary_embedding": ("metrale.kernels.triton_rotary", "rotary_embedding"),
@@ -71,7 +67,7 @@ TRITON_OPS: dict[str, tuple[str, str]] = {
 #: each waits for the previous kernel on entry, so it may be launched while that one drains).
 PDL_OPS = frozenset(
     {"rms_norm", "add_rms_norm", "linear", "silu_mul_linear", "linear_fp8",
-     "silu_mul_linear_fp8", "add_rms_norm_linear", "add_rms_norm_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
+     "silu_mul_linear_fp8", "paged_attention", "rotary_write_kv", "qk_norm_rotary_write_kv",
      "lora_gather_add", "lora_tiles_add", "lora_linear", "moe_softmax_topk", "moe_experts", "moe_softmax_experts"}
 )  # fmt: skip
 

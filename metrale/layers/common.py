@@ -32,7 +32,7 @@ from torch import nn
 
 from metrale.kernels import KernelOps
 from metrale.kernels.metadata import AttentionMetadata
-from metrale.layers.fp8_linear import Fp8Linear, project, project_silu_mul
+from metrale.layers.fp8_linear import project, project_silu_mul
 from metrale.layers.lora import LoraLayer
 from metrale.layers.rotary import RotaryEmbedding
 from metrale.model_config import ModelConfig
@@ -86,28 +86,6 @@ def pre_norm(
     return norm.forward_add(x, residual)
 
 
-def project_normed(
-    ops: KernelOps, proj: nn.Module, norm: nn.Module, x: torch.Tensor,
-    residual: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """`pre_norm(norm, x, residual)` and the projection of its normed rows: `(project(ops,
-    proj, normed), residual')`. One op (`add_rms_norm_linear`, `_fp8` for an `Fp8Linear`)
-    where the ops fuse the norm into the projection and `norm` is a plain `RMSNorm`; else
-    the two steps."""
-    if type(norm) is RMSNorm:
-        if isinstance(proj, Fp8Linear) and ops.add_rms_norm_linear_fp8 is not None:
-            return ops.add_rms_norm_linear_fp8(
-                x, residual, norm.weight, norm.eps, proj.weight, proj.weight_scale, proj.bias,
-                proj.block,
-            )  # fmt: skip
-        if isinstance(proj, nn.Linear) and ops.add_rms_norm_linear is not None:
-            return ops.add_rms_norm_linear(
-                x, residual, norm.weight, norm.eps, proj.weight, proj.bias
-            )
-    normed, summed = pre_norm(norm, x, residual)
-    return project(ops, proj, normed), summed
-
-
 class PreNormLayer(nn.Module, ABC):
     """A decoder layer's frame: `norm -> mixer -> fused residual-add norm -> MLP`.
 
@@ -126,19 +104,6 @@ class PreNormLayer(nn.Module, ABC):
     ) -> torch.Tensor:
         """The layer's mixer on the pre-normed hidden rows."""
 
-    def norm_and_mix(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(mix(pre-normed rows), residual')`. A layer whose mixer takes the norm into its
-        first projection (`project_normed`) overrides this."""
-        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
-        return self.mix(positions, hidden, meta, cache), residual
-
     def forward(
         self,
         positions: torch.Tensor,
@@ -147,14 +112,12 @@ class PreNormLayer(nn.Module, ABC):
         meta: AttentionMetadata,
         cache: LayerCache,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.norm_and_mix(positions, hidden, residual, meta, cache)
+        hidden, residual = pre_norm(getattr(self, self.input_norm_name), hidden, residual)
+        hidden = self.mix(positions, hidden, meta, cache)
         if self.post_norm_name is None:
             return hidden, residual
-        post_norm, mlp = getattr(self, self.post_norm_name), getattr(self, self.mlp_name)
-        if isinstance(mlp, GatedMLP):
-            return mlp(hidden, norm=post_norm, residual=residual)
-        hidden, residual = post_norm.forward_add(hidden, residual)
-        return mlp(hidden), residual
+        hidden, residual = getattr(self, self.post_norm_name).forward_add(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
 
 
 class GatedMLP(nn.Module):
@@ -173,25 +136,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.ops = ops
 
-    def _forward_normed(
-        self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        lora = self.lora
-        if lora is not None and lora.active():
-            normed, residual = pre_norm(norm, x, residual)
-            return self.forward(normed), residual
-        h, residual = project_normed(self.ops, self.gate_up_proj, norm, x, residual)
-        return project_silu_mul(self.ops, self.down_proj, h), residual
-
-    def forward(  # type: ignore[override]
-        self, x: torch.Tensor, norm: nn.Module | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of the normed rows `x`; with `norm`, x is the un-normed rows and the result
-        is `(MLP(normed), residual')` of `pre_norm(norm, x, residual)`, the norm taken into
-        the gate/up projection (`project_normed`) when no LoRA adapter is active. Either way
-        through the module's call, so its hooks (tensor parallel's all-reduce) see it."""
-        if norm is not None:
-            return self._forward_normed(norm, x, residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops, gate_up, down = self.ops, self.gate_up_proj, self.down_proj
         lora = self.lora
         if lora is None or not lora.active():
@@ -241,39 +186,19 @@ class PagedSelfAttention(AttentionProjections):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
 
-    def forward(  # type: ignore[override]
-        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache,
-        norm: nn.Module | None = None, residual: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Attention of the normed rows `x`; with `norm`, x is the un-normed rows and the
-        result is `(attention(normed), residual')` of `pre_norm(norm, x, residual)`, the
-        norm taken into the QKV projection (`project_normed`) when no LoRA adapter is active.
-        Either way through the module's call, so its hooks (tensor parallel's all-reduce)
-        see it."""
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv: KvCache
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
         lora = self.lora if self.lora is not None and self.lora.active() else None
-        if norm is not None:
-            if lora is None:
-                qkv, residual = project_normed(self.ops, self.qkv_proj, norm, x, residual)
-                return self._attend(positions, qkv, meta, kv, None), residual
-            x, residual = pre_norm(norm, x, residual)
-            return self._attend(positions, self._qkv(x, lora), meta, kv, lora), residual
-        qkv = self._qkv(x, lora) if lora is not None else project(self.ops, self.qkv_proj, x)
-        return self._attend(positions, qkv, meta, kv, lora)
-
-    def _qkv(self, x: torch.Tensor, lora: LoraLayer) -> torch.Tensor:
-        """The QKV projection with each row's LoRA deltas."""
-        q_n, kv_n = self.q_size, self.kv_size
-        return lora.project(
-            self.ops, self.qkv_proj, x,
-            [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)],
-        )  # fmt: skip
-
-    def _attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata, kv: KvCache,
-        lora: LoraLayer | None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Attention and the output projection from the QKV projection's rows."""
-        tokens = qkv.shape[0]
+        if lora is not None:
+            q_n, kv_n = self.q_size, self.kv_size
+            qkv = lora.project(
+                self.ops, self.qkv_proj, x,
+                [("q_proj", 0, q_n), ("k_proj", q_n, kv_n), ("v_proj", q_n + kv_n, kv_n)],
+            )  # fmt: skip
+        else:
+            qkv = project(self.ops, self.qkv_proj, x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)

@@ -53,19 +53,6 @@ class DecoderLayer(PreNormLayer):
         assert cache is not None
         return self.self_attn(positions, x, meta, cache)
 
-    def norm_and_mix(
-        self,
-        positions: torch.Tensor,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        meta: AttentionMetadata,
-        cache: LayerCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        assert cache is not None
-        return self.self_attn(
-            positions, hidden, meta, cache, norm=self.input_layernorm, residual=residual
-        )
-
 
 class DecoderStack(nn.Module):
     layer_class: type[DecoderLayer] = DecoderLayer

@@ -136,36 +136,6 @@ def _launch_everything() -> None:
     _launch_moe()
     _launch_lora()
     _launch_gemv_lora()
-    _launch_gemv_norm()
-
-
-def _launch_gemv_norm() -> None:
-    """The pre-norm fused into the decode projections: the bf16 GEMV at Qwen3-8B's and
-    Qwen3-0.6B's widths, and the FP8 GEMV with both scale layouts, at 1 and 2 rows."""
-    from metrale.kernels import reference
-    from metrale.kernels import triton_fp8 as tf
-    from metrale.kernels import triton_gemv as tg
-
-    bf = torch.bfloat16
-    for n, k in ((6144, 4096), (4096, 1024)):
-        w = torch.randn(n, k, dtype=bf)
-        for m in (1, 2):
-            x, r, nw = (
-                torch.randn(m, k, dtype=bf),
-                torch.randn(m, k, dtype=bf),
-                torch.ones(k, dtype=bf),
-            )
-            tg.gemv_norm(x, r, nw, 1e-6, w, pdl=True)
-            tg.gemv_norm(x, None, nw, 1e-6, w, pdl=True)
-    for block in (None, (128, 128)):
-        q, s = reference.quantize_fp8(torch.randn(6144, 4096), block)
-        for m in (1, 2):
-            x, r, nw = (
-                torch.randn(m, 4096, dtype=bf),
-                torch.randn(m, 4096, dtype=bf),
-                torch.ones(4096, dtype=bf),
-            )
-            tf.gemv_fp8_norm(x, r, nw, 1e-6, q, s, None, block, pdl=True)
 
 
 def _launch_gemv_lora() -> None:
