@@ -32,6 +32,8 @@
 #        fp8 (issue 22: qwen3-8b batch-1 decode with bf16 weights and with --quantization fp8, each
 #        against its roofline, one record: tools/bench_fp8.py) fp8tests (tests/gpu/test_fp8_linear.py)
 #        fp8kernels (the FP8 GEMV / GEMM alone against bf16 on qwen3-8b shapes, for tuning)
+#        prefetch (the L2 prefetch experiment: its tests, then 0.6B / 8B / 8B FP8 batch-1 decode
+#        with METRALE_L2_PREFETCH=0 and 1)
 #        (serve: PEER_COMPILE=1 PEER_TIMEOUT=420 gives the ladder's HF peer the same configuration;
 #        PEER=0 skips the HF peer of latency8b and serve, for a quick no-regression check;
 #        SAMPLED=1 adds the sampled ladder (t 0.8, top-p 0.95, top-k 50) and a second greedy one;
@@ -322,6 +324,25 @@ print(peer)" >"$OUT/serve_hybrid_peer.log" 2>&1
     stamp sampler torch path vs kernel by batch
     timeout 150 python3 tools/bench_sampler.py --out "$OUT/sampler.json" >"$OUT/sampler.log" 2>&1
     echo "rc=$?"; tail -24 "$OUT/sampler.log"
+    ;;
+  prefetch)
+    # the L2 prefetch experiment (METRALE_L2_PREFETCH, kernels/triton_prefetch.py): its GPU
+    # tests, then batch-1 decode of Qwen3-0.6B, Qwen3-8B and Qwen3-8B FP8 with it off and on
+    stamp "l2 prefetch: GPU tests"
+    timeout 200 python3 -m pytest tests/gpu/test_prefetch.py -m gpu -q -p no:cacheprovider \
+      >"$OUT/prefetch_tests.log" 2>&1
+    echo "rc=$?"; tail -3 "$OUT/prefetch_tests.log"
+    for v in 0 1; do
+      mkdir -p "$OUT/prefetch$v"
+      stamp "l2 prefetch=$v: latency qwen3-0.6b, qwen3-8b (no peer), fp8 bench"
+      METRALE_L2_PREFETCH=$v timeout 90 python3 -m metrale.cli bench latency \
+        --config-dir bench/configs/qwen3-0.6b --max-model-len 2048 --tokens 512 --max-num-seqs 8 \
+        --no-peer --out-dir "$OUT/prefetch$v" >"$OUT/prefetch$v/l06.log" 2>&1
+      grep -E "step_ms_median|roofline_ratio" "$OUT/prefetch$v/l06.log" | tail -2
+      METRALE_L2_PREFETCH=$v timeout 150 python3 tools/bench_fp8.py --config-dir \
+        bench/configs/qwen3-8b --no-block --out-dir "$OUT/prefetch$v" >"$OUT/prefetch$v/fp8.log" 2>&1
+      grep -E "^(bf16|fp8) " "$OUT/prefetch$v/fp8.log"
+    done
     ;;
   fp8)
     stamp "fp8 weights: qwen3-8b batch-1 decode, bf16 vs --quantization fp8, each vs its roofline"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -43,6 +43,9 @@ class KernelOps:
     # checkpoints dequantized at load, so it only runs in tests).
     linear_fp8: Callable = reference.linear_fp8
     silu_mul_linear_fp8: Callable = reference.silu_mul_linear_fp8
+    # `(rows, weights)`: hint the weights a decode forward of `rows` rows reads next into the
+    # GPU's L2 (`triton_prefetch`). None: nothing to do (the CPU; CUDA unless enabled).
+    prefetch_l2: Callable | None = None
     write_kv: Callable = reference.write_kv
     paged_attention: Callable = reference.paged_attention
     # Rotary embedding, alone or fused with Qwen3's per-head q/k RMSNorm; the `_write_kv`
@@ -94,6 +97,20 @@ class KernelOps:
     implementations: dict[str, str] = field(default_factory=dict)
 
 
+def _with_l2_prefetch(ops: KernelOps, pdl: bool) -> KernelOps:
+    """`ops` with the experimental L2 prefetch of the next projections' weights during the
+    attention of a decode step (`triton_prefetch`, METRALE_L2_PREFETCH=1; logged)."""
+    import functools
+
+    from metrale.kernels import triton_prefetch
+
+    logger.info("L2 prefetch of the o_proj and MLP weights during decode attention "
+                "(METRALE_L2_PREFETCH=1, experimental)")  # fmt: skip
+    impls = {**ops.implementations, "prefetch_l2": "triton+pdl" if pdl else "triton"}
+    fn = functools.partial(triton_prefetch.prefetch_l2, pdl=pdl)
+    return replace(ops, prefetch_l2=fn, implementations=impls)
+
+
 def kernels_for(
     device: torch.device,
     use_triton: bool = True,
@@ -135,6 +152,8 @@ def kernels_for(
                 if not pdl:
                     logger.info("programmatic dependent launch off (unsupported or METRALE_PDL=0)")
             ops = triton_kernel_ops(pdl=pdl)
+            if os.environ.get("METRALE_L2_PREFETCH", "0") == "1":
+                ops = _with_l2_prefetch(ops, pdl)
             logger.info("kernels: %s", ops.implementations)
             return ops
     names = [f.name for f in fields(KernelOps) if f.name not in ("implementations", "counters")]

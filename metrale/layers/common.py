@@ -16,6 +16,9 @@ Invariants:
   entry, the fused residual add before the MLP, `(hidden, residual)` out.
 - The four projections run through `project` / `project_silu_mul` (`fp8_linear`): an
   `nn.Linear` through `ops.linear`, an `Fp8Linear` (FP8 weights) through `ops.linear_fp8`.
+- With `ops.prefetch_l2` (an experiment, off by default), `PagedSelfAttention` hints o_proj's
+  and its layer's MLP weights into the GPU's L2 right after the QKV projection, so they
+  stream while the attention kernels run; the hint changes no value.
 - `GatedMLP` and `PagedSelfAttention` carry `lora` (a `metrale.layers.lora.LoraLayer`, None
   unless the model serves adapters); when a forward routes rows to adapters, each base
   projection's output gets those rows' LoRA deltas before it is used, through
@@ -175,6 +178,9 @@ class AttentionProjections(nn.Module):
 class PagedSelfAttention(AttentionProjections):
     #: The layer's LoRA slots (set by `metrale.model_engine.lora`); None: base model only.
     lora: LoraLayer | None = None
+    #: The MLPs that run after this block in its layer (a plain tuple, not submodules): with
+    #: `ops.prefetch_l2`, their weights are hinted into L2 after o_proj's, during attention.
+    prefetch_mlp: tuple[GatedMLP, ...] = ()
 
     def __init__(
         self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding | None, ops: KernelOps
@@ -199,6 +205,8 @@ class PagedSelfAttention(AttentionProjections):
             )  # fmt: skip
         else:
             qkv = project(self.ops, self.qkv_proj, x)
+        if self.ops.prefetch_l2 is not None:  # the next weights stream while attention runs
+            self.ops.prefetch_l2(tokens, self._weights_after_attention())
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
@@ -214,6 +222,14 @@ class PagedSelfAttention(AttentionProjections):
                 self.ops, self.o_proj, flat, [("o_proj", 0, self.o_proj.out_features)]
             )
         return project(self.ops, self.o_proj, flat)
+
+    def _weights_after_attention(self) -> list[torch.Tensor]:
+        """The weights the layer reads after attention, in order: o_proj's, then its MLP's
+        (resolved at call time: FP8 conversion replaces the projection modules)."""
+        weights = [self.o_proj.weight]
+        for mlp in self.prefetch_mlp:
+            weights += [mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        return weights
 
     def _prepare_q_and_write_kv(
         self,

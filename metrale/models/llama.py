@@ -43,6 +43,8 @@ class DecoderLayer(PreNormLayer):
         self.self_attn = PagedSelfAttention(cfg, layer_idx, rotary, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.mlp = self.build_mlp(cfg, layer_idx, ops)
+        if isinstance(self.mlp, GatedMLP):
+            self.self_attn.prefetch_mlp = (self.mlp,)
 
     def build_mlp(self, cfg: ModelConfig, layer_idx: int, ops: KernelOps) -> nn.Module:
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, cfg.hidden_act, ops)

@@ -136,6 +136,18 @@ def _launch_everything() -> None:
     _launch_moe()
     _launch_lora()
     _launch_gemv_lora()
+    _launch_prefetch()
+
+
+def _launch_prefetch() -> None:
+    """The L2 prefetch hint (inline PTX: `cp.async.bulk.prefetch.L2.global`), with and
+    without PDL (called on the kernel: its launcher takes CUDA tensors only)."""
+    from metrale.kernels import triton_prefetch as tp
+
+    for pdl in (False, True):
+        tp._l2_prefetch_kernel[(4,)](
+            1 << 40, 3 << 20, CHUNK=tp.CHUNK, BLOCK=tp.CHUNKS_PER_PROGRAM, PDL=pdl, num_warps=4
+        )
 
 
 def _launch_gemv_lora() -> None:
