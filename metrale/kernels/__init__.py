@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -97,11 +98,12 @@ class KernelOps:
     implementations: dict[str, str] = field(default_factory=dict)
 
 
-def _with_l2_prefetch(ops: KernelOps, pdl: bool) -> KernelOps:
+def _l2_prefetch_choice(ops: KernelOps, pdl: bool) -> KernelOps:
     """`ops` with the experimental L2 prefetch of the next projections' weights during the
-    attention of a decode step (`triton_prefetch`, METRALE_L2_PREFETCH=1; logged)."""
-    import functools
-
+    attention of a decode step (`triton_prefetch`) when METRALE_L2_PREFETCH=1 (logged); else
+    reported "off" (the layers skip the hint)."""
+    if os.environ.get("METRALE_L2_PREFETCH", "0") != "1":
+        return replace(ops, implementations={**ops.implementations, "prefetch_l2": "off"})
     from metrale.kernels import triton_prefetch
 
     logger.info("L2 prefetch of the o_proj and MLP weights during decode attention "
@@ -151,9 +153,7 @@ def kernels_for(
                 pdl = pdl_supported(device) and os.environ.get("METRALE_PDL", "1") != "0"
                 if not pdl:
                     logger.info("programmatic dependent launch off (unsupported or METRALE_PDL=0)")
-            ops = triton_kernel_ops(pdl=pdl)
-            if os.environ.get("METRALE_L2_PREFETCH", "0") == "1":
-                ops = _with_l2_prefetch(ops, pdl)
+            ops = _l2_prefetch_choice(triton_kernel_ops(pdl=pdl), pdl)
             logger.info("kernels: %s", ops.implementations)
             return ops
     names = [f.name for f in fields(KernelOps) if f.name not in ("implementations", "counters")]

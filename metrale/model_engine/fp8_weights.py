@@ -15,8 +15,8 @@ Invariants:
   in the model dtype).
 - `--quantization fp8` on a float checkpoint quantizes every attention / MLP projection with
   one scale per output row (`reference.quantize_fp8(w, None)`); `fp8-block` with one scale
-  per 128 x 128 block (`config.QUANTIZATION_BLOCKS`), the layout FP8 checkpoints ship, so their kernels
-  can be measured on any float or dummy checkpoint.
+  per 128 x 128 block (`config.QUANTIZATION_BLOCKS`), the layout FP8 checkpoints ship, so
+  their kernels can be measured on any float or dummy checkpoint.
 - The memory the float projections held is returned to the device before the KV budget is
   read, so the KV pool gets it.
 """
